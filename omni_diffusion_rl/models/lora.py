@@ -1,0 +1,123 @@
+"""Two named LoRA adapters on one network: `default` is trained, `old` samples rollouts.
+
+The reference policy is the base network with every adapter disabled.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+TRAINED = "default"
+OLD = "old"
+
+
+def _lora_layers(model: nn.Module) -> list[BaseTunerLayer]:
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: list[str]) -> None:
+    """Inject the `default` and `old` adapters; `old` starts as an exact copy of `default`."""
+    for name in (TRAINED, OLD):
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, init_lora_weights=True)
+        with warnings.catch_warnings():  # peft warns that a second adapter is intended
+            warnings.simplefilter("ignore", UserWarning)
+            inject_adapter_in_model(config, model, adapter_name=name)
+    if not _lora_layers(model):
+        raise ValueError(f"no module of the model matched lora target_modules={target_modules}")
+    copy_adapter(model, TRAINED, OLD)
+    set_active_adapter(model, TRAINED)
+
+
+def set_active_adapter(model: nn.Module, name: str) -> None:
+    """Route forwards through adapter `name` (adapters enabled); `old` never requires grad."""
+    for layer in _lora_layers(model):
+        layer.set_adapter(name)
+        layer.enable_adapters(True)
+    # peft marks the active adapter trainable; the `old` adapter is never trained.
+    for param in adapter_parameters(model, OLD).values():
+        param.requires_grad_(False)
+
+
+@contextmanager
+def using_adapter(model: nn.Module, name: str) -> Iterator[None]:
+    """Temporarily route forwards through adapter `name`, then back to `default`."""
+    set_active_adapter(model, name)
+    try:
+        yield
+    finally:
+        set_active_adapter(model, TRAINED)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Temporarily run the base network (the reference policy)."""
+    layers = _lora_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        set_active_adapter(model, TRAINED)
+
+
+def adapter_parameters(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
+    """The LoRA parameters of adapter `name`, by their module path."""
+    marker = f".{name}."
+    return {k: p for k, p in model.named_parameters() if "lora_" in k and marker in k}
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of the trained adapter (everything else stays frozen)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = adapter_parameters(model, TRAINED)
+    for p in params.values():
+        p.requires_grad_(True)
+    return list(params.values())
+
+
+def _paired(model: nn.Module, src: str, dst: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    src_params = adapter_parameters(model, src)
+    dst_params = adapter_parameters(model, dst)
+    return [(p, dst_params[key.replace(f".{src}.", f".{dst}.")]) for key, p in src_params.items()]
+
+
+@torch.no_grad()
+def copy_adapter(model: nn.Module, src: str, dst: str) -> None:
+    for p_src, p_dst in _paired(model, src, dst):
+        p_dst.copy_(p_src)
+
+
+@torch.no_grad()
+def soft_update_old(model: nn.Module, decay: float) -> None:
+    """old <- decay * old + (1 - decay) * default."""
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"soft-update decay must lie in [0, 1]; got {decay}")
+    for p_default, p_old in _paired(model, TRAINED, OLD):
+        p_old.mul_(decay).add_(p_default, alpha=1.0 - decay)
+
+
+def adapter_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model, name).items()}
+
+
+@torch.no_grad()
+def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
+    params = adapter_parameters(model, name)
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter '{name}' does not match this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for k, p in params.items():
+        if p.shape != state[k].shape:
+            raise ValueError(f"adapter '{name}' tensor {k}: shape {tuple(state[k].shape)} != {tuple(p.shape)}")
+        p.copy_(state[k])
