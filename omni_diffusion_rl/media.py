@@ -1,10 +1,19 @@
-"""Generated media: a batch of video frames and audio waveforms with their rates."""
+"""Generated media: a batch of video frames and audio waveforms, and writers for WAV, GIF and PNG."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import tempfile
+import wave
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
+import numpy as np
 import torch
+from PIL import Image, ImageDraw, ImageFont
 
 
 @dataclass
@@ -41,3 +50,212 @@ class MediaBatch:
             fps=self.fps,
             sample_rate=self.sample_rate,
         )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing media to disk: WAV, GIF, PNG, a contact sheet, and a preview folder per batch.
+# Every file is written to a temporary name in its final folder and then renamed over the target, so a
+# crash mid-write leaves either the old file or none, never a truncated one.
+# ----------------------------------------------------------------------------------------------------------
+
+SHEET_GAP = 2  # pixels between tiles and around the edge of a contact sheet
+SHEET_BACKGROUND = (24, 24, 24)
+SHEET_TEXT = (235, 235, 235)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> str:
+    """Call `write` on a temp file beside `path`, fsync it, then rename it onto `path`; returns the path."""
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp creates the file 0600; give it the old file's mode, or the usual rw-r--r--.
+        os.chmod(tmp, os.stat(target).st_mode & 0o777 if os.path.exists(target) else 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def _to_uint8_hwc(image: torch.Tensor) -> np.ndarray:
+    """[3, H, W] floats in [0, 1] -> [H, W, 3] uint8 array."""
+    if image.ndim != 3 or image.shape[0] != 3:
+        raise ValueError(f"image must be [3, H, W]; got shape {tuple(image.shape)}")
+    pixels = (image.detach().float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+    return pixels.permute(1, 2, 0).cpu().numpy()
+
+
+def _to_pil(image: torch.Tensor, scale: int = 1) -> Image.Image:
+    """[3, H, W] floats in [0, 1] -> RGB PIL image, enlarged `scale` times with nearest-neighbour."""
+    if scale < 1:
+        raise ValueError(f"scale must be >= 1; got {scale}")
+    picture = Image.fromarray(_to_uint8_hwc(image))
+    if scale > 1:
+        picture = picture.resize((picture.width * scale, picture.height * scale), Image.Resampling.NEAREST)
+    return picture
+
+
+def save_wav(path: str | os.PathLike[str], waveform: torch.Tensor, sample_rate: int) -> str:
+    """Write a [C, S] (or mono [S]) waveform in [-1, 1] as 16-bit PCM WAV; values outside are clipped."""
+    if waveform.ndim == 1:
+        waveform = waveform.unsqueeze(0)
+    if waveform.ndim != 2:
+        raise ValueError(f"waveform must be [C, S]; got shape {tuple(waveform.shape)}")
+    channels = waveform.shape[0]
+    samples = (waveform.detach().float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
+    # WAV interleaves channels frame by frame: [S, C], little-endian.
+    frames = samples.t().contiguous().cpu().numpy().astype("<i2").tobytes()
+
+    def write(handle: BinaryIO) -> None:
+        with wave.open(handle, "wb") as wav:
+            wav.setnchannels(channels)
+            wav.setsampwidth(2)
+            wav.setframerate(int(sample_rate))
+            wav.writeframes(frames)
+
+    return atomic_write(path, write)
+
+
+def save_gif(path: str | os.PathLike[str], frames: torch.Tensor, fps: float, scale: int = 8) -> str:
+    """Write [F, 3, H, W] frames as a looping animated GIF, each frame enlarged `scale` times.
+
+    Pillow folds identical consecutive frames into one longer frame, so the playback time is kept
+    but the frame count read back may be smaller than F for a static clip.
+    """
+    if frames.ndim != 4:
+        raise ValueError(f"frames must be [F, 3, H, W]; got shape {tuple(frames.shape)}")
+    if fps <= 0:
+        raise ValueError(f"fps must be positive; got {fps}")
+    pictures = [_to_pil(frame, scale) for frame in frames]
+    # GIF delays are whole hundredths of a second, and browsers slow anything under 0.02 s right down.
+    duration_ms = 10 * max(2, round(100.0 / fps))
+
+    def write(handle: BinaryIO) -> None:
+        pictures[0].save(
+            handle,
+            format="GIF",
+            save_all=True,
+            append_images=pictures[1:],
+            duration=duration_ms,
+            loop=0,
+        )
+
+    return atomic_write(path, write)
+
+
+def save_png(path: str | os.PathLike[str], image: torch.Tensor, scale: int = 1) -> str:
+    """Write a [3, H, W] image in [0, 1] as PNG, optionally enlarged `scale` times."""
+    picture = _to_pil(image, scale)
+    return atomic_write(path, lambda handle: picture.save(handle, format="PNG"))
+
+
+def contact_sheet(video: torch.Tensor, labels: list[str] | None = None, scale: int = 8) -> Image.Image:
+    """Tile [B, F, 3, H, W] into one image: a row per sample, a column per frame.
+
+    Tiles are `scale` times the frame size, separated and framed by SHEET_GAP pixels. With labels, each
+    row gets a text band above it (PIL's built-in font; labels may span several lines) and the sheet is
+    widened if a label is wider than the tiles.
+    """
+    if video.ndim != 5:
+        raise ValueError(f"video must be [B, F, 3, H, W]; got shape {tuple(video.shape)}")
+    batch, num_frames, _, height, width = video.shape
+    if labels is not None and len(labels) != batch:
+        raise ValueError(f"got {len(labels)} labels for {batch} samples")
+    tile_w, tile_h = width * scale, height * scale
+    grid_w = num_frames * tile_w + (num_frames + 1) * SHEET_GAP
+
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    label_boxes = [measure.multiline_textbbox((0, 0), text, font=font) for text in labels or []]
+    band_h = max((box[3] for box in label_boxes), default=0) + SHEET_GAP if labels else 0
+    text_w = max((box[2] for box in label_boxes), default=0) + 2 * SHEET_GAP
+
+    sheet_w = max(grid_w, text_w) if labels else grid_w
+    row_h = band_h + tile_h + SHEET_GAP
+    sheet = Image.new("RGB", (sheet_w, SHEET_GAP + batch * row_h), SHEET_BACKGROUND)
+    draw = ImageDraw.Draw(sheet)
+    for row in range(batch):
+        top = SHEET_GAP + row * row_h
+        if labels:
+            draw.multiline_text((SHEET_GAP, top), labels[row], fill=SHEET_TEXT, font=font)
+        for col in range(num_frames):
+            left = SHEET_GAP + col * (tile_w + SHEET_GAP)
+            sheet.paste(_to_pil(video[row, col], scale), (left, top + band_h))
+    return sheet
+
+
+def _reward_label(index: int, prompt: str, rewards: dict[str, list[float]]) -> str:
+    """Two-line label: the sample number and prompt, then each reward to three decimals."""
+    scores = "  ".join(f"{name}={value[index]:.3f}" for name, value in rewards.items())
+    return f"{index:02d} {prompt}" + (f"\n{scores}" if scores else "")
+
+
+def save_previews(
+    out_dir: str | os.PathLike[str],
+    media: MediaBatch,
+    prompts: list[str],
+    rewards: dict[str, list[float]] | None = None,
+) -> dict[str, str]:
+    """Write a preview folder for a batch and return {file name: path} for every file written.
+
+    Files: `sheet.png` (contact sheet labelled with prompt and rewards; video only), `sample_{i:02d}.gif`
+    and/or `sample_{i:02d}.wav` per sample, and `index.json` listing prompts, rewards and file names.
+    """
+    count = len(media)
+    if len(prompts) != count:
+        raise ValueError(f"got {len(prompts)} prompts for {count} samples")
+    scores: dict[str, list[float]] = {}
+    for name, values in (rewards or {}).items():
+        values = [float(v) for v in values]
+        if len(values) != count:
+            raise ValueError(f"reward {name!r} has {len(values)} values for {count} samples")
+        scores[name] = values
+
+    folder = os.fspath(out_dir)
+    os.makedirs(folder, exist_ok=True)
+    written: dict[str, str] = {}
+    sheet_name: str | None = None
+    if media.video is not None:
+        sheet_name = "sheet.png"
+        labels = [_reward_label(i, prompts[i], scores) for i in range(count)]
+        sheet = contact_sheet(media.video, labels)
+        path = os.path.join(folder, sheet_name)
+        written[sheet_name] = atomic_write(path, lambda handle: sheet.save(handle, format="PNG"))
+
+    samples = []
+    for i in range(count):
+        entry: dict[str, object] = {
+            "index": i,
+            "prompt": prompts[i],
+            "rewards": {name: values[i] for name, values in scores.items()},
+        }
+        if media.video is not None:
+            name = f"sample_{i:02d}.gif"
+            written[name] = save_gif(os.path.join(folder, name), media.video[i], media.fps)
+            entry["gif"] = name
+        if media.audio is not None:
+            name = f"sample_{i:02d}.wav"
+            written[name] = save_wav(os.path.join(folder, name), media.audio[i], media.sample_rate)
+            entry["wav"] = name
+        samples.append(entry)
+
+    index = {
+        "num_samples": count,
+        "fps": media.fps,
+        "sample_rate": media.sample_rate,
+        "sheet": sheet_name,
+        "prompts": list(prompts),
+        "rewards": scores,
+        "samples": samples,
+    }
+    text = json.dumps(index, indent=2).encode("utf-8")
+    index_path = os.path.join(folder, "index.json")
+    written["index.json"] = atomic_write(index_path, lambda handle: handle.write(text))
+    return written

@@ -119,5 +119,7 @@ def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.
         )
     for k, p in params.items():
         if p.shape != state[k].shape:
-            raise ValueError(f"adapter '{name}' tensor {k}: shape {tuple(state[k].shape)} != {tuple(p.shape)}")
+            raise ValueError(
+                f"adapter '{name}' tensor {k}: shape {tuple(state[k].shape)} != {tuple(p.shape)}"
+            )
         p.copy_(state[k])

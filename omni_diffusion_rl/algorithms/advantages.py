@@ -1,0 +1,53 @@
+"""Group-relative advantages and their map to an optimality probability r in [0, 1]."""
+
+from __future__ import annotations
+
+import torch
+
+ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool = False, eps: float = 1e-4
+) -> torch.Tensor:
+    """A = (R - mean of R's prompt group) / (std + eps).
+
+    std is the population std (ddof 0) of the whole batch by default, or of each group.
+    Pass the rewards of the whole training batch (all processes) so every rank agrees.
+    """
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be 1-D, equal"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf; a failed reward must be an error, not a score")
+    rewards = rewards.double()
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if (counts < 2).any():
+        raise ValueError("every prompt group needs at least 2 samples: group advantages are undefined for 1")
+    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    centred = rewards - (sums / counts)[inverse]
+    if per_group_std:
+        var = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, centred**2) / counts
+        std = var.sqrt()[inverse]
+    else:
+        std = rewards.std(correction=0)
+    return (centred / (std + eps)).float()
+
+
+def optimality_probability(
+    advantages: torch.Tensor, adv_clip_max: float = 5.0, mode: str = "continuous"
+) -> torch.Tensor:
+    """r = clamp(A' / adv_clip_max / 2 + 0.5, 0, 1) with A' the clipped advantage shaped by `mode`."""
+    a = advantages.clamp(-adv_clip_max, adv_clip_max)
+    if mode == "positive_only":
+        a = a.clamp(0, adv_clip_max)
+    elif mode == "negative_only":
+        a = a.clamp(-adv_clip_max, 0)
+    elif mode == "one_only":
+        a = (a > 0).to(a.dtype)
+    elif mode == "binary":
+        a = torch.sign(a)
+    elif mode != "continuous":
+        raise ValueError(f"unknown adv_mode '{mode}'; choose one of {', '.join(ADV_MODES)}")
+    return (a / adv_clip_max / 2 + 0.5).clamp(0, 1)

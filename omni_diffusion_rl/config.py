@@ -1,0 +1,287 @@
+"""Typed experiment configs: YAML files plus dotted command-line overrides.
+
+Every value is checked before any work starts; an error names the key, what was given and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value, key or file that cannot be used."""
+
+
+def _spec(default: Any, doc: str, **checks: Any) -> Any:
+    """A field with a default, a one-line doc and checks: gt, ge, le, choices."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **checks})
+    return field(default=default, metadata={"doc": doc, **checks})
+
+
+@dataclass
+class ModelConfig:
+    family: str = _spec(
+        "tiny_av",
+        "policy family: tiny_av (built-in) | sd3 | stable_audio",
+        choices=("tiny_av", "sd3", "stable_audio"),
+    )
+    pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
+    lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)
+    lora_alpha: float = _spec(32.0, "LoRA alpha (reference recipes use 2 x rank)", gt=0)
+    lora_targets: list[str] = _spec([], "module names to adapt; empty = the family's default")
+
+
+@dataclass
+class SamplingConfig:
+    solver: str = _spec("euler", "ODE solver for rollouts", choices=("euler", "heun"))
+    num_steps: int = _spec(10, "sampling steps for training rollouts (also the training timestep grid)", ge=1)
+    eval_num_steps: int = _spec(20, "sampling steps for evaluation and previews", ge=1)
+    time_shift: float = _spec(1.0, "sigma shift s: t' = s t / (1 + (s - 1) t)", gt=0)
+
+
+@dataclass
+class AlgorithmConfig:
+    beta: float = _spec(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
+    adv_clip_max: float = _spec(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
+    adv_mode: str = _spec(
+        "continuous",
+        "how clipped advantages become r",
+        choices=("continuous", "positive_only", "negative_only", "one_only", "binary"),
+    )
+    per_group_std: bool = _spec(False, "normalise by each group's std instead of the batch std")
+    kl_coef: float = _spec(0.0, "weight of ||v_theta - v_ref||^2 (0 skips the reference forward)", ge=0)
+    timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
+    decay_schedule: str = _spec(
+        "linear_to_0_5", "soft update of `old`", choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999")
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _spec(3e-4, "AdamW learning rate", gt=0)
+    weight_decay: float = _spec(1e-4, "AdamW weight decay", ge=0)
+    grad_clip: float = _spec(1.0, "max gradient norm (0 disables)", ge=0)
+
+
+@dataclass
+class DataConfig:
+    prompts: str = _spec("builtin:tiny_world", "training prompts: builtin:tiny_world or a UTF-8 text file")
+    eval_prompts: str = _spec("builtin:tiny_world_heldout", "held-out prompts for before/after evaluation")
+    prompts_per_step: int = _spec(8, "prompt groups per optimizer step (over all processes)", ge=1)
+    group_size: int = _spec(8, "samples per prompt (K); advantages need at least 2", ge=2)
+    eval_samples: int = _spec(64, "held-out samples for the before/after evaluation", ge=1)
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = _spec(
+        {"color_match": 1.0, "pitch_match": 1.0, "timing_match": 1.0, "av_sync": 1.0},
+        "registered reward name -> weight; the reward is the weighted mean",
+    )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _spec(60, "optimizer steps", ge=1)
+    seed: int = _spec(0, "seed for prompts, noise and initialisation", ge=0)
+    output_dir: str = _spec("runs/tiny_t2av_nft", "where metrics, previews and checkpoints go")
+    log_every: int = _spec(1, "steps between metric records", ge=1)
+    preview_every: int = _spec(20, "steps between previews (0 disables)", ge=0)
+    checkpoint_every: int = _spec(20, "steps between checkpoints (0: only at the end)", ge=0)
+    eval_at_start_and_end: bool = _spec(True, "evaluate held-out reward before and after training")
+    deterministic: bool = _spec(True, "torch deterministic algorithms (exact resume on CPU)")
+    progress: bool = _spec(True, "show a progress bar")
+
+
+@dataclass
+class TrackingConfig:
+    wandb: bool = _spec(False, "log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
+    project: str = _spec("omni-diffusion-rl", "tracker project name")
+    run_name: str = _spec("", "run name; empty = derived from the output directory")
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and checking
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Value checked (and int widened to float) against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(key, value, option)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} matches none of {_type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        k_tp, v_tp = typing.get_args(tp)
+        return {_coerce(f"{key} key", k, k_tp): _coerce(f"{key}.{k}", v, v_tp) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
+
+
+def _check_range(key: str, value: Any, meta: dict[str, Any]) -> None:
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    bounds = {
+        "gt": (lambda v, b: v > b, ">"),
+        "ge": (lambda v, b: v >= b, ">="),
+        "le": (lambda v, b: v <= b, "<="),
+    }
+    failed = [
+        f"{sym} {meta[name]}"
+        for name, (ok, sym) in bounds.items()
+        if name in meta and not ok(value, meta[name])
+    ]
+    if failed:
+        raise ConfigError(
+            f"{key}: {value!r} is out of range; it must be {' and '.join(failed)} ({meta.get('doc', '')})"
+        )
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"section '{prefix}'" if prefix else "the top level"
+        raise ConfigError(
+            f"unknown config key '{prefix + '.' if prefix else ''}{unknown[0]}' in {where}; "
+            f"allowed keys: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key)
+        else:
+            coerced = _coerce(key, value, tp)
+            _check_range(key, coerced, dict(fields[name].metadata))
+            kwargs[name] = coerced
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'algorithm.beta=0.1' -> ('algorithm.beta', 0.1); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """The config from an optional YAML file and `key=value` overrides, fully checked."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} is not valid UTF-8 YAML: {e}") from e
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
+    cfg = _build(ExperimentConfig, data, "")
+    check_consistency(cfg)
+    return cfg
+
+
+def check_consistency(cfg: ExperimentConfig) -> None:
+    """Checks that span several keys."""
+    if not cfg.reward.weights:
+        raise ConfigError("reward.weights: at least one reward is needed")
+    for name, weight in cfg.reward.weights.items():
+        if weight < 0:
+            raise ConfigError(f"reward.weights.{name}: {weight} is negative; weights must be >= 0")
+    if sum(cfg.reward.weights.values()) <= 0:
+        raise ConfigError("reward.weights: the weights sum to 0; give at least one a positive weight")
+
+
+def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
+    """One line per key: name, type, default, doc (for --help and the docs)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += describe(hints[f.name], key + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"{key} ({_type_name(hints[f.name])}, default {default!r}): {f.metadata.get('doc', '')}")
+    return lines

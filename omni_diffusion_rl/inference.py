@@ -1,0 +1,45 @@
+"""Load a trained policy from a checkpoint and generate media (used by `odrl sample` and notebooks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint
+from .config import ModelConfig
+from .media import MediaBatch
+from .models import build_policy, lora
+from .models.policy import FlowPolicy
+from .sampling import sample_ode, time_grid
+
+
+def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin") -> FlowPolicy:
+    """The base policy, or the base plus a checkpoint's trained adapter (active) when given."""
+    if checkpoint is None:
+        policy, _ = build_policy(ModelConfig(pretrained=pretrained))
+        return policy
+    tensors, _, state = load_checkpoint(checkpoint)
+    model_cfg = ModelConfig(**state["config"]["model"])
+    policy, default_targets = build_policy(model_cfg)
+    targets = model_cfg.lora_targets or default_targets
+    lora.add_nft_adapters(policy.transformer, model_cfg.lora_rank, model_cfg.lora_alpha, targets)
+    for name in (lora.TRAINED, lora.OLD):
+        prefix = f"{name}/"
+        lora.load_adapter_state_dict(
+            policy.transformer, name, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        )
+    lora.set_active_adapter(policy.transformer, lora.TRAINED)
+    policy.transformer.eval()
+    return policy
+
+
+@torch.no_grad()
+def generate_media(
+    policy: FlowPolicy, prompts: list[str], steps: int = 20, solver: str = "euler", seed: int = 0, shift: float = 1.0
+) -> MediaBatch:
+    """One sample per prompt from seeded noise."""
+    cond = policy.encode_prompts(prompts)
+    noise = torch.randn((len(prompts), *policy.latent_shape), generator=torch.Generator().manual_seed(seed))
+    x0 = sample_ode(lambda x, t: policy.velocity(x, t, cond), noise, time_grid(steps, shift), solver)
+    return policy.decode(x0)

@@ -1,0 +1,199 @@
+"""The built-in tiny text-to-audio-video flow transformer and its policy.
+
+One packed latent per sample (video patches + audio frames) is split into tokens, attended
+jointly with the prompt's word tokens, and modulated by the timestep (adaLN-Zero, as in DiT).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from ..media import MediaBatch
+from ..world import tiny_world as world
+from .policy import Condition
+
+DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"]
+BUILTIN_WEIGHTS = Path(__file__).resolve().parent.parent / "assets" / "tiny_av_base"
+
+
+class HashedWordTokenizer:
+    """Words -> ids by a stable hash: works offline on any text, no vocabulary file."""
+
+    def __init__(self, vocab_size: int, max_tokens: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+
+    def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros(len(prompts), self.max_tokens, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            words = re.findall(r"[a-z0-9]+", prompt.lower())[: self.max_tokens]
+            for j, word in enumerate(words):
+                ids[i, j] = 1 + zlib.crc32(word.encode()) % (self.vocab_size - 1)
+        return ids, ids != 0
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features of t * 1000."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)), attn_mask=key_mask[:, None, None, :]
+        )
+        return self.to_out(out.transpose(1, 2).reshape(b, n, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.ff_in = nn.Linear(dim, dim * mlp_ratio)
+        self.ff_out = nn.Linear(dim * mlp_ratio, dim)
+        self.modulation = nn.Linear(dim, 6 * dim)
+        nn.init.zeros_(self.modulation.weight)
+        nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(F.silu(c))[:, None].chunk(6, dim=-1)
+        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, key_mask)
+        h = self.norm2(x) * (1 + scale2) + shift2
+        return x + gate2 * self.ff_out(F.gelu(self.ff_in(h)))
+
+
+class TinyAVTransformer(ModelMixin, ConfigMixin):
+    """Velocity model for the packed tiny-world latent [B, LATENT_DIM]."""
+
+    @register_to_config
+    def __init__(
+        self,
+        video_frames: int = world.VIDEO_FRAMES,
+        video_size: int = world.VIDEO_SIZE,
+        patch_size: int = 4,
+        audio_frames: int = world.AUDIO_FRAMES,
+        audio_bins: int = world.AUDIO_BINS,
+        dim: int = 96,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: int = 4,
+        vocab_size: int = 1024,
+        max_text_tokens: int = 16,
+    ) -> None:
+        super().__init__()
+        self.patches_per_frame = (video_size // patch_size) ** 2
+        self.num_video_tokens = video_frames * self.patches_per_frame
+        self.patch_dim = 3 * patch_size * patch_size
+        num_latent_tokens = self.num_video_tokens + audio_frames
+        self.video_in = nn.Linear(self.patch_dim, dim)
+        self.audio_in = nn.Linear(audio_bins, dim)
+        self.word_embedding = nn.Embedding(vocab_size, dim)
+        self.latent_pos = nn.Parameter(torch.randn(1, num_latent_tokens, dim) * 0.02)
+        self.text_pos = nn.Parameter(torch.randn(1, max_text_tokens, dim) * 0.02)
+        self.time_mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.text_pool = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList([Block(dim, heads, mlp_ratio) for _ in range(depth)])
+        self.final_norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.final_modulation = nn.Linear(dim, 2 * dim)
+        nn.init.zeros_(self.final_modulation.weight)
+        nn.init.zeros_(self.final_modulation.bias)
+        self.video_out = nn.Linear(dim, self.patch_dim)
+        self.audio_out = nn.Linear(dim, audio_bins)
+
+    def _patchify(self, video: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        b, p, g = video.shape[0], c.patch_size, c.video_size // c.patch_size
+        v = video.view(b, c.video_frames, 3, g, p, g, p).permute(0, 1, 3, 5, 2, 4, 6)
+        return v.reshape(b, self.num_video_tokens, self.patch_dim)
+
+    def _unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        b, p, g = tokens.shape[0], c.patch_size, c.video_size // c.patch_size
+        v = tokens.view(b, c.video_frames, g, g, 3, p, p).permute(0, 1, 4, 2, 5, 3, 6)
+        return v.reshape(b, -1)
+
+    def forward(
+        self, x: torch.Tensor, t: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
+    ) -> torch.Tensor:
+        c = self.config
+        video_dim = c.video_frames * 3 * c.video_size**2
+        video = x[:, :video_dim].reshape(-1, c.video_frames, 3, c.video_size, c.video_size)
+        audio = x[:, video_dim:].reshape(-1, c.audio_frames, c.audio_bins)
+        latent_tokens = torch.cat([self.video_in(self._patchify(video)), self.audio_in(audio)], dim=1)
+        latent_tokens = latent_tokens + self.latent_pos
+        words = self.word_embedding(text_ids) + self.text_pos[:, : text_ids.shape[1]]
+        mask_f = text_mask.unsqueeze(-1).to(words.dtype)
+        pooled = (words * mask_f).sum(1) / mask_f.sum(1).clamp(min=1)
+        cond = self.time_mlp(timestep_embedding(t, c.dim).to(x.dtype)) + self.text_pool(pooled)
+        tokens = torch.cat([words, latent_tokens], dim=1)
+        ones = torch.ones(x.shape[0], latent_tokens.shape[1], dtype=torch.bool, device=x.device)
+        key_mask = torch.cat([text_mask, ones], dim=1)
+        for block in self.blocks:
+            tokens = block(tokens, cond, key_mask)
+        shift, scale = self.final_modulation(F.silu(cond))[:, None].chunk(2, dim=-1)
+        out = self.final_norm(tokens[:, words.shape[1] :]) * (1 + scale) + shift
+        video_v = self._unpatchify(self.video_out(out[:, : self.num_video_tokens]))
+        audio_v = self.audio_out(out[:, self.num_video_tokens :]).flatten(1)
+        return torch.cat([video_v, audio_v], dim=1)
+
+
+class TinyAVPolicy:
+    """The FlowPolicy of the built-in model: hashed-word prompts in, a MediaBatch out."""
+
+    lora_targets = DEFAULT_LORA_TARGETS
+
+    def __init__(self, transformer: TinyAVTransformer) -> None:
+        self.transformer = transformer
+        cfg = transformer.config
+        self.tokenizer = HashedWordTokenizer(cfg.vocab_size, cfg.max_text_tokens)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path = "builtin") -> TinyAVPolicy:
+        """Load 'builtin' (the shipped base model) or a directory written by save_pretrained."""
+        path = BUILTIN_WEIGHTS if str(path) == "builtin" else Path(path)
+        if not (path / "config.json").is_file():
+            hint = " Run `odrl pretrain` to create it." if path == BUILTIN_WEIGHTS else ""
+            raise FileNotFoundError(f"no tiny_av model at {path} (config.json missing).{hint}")
+        return cls(TinyAVTransformer.from_pretrained(path))
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return (world.LATENT_DIM,)
+
+    def encode_prompts(self, prompts: list[str]) -> Condition:
+        ids, mask = self.tokenizer(prompts)
+        return {"text_ids": ids, "text_mask": mask}
+
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, cond: Condition) -> torch.Tensor:
+        return self.transformer(x_t, t, cond["text_ids"], cond["text_mask"])
+
+    def decode(self, x0: torch.Tensor) -> MediaBatch:
+        video, amps = world.unpack_latent(x0.float())
+        return MediaBatch(video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE)

@@ -1,0 +1,35 @@
+"""Prompt sources: the built-in tiny-world lists or a UTF-8 text file (one prompt per line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .world import tiny_world
+
+BUILTIN = {
+    "builtin:tiny_world": tiny_world.TRAIN_PROMPTS,
+    "builtin:tiny_world_heldout": tiny_world.HELDOUT_PROMPTS,
+}
+
+
+class PromptFileError(ValueError):
+    """A prompt source that cannot be used."""
+
+
+def load_prompts(source: str) -> list[str]:
+    """Prompts from 'builtin:NAME' or a text file; blank lines and '#' comments are skipped."""
+    if source.startswith("builtin:"):
+        if source not in BUILTIN:
+            raise PromptFileError(f"unknown built-in prompt set '{source}'; choose one of {', '.join(BUILTIN)}")
+        return list(BUILTIN[source])
+    path = Path(source)
+    if not path.is_file():
+        raise PromptFileError(f"prompt file {path} does not exist (or use one of {', '.join(BUILTIN)})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8") from e
+    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise PromptFileError(f"prompt file {path} has no prompts: write one prompt per line")
+    return prompts

@@ -1,0 +1,88 @@
+"""Plug-in registries: a decorator for code in this process, entry points for installed packages.
+
+A third-party package registers a reward in its pyproject.toml:
+
+    [project.entry-points."omni_diffusion_rl.rewards"]
+    my_reward = "my_package.module:MyReward"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+
+class RegistryError(KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class Registry:
+    """Names -> factories, filled by `@registry.register(name)` and by an entry-point group."""
+
+    def __init__(self, kind: str, entry_point_group: str) -> None:
+        self.kind = kind
+        self.entry_point_group = entry_point_group
+        self._factories: dict[str, Callable[..., Any]] = {}
+        self._entry_points_loaded = False
+
+    def register(
+        self, name: str, *, overwrite: bool = False
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
+            existing = self._factories.get(name)
+            # An entry point not yet loaded is replaced by the decorator of the module it names.
+            clash = existing is not None and not isinstance(existing, _LazyEntryPoint)
+            if clash and existing is not factory and not overwrite:
+                owner = f"{existing.__module__}.{existing.__qualname__}"
+                raise RegistryError(
+                    f"{self.kind} '{name}' is already registered by {owner}; pass overwrite=True to replace"
+                )
+            self._factories[name] = factory
+            return factory
+
+        return decorator
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        for ep in entry_points(group=self.entry_point_group):
+            if ep.name not in self._factories:
+                self._factories[ep.name] = _LazyEntryPoint(ep)
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(self._factories)
+
+    def get(self, name: str) -> Callable[..., Any]:
+        self._load_entry_points()
+        if name not in self._factories:
+            raise RegistryError(
+                f"unknown {self.kind} '{name}'; registered: {', '.join(self.names()) or '(none)'}. "
+                f"Register one with @{self.kind}s.register('{name}') or the entry-point group "
+                f"'{self.entry_point_group}'."
+            )
+        factory = self._factories[name]
+        if isinstance(factory, _LazyEntryPoint):
+            factory = self._factories[name] = factory.load()
+        return factory
+
+    def create(self, name: str, **kwargs: Any) -> Any:
+        return self.get(name)(**kwargs)
+
+
+class _LazyEntryPoint:
+    """Defers importing a plug-in until it is used."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+
+    def load(self) -> Callable[..., Any]:
+        return self.ep.load()
+
+
+rewards = Registry("reward", "omni_diffusion_rl.rewards")
+teachers = Registry("teacher", "omni_diffusion_rl.teachers")
+models = Registry("model", "omni_diffusion_rl.models")

@@ -1,0 +1,335 @@
+"""Colocated synchronous DiffusionNFT trainer: every process generates its share, all train together.
+
+Runs as one process or several under `accelerate launch`; gradients of the trained LoRA adapter
+are averaged across processes, and advantages are computed on the rewards of the whole batch.
+All per-step randomness derives from (seed, step, rank), so a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..algorithms.advantages import group_advantages, optimality_probability
+from ..algorithms.nft import nft_loss
+from ..algorithms.soft_update import old_adapter_decay
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..config import ExperimentConfig
+from ..media import save_previews
+from ..models import build_policy
+from ..models import lora
+from ..models.policy import FlowPolicy, index_condition
+from ..prompts import load_prompts
+from ..reward import WeightedReward
+from ..rollout import Rollout, generate, score
+from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
+
+_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
+
+
+def step_generator(seed: int, step: int, rank: int, stream: str) -> torch.Generator:
+    """A generator for one purpose at one step on one rank: independent of anything else."""
+    key = f"{seed}:{step}:{rank}:{_STREAMS[stream]}".encode()
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+
+
+class NFTTrainer:
+    def __init__(self, cfg: ExperimentConfig, accelerator: Any | None = None) -> None:
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index if accelerator else 0
+        self.world_size = accelerator.num_processes if accelerator else 1
+        self.is_main = self.rank == 0
+        if cfg.data.prompts_per_step % self.world_size:
+            raise ValueError(
+                f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the "
+                f"{self.world_size} processes so that each generates whole prompt groups"
+            )
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(cfg.train.seed)
+        self.train_prompts = load_prompts(cfg.data.prompts)
+        self.eval_prompts = load_prompts(cfg.data.eval_prompts)
+        self.reward = WeightedReward.from_registry(cfg.reward.weights)
+        self.policy, default_targets = build_policy(cfg.model)
+        self.transformer = self.policy.transformer
+        self.transformer.requires_grad_(False)
+        targets = cfg.model.lora_targets or default_targets
+        lora.add_nft_adapters(self.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
+        self.params = lora.trainable_parameters(self.transformer)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.step = 0
+        self.eval_before: dict[str, float] | None = None
+        self.output_dir = Path(cfg.train.output_dir)
+
+    # ------------------------------------------------------------------ identity and state
+    def model_fingerprint(self) -> str:
+        """What a checkpoint must match: the model and its adapters (not the training knobs)."""
+        model_cfg = dict(self.transformer.config) if hasattr(self.transformer, "config") else {}
+        payload = {"model": dataclasses.asdict(self.cfg.model), "transformer": model_cfg}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def save(self) -> Path | None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+        path = None
+        if self.is_main:
+            tensors = {f"{name}/{k}": v for name in (lora.TRAINED, lora.OLD)
+                       for k, v in lora.adapter_state_dict(self.transformer, name).items()}
+            objects = {
+                "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+                "numpy_rng": np.random.get_state(),
+            }
+            state = {
+                "step": self.step,
+                "data_position": self.step * self.cfg.data.prompts_per_step,
+                "model_fingerprint": self.model_fingerprint(),
+                "eval_before": self.eval_before,
+                "config": self.cfg.to_dict(),
+            }
+            path = save_checkpoint(self.output_dir / "checkpoints", self.step, tensors, objects, state)
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+        return path
+
+    def load(self, path: str | Path) -> None:
+        tensors, objects, state = load_checkpoint(path)
+        if state.get("model_fingerprint") != self.model_fingerprint():
+            saved = state.get("config", {}).get("model")
+            raise CheckpointError(
+                f"checkpoint {path} was made for another model configuration ({saved}); "
+                f"this run uses {dataclasses.asdict(self.cfg.model)}"
+            )
+        for name in (lora.TRAINED, lora.OLD):
+            prefix = f"{name}/"
+            lora.load_adapter_state_dict(
+                self.transformer, name, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            )
+        self.optimizer.load_state_dict(objects["optimizer"])
+        torch.set_rng_state(objects["torch_rng"])
+        random.setstate(objects["python_rng"])
+        np.random.set_state(objects["numpy_rng"])
+        self.step = int(state["step"])
+        self.eval_before = state.get("eval_before")
+
+    # ------------------------------------------------------------------ data
+    def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
+        """This rank's prompts (and their global group ids) for `step`; epochs are reshuffled."""
+        per_step = self.cfg.data.prompts_per_step
+        n = len(self.train_prompts)
+        positions = range(step * per_step, (step + 1) * per_step)
+        chosen = []
+        for pos in positions:
+            epoch, offset = divmod(pos, n)
+            order = torch.randperm(n, generator=step_generator(self.cfg.train.seed, epoch, 0, "prompts"))
+            chosen.append(int(order[offset]))
+        local = per_step // self.world_size
+        mine = range(self.rank * local, (self.rank + 1) * local)
+        return [self.train_prompts[chosen[i]] for i in mine], [step * per_step + i for i in mine]
+
+    # ------------------------------------------------------------------ distributed helpers
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.gather(t) if self.world_size > 1 else t
+
+    def _average_gradients(self) -> None:
+        if self.world_size == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self, step: int) -> Rollout:
+        prompts, group_ids = self.prompts_for_step(step)
+        s = self.cfg.sampling
+        with lora.using_adapter(self.transformer, lora.OLD):
+            return generate(self.policy, prompts, group_ids, self.cfg.data.group_size, s.num_steps,
+                            s.time_shift, s.solver, step_generator(self.cfg.train.seed, step, self.rank, "rollout"))
+
+    def train_on(self, rollout: Rollout, r: torch.Tensor, step: int) -> dict[str, float]:
+        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step."""
+        a = self.cfg.algorithm
+        gen = step_generator(self.cfg.train.seed, step, self.rank, "train")
+        train_times = rollout.grid[:-1]  # t > 0
+        num_train = max(1, int(len(train_times) * a.timestep_fraction))
+        n = len(rollout.x0)
+        order = torch.stack([torch.randperm(len(train_times), generator=gen) for _ in range(n)])
+        device = rollout.x0.device
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for j in range(num_train):
+            t = train_times[order[:, j]].to(device)
+            noise = torch.randn(rollout.x0.shape, generator=gen).to(device)
+            t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
+            x_t = (1 - t_b) * rollout.x0 + t_b * noise
+            with torch.no_grad():
+                with lora.using_adapter(self.transformer, lora.OLD):
+                    v_old = self.policy.velocity(x_t, t, rollout.cond)
+                v_ref = None
+                if a.kl_coef > 0:
+                    with lora.adapters_disabled(self.transformer):
+                        v_ref = self.policy.velocity(x_t, t, rollout.cond)
+            v_theta = self.policy.velocity(x_t, t, rollout.cond)
+            loss, metrics = nft_loss(v_theta, v_old, x_t, rollout.x0, t, r.to(device), a.beta, a.adv_clip_max,
+                                     v_ref, a.kl_coef)
+            (loss / num_train).backward()
+            for k, v in {"loss/total": loss.detach(), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / num_train
+        self._average_gradients()
+        if self.cfg.optim.grad_clip > 0:
+            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
+        self.optimizer.step()
+        decay = old_adapter_decay(a.decay_schedule, step)
+        lora.soft_update_old(self.transformer, decay)
+        sums["old_decay"] = decay
+        return sums
+
+    def train_step(self) -> dict[str, float]:
+        step = self.step
+        t0 = time.perf_counter()
+        rollout = self.rollout(step)
+        t1 = time.perf_counter()
+        rewards, parts = score(self.policy, self.reward, rollout)
+        t2 = time.perf_counter()
+        all_rewards = self._gather(rewards)
+        all_groups = self._gather(rollout.group_ids)
+        a = self.cfg.algorithm
+        adv = group_advantages(all_rewards, all_groups, per_group_std=a.per_group_std)
+        local = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
+        r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
+        metrics = self.train_on(rollout, r, step)
+        t3 = time.perf_counter()
+        self.step += 1
+        metrics.update({
+            "reward/mean": float(all_rewards.mean()),
+            "reward/std": float(all_rewards.std(correction=0)),
+            "r/mean": float(r.mean()),
+            "time/rollout_s": t1 - t0,
+            "time/reward_s": t2 - t1,
+            "time/train_s": t3 - t2,
+            "time/sec_per_prompt": (t3 - t0) / (self.cfg.data.prompts_per_step // self.world_size),
+        })
+        for name, s in parts.items():
+            metrics[f"reward/{name}"] = float(self._gather(s).mean())
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation and previews
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out reward with the trained adapter, fixed prompts and fixed noise (seed-independent)."""
+        n = self.cfg.data.eval_samples
+        prompts = [self.eval_prompts[i % len(self.eval_prompts)] for i in range(n)]
+        mine = list(range(self.rank, n, self.world_size))
+        gen = step_generator(0, 0, 0, "eval")
+        noise_all = torch.randn((n, *self.policy.latent_shape), generator=gen)
+        s = self.cfg.sampling
+        cond = self.policy.encode_prompts([prompts[i] for i in mine])
+        from ..sampling import sample_ode, time_grid
+
+        grid = time_grid(s.eval_num_steps, s.time_shift)
+        x0 = sample_ode(lambda x, t: self.policy.velocity(x, t, cond), noise_all[mine], grid, s.solver)
+        total, parts = self.reward(self.policy.decode(x0), [prompts[i] for i in mine])
+        out = {"reward": float(self._gather(total).mean())}
+        out.update({name: float(self._gather(v).mean()) for name, v in parts.items()})
+        return out
+
+    @torch.no_grad()
+    def preview(self, tag: str, num: int = 4) -> Path | None:
+        if not self.is_main:
+            return None
+        prompts = self.eval_prompts[:num]
+        s = self.cfg.sampling
+        from ..sampling import sample_ode, time_grid
+
+        cond = self.policy.encode_prompts(prompts)
+        noise = torch.randn((len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview"))
+        x0 = sample_ode(lambda x, t: self.policy.velocity(x, t, cond), noise,
+                        time_grid(s.eval_num_steps, s.time_shift), s.solver)
+        media = self.policy.decode(x0)
+        total, parts = self.reward(media, prompts)
+        out = self.output_dir / "previews" / tag
+        save_previews(out, media, prompts, {"reward": total.tolist(), **{k: v.tolist() for k, v in parts.items()}})
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, resume: str | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.load(resume)
+        metrics_path = self.output_dir / "metrics.jsonl"
+        if self.is_main:
+            _truncate_metrics(metrics_path, keep_until=self.step)
+        logger = MetricsLogger(
+            self.output_dir, self.accelerator, use_wandb=cfg.tracking.wandb, project=cfg.tracking.project,
+            run_name=cfg.tracking.run_name or self.output_dir.name, config=cfg.to_dict(),
+        )
+        start = time.perf_counter()
+        if cfg.train.eval_at_start_and_end and self.eval_before is None:
+            self.eval_before = self.evaluate()
+            if cfg.train.preview_every:
+                self.preview(f"step_{self.step:05d}")
+        bar = tqdm(total=cfg.train.steps, initial=self.step, desc="DiffusionNFT",
+                   disable=not (cfg.train.progress and self.is_main))
+        try:
+            while self.step < cfg.train.steps:
+                metrics = self.train_step()
+                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+                    logger.log(metrics, step=self.step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics['loss/total']:.3f}",
+                                s_per_prompt=f"{metrics['time/sec_per_prompt']:.2f}")
+                if cfg.train.preview_every and self.step % cfg.train.preview_every == 0:
+                    self.preview(f"step_{self.step:05d}")
+                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
+                    self.save()
+        finally:
+            bar.close()
+        if not cfg.train.checkpoint_every or self.step % cfg.train.checkpoint_every:
+            self.save()
+        summary: dict[str, Any] = {"steps": self.step, "seconds": round(time.perf_counter() - start, 2)}
+        if cfg.train.eval_at_start_and_end:
+            after = self.evaluate()
+            before = self.eval_before or {}
+            summary.update({
+                "heldout_reward_before": round(before.get("reward", float("nan")), 4),
+                "heldout_reward_after": round(after["reward"], 4),
+                "heldout_gain": round(after["reward"] - before.get("reward", float("nan")), 4),
+                "components_before": {k: round(v, 4) for k, v in before.items() if k != "reward"},
+                "components_after": {k: round(v, 4) for k, v in after.items() if k != "reward"},
+            })
+            logger.log({"eval/heldout_reward": after["reward"]}, step=self.step)
+        logger.close()
+        if self.is_main:
+            plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        return summary
+
+
+def _truncate_metrics(path: Path, keep_until: int) -> None:
+    """Drop records logged after the checkpoint a run resumes from (they will be logged again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= keep_until]
+    if keep_until == 0:
+        kept = []
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")

@@ -1,0 +1,162 @@
+"""The tiny text-to-audio-video world: the embedded default that trains on a laptop CPU.
+
+A prompt names a colour, a shape, a tone's pitch and when it sounds:
+"a red circle with a high tone at the start". A clip is 4 frames of 16 x 16 pixels and half a
+second of audio. The shape is visible while the tone sounds, so picture and sound are in sync.
+The audio latent is an amplitude envelope over 16 frequency bins and 8 time frames; the decoder
+synthesises the waveform from it (a fixed, differentiable "vocoder").
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+
+COLORS: dict[str, tuple[float, float, float]] = {
+    "red": (0.9, 0.15, 0.15),
+    "green": (0.15, 0.8, 0.2),
+    "blue": (0.2, 0.3, 0.95),
+    "yellow": (0.95, 0.85, 0.15),
+    "purple": (0.65, 0.2, 0.85),
+    "cyan": (0.15, 0.85, 0.85),
+}
+SHAPES = ("circle", "square")
+PITCH_BINS = {"low": 2, "mid": 7, "high": 12}
+WHEN_PHRASES = {"early": "at the start", "late": "at the end"}
+
+VIDEO_FRAMES, VIDEO_SIZE, FPS = 4, 16, 8.0
+AUDIO_FRAMES, AUDIO_BINS, SAMPLE_RATE = 8, 16, 8000
+DURATION_S = VIDEO_FRAMES / FPS
+BACKGROUND = 0.1
+
+
+def bin_frequency(k: int | torch.Tensor) -> float | torch.Tensor:
+    """Centre frequency of audio bin k: quarter-octave steps from 250 Hz."""
+    return 250.0 * 2.0 ** (k / 4.0)
+
+
+PITCH_HZ = {name: float(bin_frequency(k)) for name, k in PITCH_BINS.items()}
+
+
+@dataclass(frozen=True)
+class Scene:
+    color: str
+    shape: str
+    pitch: str
+    when: str
+
+    @property
+    def prompt(self) -> str:
+        return f"a {self.color} {self.shape} with a {self.pitch} tone {WHEN_PHRASES[self.when]}"
+
+
+ALL_SCENES = [Scene(*combo) for combo in itertools.product(COLORS, SHAPES, PITCH_BINS, WHEN_PHRASES)]
+_HELDOUT = set(random.Random(1234).sample(range(len(ALL_SCENES)), 16))
+TRAIN_PROMPTS = [s.prompt for i, s in enumerate(ALL_SCENES) if i not in _HELDOUT]
+HELDOUT_PROMPTS = [s.prompt for i, s in enumerate(ALL_SCENES) if i in _HELDOUT]
+
+_PROMPT_RE = re.compile(
+    r"\b(?P<color>%s)\b.*\b(?P<shape>%s)\b.*\b(?P<pitch>%s) tone\b.*\b(?P<when>start|end)\b"
+    % ("|".join(COLORS), "|".join(SHAPES), "|".join(PITCH_BINS))
+)
+
+
+def parse_prompt(prompt: str) -> Scene | None:
+    """The scene a prompt asks for, or None if it is not a tiny-world prompt."""
+    m = _PROMPT_RE.search(prompt.lower())
+    if m is None:
+        return None
+    return Scene(m["color"], m["shape"], m["pitch"], "early" if m["when"] == "start" else "late")
+
+
+def active_video_frames(when: str) -> list[int]:
+    half = VIDEO_FRAMES // 2
+    return list(range(half)) if when == "early" else list(range(half, VIDEO_FRAMES))
+
+
+def active_audio_frames(when: str) -> list[int]:
+    half = AUDIO_FRAMES // 2
+    return list(range(half)) if when == "early" else list(range(half, AUDIO_FRAMES))
+
+
+def render_scene(scene: Scene, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Video [F, 3, H, W] in [0, 1] and audio amplitudes [AUDIO_FRAMES, AUDIO_BINS] in [0, 1]."""
+    video = torch.full((VIDEO_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE), BACKGROUND)
+    cy, cx = (torch.randint(5, VIDEO_SIZE - 5, (2,), generator=gen) + 0.5).tolist()
+    radius = 3.0 + 1.5 * torch.rand((), generator=gen).item()
+    yy, xx = torch.meshgrid(torch.arange(VIDEO_SIZE) + 0.5, torch.arange(VIDEO_SIZE) + 0.5, indexing="ij")
+    if scene.shape == "circle":
+        mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= radius**2
+    else:
+        mask = ((yy - cy).abs() <= radius * 0.85) & ((xx - cx).abs() <= radius * 0.85)
+    color = torch.tensor(COLORS[scene.color]).view(3, 1, 1)
+    for f in active_video_frames(scene.when):
+        video[f] = torch.where(mask, color, video[f])
+    amps = torch.zeros(AUDIO_FRAMES, AUDIO_BINS)
+    amps[active_audio_frames(scene.when), PITCH_BINS[scene.pitch]] = 1.0
+    return video, amps
+
+
+def synthesize_audio(amps: torch.Tensor) -> torch.Tensor:
+    """Waveform [B, 1, S] from amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] in [0, 1] (differentiable)."""
+    n = int(SAMPLE_RATE * DURATION_S)
+    time = torch.arange(n, dtype=amps.dtype) / SAMPLE_RATE
+    # Linear interpolation of each bin's envelope between frame centres.
+    frame_pos = (time / DURATION_S * AUDIO_FRAMES - 0.5).clamp(0, AUDIO_FRAMES - 1)
+    lo = frame_pos.floor().long()
+    hi = (lo + 1).clamp(max=AUDIO_FRAMES - 1)
+    w = (frame_pos - lo).view(1, -1, 1)
+    env = amps[:, lo] * (1 - w) + amps[:, hi] * w  # [B, S, bins]
+    freqs = bin_frequency(torch.arange(AUDIO_BINS, dtype=amps.dtype))
+    carriers = torch.sin(2 * math.pi * time.view(-1, 1) * freqs.view(1, -1))  # [S, bins]
+    wave = 0.5 * (env * carriers).sum(-1)
+    return wave.clamp(-1, 1).unsqueeze(1)
+
+
+VIDEO_DIM = VIDEO_FRAMES * 3 * VIDEO_SIZE * VIDEO_SIZE
+AUDIO_DIM = AUDIO_FRAMES * AUDIO_BINS
+LATENT_DIM = VIDEO_DIM + AUDIO_DIM
+
+
+def pack_latent(video: torch.Tensor, amps: torch.Tensor) -> torch.Tensor:
+    """One tensor [B, LATENT_DIM] in [-1, 1] holding both modalities, so one loss covers both."""
+    return torch.cat([video.flatten(1) * 2 - 1, amps.flatten(1) * 2 - 1], dim=1)
+
+
+def unpack_latent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Video [B, F, 3, H, W] in [0, 1] and amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] in [0, 1]."""
+    video = ((x[:, :VIDEO_DIM] + 1) / 2).clamp(0, 1)
+    amps = ((x[:, VIDEO_DIM:] + 1) / 2).clamp(0, 1)
+    return (
+        video.reshape(-1, VIDEO_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE),
+        amps.reshape(-1, AUDIO_FRAMES, AUDIO_BINS),
+    )
+
+
+def synthetic_batch(
+    batch_size: int, gen: torch.Generator, label_noise: float = 0.0
+) -> tuple[list[str], torch.Tensor]:
+    """Prompts and packed latents of random scenes.
+
+    With probability `label_noise` each of colour, pitch and timing of the clip is redrawn at
+    random, independently of the prompt: a base model trained on it follows prompts only partly,
+    which leaves room for post-training to show.
+    """
+    prompts, videos, amps = [], [], []
+    for _ in range(batch_size):
+        scene = ALL_SCENES[int(torch.randint(len(ALL_SCENES), (1,), generator=gen))]
+        shown = scene
+        for attr, options in (("color", list(COLORS)), ("pitch", list(PITCH_BINS)), ("when", list(WHEN_PHRASES))):
+            if torch.rand((), generator=gen).item() < label_noise:
+                pick = options[int(torch.randint(len(options), (1,), generator=gen))]
+                shown = Scene(**{**shown.__dict__, attr: pick})
+        v, a = render_scene(shown, gen)
+        prompts.append(scene.prompt)
+        videos.append(v)
+        amps.append(a)
+    return prompts, pack_latent(torch.stack(videos), torch.stack(amps))

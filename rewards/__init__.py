@@ -1,0 +1,1 @@
+"""Reward plug-ins shipped with omni-diffusion-rl (registered through entry points)."""
