@@ -73,7 +73,7 @@ def save_checkpoint(
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
     torch.save(objects, tmp / "objects.pt")
-    (tmp / "state.json").write_text(json.dumps({"format": FORMAT_VERSION, **state}, indent=1), encoding="utf-8")
+    (tmp / "state.json").write_text(json.dumps({**state, "format": FORMAT_VERSION}, indent=1), encoding="utf-8")
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1), encoding="utf-8")
     for p in tmp.iterdir():
@@ -92,6 +92,8 @@ def _prune(root: Path, keep_last: int) -> None:
     done = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
     for old in done[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+    for leftover in root.glob(".tmp_step_*"):  # from a save that crashed earlier
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -7,6 +7,7 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,21 @@ import yaml
 
 class ConfigError(ValueError):
     """A config value, key or file that cannot be used."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads 1e-4 (no dot) as a string; learning rates are written that way, so accept it."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _spec(default: Any, doc: str, **checks: Any) -> Any:
@@ -234,7 +250,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
     try:
-        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+        return key.strip(), _yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from e
 
@@ -247,7 +263,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = _yaml(path.read_text(encoding="utf-8")) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid UTF-8 YAML: {e}") from e
     for text in overrides or []:

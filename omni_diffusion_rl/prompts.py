@@ -26,7 +26,7 @@ def load_prompts(source: str) -> list[str]:
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist (or use one of {', '.join(BUILTIN)})")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise PromptFileError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8") from e
     prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]

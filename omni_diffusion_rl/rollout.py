@@ -24,18 +24,19 @@ def generate(
     policy: FlowPolicy,
     prompts: list[str],
     group_ids: list[int],
-    group_size: int,
+    noise: torch.Tensor,
     num_steps: int,
     time_shift: float,
     solver: str,
-    generator: torch.Generator,
 ) -> Rollout:
-    """`group_size` samples per prompt from fixed noise of `generator` (deterministic ODE)."""
-    cond = repeat_condition(policy.encode_prompts(prompts), group_size)
-    n = len(prompts) * group_size
+    """len(noise) / len(prompts) samples per prompt (consecutive), integrated from `noise`."""
+    group_size = len(noise) // len(prompts)
+    if group_size * len(prompts) != len(noise):
+        raise ValueError(f"{len(noise)} noise samples do not split into groups for {len(prompts)} prompts")
     device = next(policy.transformer.parameters()).device
-    noise = torch.randn((n, *policy.latent_shape), generator=generator).to(device)
+    cond = repeat_condition(policy.encode_prompts(prompts), group_size)
     cond = {k: v.to(device) for k, v in cond.items()}
+    noise = noise.to(device)
     grid = time_grid(num_steps, time_shift)
     x0 = sample_ode(lambda x, t: policy.velocity(x, t.to(device), cond), noise, grid, solver)
     return Rollout(

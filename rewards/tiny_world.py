@@ -50,7 +50,7 @@ class ColorMatchReward:
         fg = _foreground(video).unsqueeze(2)  # [B, F, 1, H, W]
         count = fg.sum(dim=(1, 3, 4)).squeeze(1)
         mean_rgb = (video * fg).sum(dim=(1, 3, 4)) / count.clamp(min=1).unsqueeze(1)
-        target = torch.tensor([world.COLORS[s.color] for s in _scenes(prompts)])
+        target = torch.tensor([world.COLORS[s.color] for s in _scenes(prompts)], device=video.device)
         dist2 = ((mean_rgb - target) ** 2).sum(1)
         score = torch.exp(-dist2 / (2 * self.sigma**2))
         return torch.where(count >= self.min_pixels, score, torch.zeros_like(score))
@@ -58,8 +58,9 @@ class ColorMatchReward:
 
 def _spectrum(audio: torch.Tensor, sample_rate: int) -> tuple[torch.Tensor, torch.Tensor]:
     mono = audio.float().mean(dim=1)
-    power = torch.fft.rfft(mono * torch.hann_window(mono.shape[-1]), dim=-1).abs() ** 2
-    freqs = torch.fft.rfftfreq(mono.shape[-1], d=1.0 / sample_rate)
+    window = torch.hann_window(mono.shape[-1], device=mono.device)
+    power = torch.fft.rfft(mono * window, dim=-1).abs() ** 2
+    freqs = torch.fft.rfftfreq(mono.shape[-1], d=1.0 / sample_rate, device=mono.device)
     return power, freqs
 
 
@@ -73,7 +74,7 @@ class PitchMatchReward:
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         _need(media, audio=True)
         power, freqs = _spectrum(media.audio, media.sample_rate)
-        target = torch.tensor([world.PITCH_HZ[s.pitch] for s in _scenes(prompts)])
+        target = torch.tensor([world.PITCH_HZ[s.pitch] for s in _scenes(prompts)], device=power.device)
         octaves = torch.log2(freqs.clamp(min=1.0)[None] / target[:, None]).abs()
         band = (octaves <= self.tolerance) & (freqs[None] >= 50)
         audible = freqs[None] >= 50
@@ -95,7 +96,7 @@ class TimingMatchReward:
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         _need(media, audio=True)
         energy = _audio_envelope(media.audio, 2).pow(2)
-        wanted = torch.tensor([0 if s.when == "early" else 1 for s in _scenes(prompts)])
+        wanted = torch.tensor([0 if s.when == "early" else 1 for s in _scenes(prompts)], device=energy.device)
         total = energy.sum(-1)
         share = energy.gather(1, wanted[:, None]).squeeze(1) / total.clamp(min=1e-8)
         return torch.where(total > 1e-8, share, torch.zeros_like(share))

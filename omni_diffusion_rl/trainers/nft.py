@@ -32,14 +32,15 @@ from ..models.policy import FlowPolicy, index_condition
 from ..prompts import load_prompts
 from ..reward import WeightedReward
 from ..rollout import Rollout, generate, score
+from ..sampling import sample_ode, time_grid
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
 
 
-def step_generator(seed: int, step: int, rank: int, stream: str) -> torch.Generator:
-    """A generator for one purpose at one step on one rank: independent of anything else."""
-    key = f"{seed}:{step}:{rank}:{_STREAMS[stream]}".encode()
+def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Generator:
+    """A generator for one purpose (stream) at one step for one prompt group or slot."""
+    key = f"{seed}:{step}:{index}:{_STREAMS[stream]}".encode()
     return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
 
 
@@ -62,7 +63,8 @@ class NFTTrainer:
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.reward = WeightedReward.from_registry(cfg.reward.weights)
         self.policy, default_targets = build_policy(cfg.model)
-        self.transformer = self.policy.transformer
+        self.device = accelerator.device if accelerator is not None else torch.device("cpu")
+        self.transformer = self.policy.transformer.to(self.device)
         self.transformer.requires_grad_(False)
         targets = cfg.model.lora_targets or default_targets
         lora.add_nft_adapters(self.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
@@ -157,27 +159,38 @@ class NFTTrainer:
             offset += n
 
     # ------------------------------------------------------------------ one step
+    def _group_generators(self, step: int, group_ids: list[int], stream: str) -> list[torch.Generator]:
+        """One generator per prompt group: results do not depend on how groups spread over ranks."""
+        return [step_generator(self.cfg.train.seed, step, g, stream) for g in group_ids]
+
     def rollout(self, step: int) -> Rollout:
         prompts, group_ids = self.prompts_for_step(step)
         s = self.cfg.sampling
+        noise = torch.cat([
+            torch.randn((self.cfg.data.group_size, *self.policy.latent_shape), generator=g)
+            for g in self._group_generators(step, group_ids, "rollout")
+        ])
         with lora.using_adapter(self.transformer, lora.OLD):
-            return generate(self.policy, prompts, group_ids, self.cfg.data.group_size, s.num_steps,
-                            s.time_shift, s.solver, step_generator(self.cfg.train.seed, step, self.rank, "rollout"))
+            return generate(self.policy, prompts, group_ids, noise, s.num_steps, s.time_shift, s.solver)
 
     def train_on(self, rollout: Rollout, r: torch.Tensor, step: int) -> dict[str, float]:
         """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step."""
         a = self.cfg.algorithm
-        gen = step_generator(self.cfg.train.seed, step, self.rank, "train")
         train_times = rollout.grid[:-1]  # t > 0
         num_train = max(1, int(len(train_times) * a.timestep_fraction))
-        n = len(rollout.x0)
-        order = torch.stack([torch.randperm(len(train_times), generator=gen) for _ in range(n)])
+        k = self.cfg.data.group_size
+        orders, noises = [], []
+        for gen in self._group_generators(step, rollout.group_ids[::k].tolist(), "train"):
+            orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
+            noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
+        order = torch.stack(orders)
+        all_noise = torch.cat(noises, dim=1)
         device = rollout.x0.device
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for j in range(num_train):
             t = train_times[order[:, j]].to(device)
-            noise = torch.randn(rollout.x0.shape, generator=gen).to(device)
+            noise = all_noise[j].to(device)
             t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
             x_t = (1 - t_b) * rollout.x0 + t_b * noise
             with torch.no_grad():
@@ -232,6 +245,12 @@ class NFTTrainer:
         return metrics
 
     # ------------------------------------------------------------------ evaluation and previews
+    def _on_device(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in cond.items()}
+
+    def _velocity_fn(self, cond: dict[str, torch.Tensor]):  # noqa: ANN202
+        return lambda x, t: self.policy.velocity(x, t.to(self.device), cond)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out reward with the trained adapter, fixed prompts and fixed noise (seed-independent)."""
@@ -241,11 +260,9 @@ class NFTTrainer:
         gen = step_generator(0, 0, 0, "eval")
         noise_all = torch.randn((n, *self.policy.latent_shape), generator=gen)
         s = self.cfg.sampling
-        cond = self.policy.encode_prompts([prompts[i] for i in mine])
-        from ..sampling import sample_ode, time_grid
-
+        cond = self._on_device(self.policy.encode_prompts([prompts[i] for i in mine]))
         grid = time_grid(s.eval_num_steps, s.time_shift)
-        x0 = sample_ode(lambda x, t: self.policy.velocity(x, t, cond), noise_all[mine], grid, s.solver)
+        x0 = sample_ode(self._velocity_fn(cond), noise_all[mine].to(self.device), grid, s.solver)
         total, parts = self.reward(self.policy.decode(x0), [prompts[i] for i in mine])
         out = {"reward": float(self._gather(total).mean())}
         out.update({name: float(self._gather(v).mean()) for name, v in parts.items()})
@@ -257,12 +274,10 @@ class NFTTrainer:
             return None
         prompts = self.eval_prompts[:num]
         s = self.cfg.sampling
-        from ..sampling import sample_ode, time_grid
-
-        cond = self.policy.encode_prompts(prompts)
+        cond = self._on_device(self.policy.encode_prompts(prompts))
         noise = torch.randn((len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview"))
-        x0 = sample_ode(lambda x, t: self.policy.velocity(x, t, cond), noise,
-                        time_grid(s.eval_num_steps, s.time_shift), s.solver)
+        x0 = sample_ode(self._velocity_fn(cond), noise.to(self.device), time_grid(s.eval_num_steps, s.time_shift),
+                        s.solver)
         media = self.policy.decode(x0)
         total, parts = self.reward(media, prompts)
         out = self.output_dir / "previews" / tag

@@ -105,14 +105,14 @@ def render_scene(scene: Scene, gen: torch.Generator) -> tuple[torch.Tensor, torc
 def synthesize_audio(amps: torch.Tensor) -> torch.Tensor:
     """Waveform [B, 1, S] from amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] in [0, 1] (differentiable)."""
     n = int(SAMPLE_RATE * DURATION_S)
-    time = torch.arange(n, dtype=amps.dtype) / SAMPLE_RATE
+    time = torch.arange(n, dtype=amps.dtype, device=amps.device) / SAMPLE_RATE
     # Linear interpolation of each bin's envelope between frame centres.
     frame_pos = (time / DURATION_S * AUDIO_FRAMES - 0.5).clamp(0, AUDIO_FRAMES - 1)
     lo = frame_pos.floor().long()
     hi = (lo + 1).clamp(max=AUDIO_FRAMES - 1)
     w = (frame_pos - lo).view(1, -1, 1)
     env = amps[:, lo] * (1 - w) + amps[:, hi] * w  # [B, S, bins]
-    freqs = bin_frequency(torch.arange(AUDIO_BINS, dtype=amps.dtype))
+    freqs = bin_frequency(torch.arange(AUDIO_BINS, dtype=amps.dtype, device=amps.device))
     carriers = torch.sin(2 * math.pi * time.view(-1, 1) * freqs.view(1, -1))  # [S, bins]
     wave = 0.5 * (env * carriers).sum(-1)
     return wave.clamp(-1, 1).unsqueeze(1)

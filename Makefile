@@ -1,0 +1,32 @@
+# The two commands of the README, and the rest of the project's chores.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench lint pretrain clean
+
+$(BIN)/odrl:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch first, unless a CUDA device is present (never torchvision/torchaudio).
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q "torch>=2.4"; else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e ".[test]"
+
+setup: $(BIN)/odrl
+
+demo: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_t2av_nft.yaml
+
+test: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/ruff check .
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/odrl bench nft-step --output runs/bench/nft_step.json
+
+pretrain: setup
+	$(BIN)/odrl pretrain
+
+clean:
+	rm -rf runs $(VENV)

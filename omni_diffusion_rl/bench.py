@@ -1,0 +1,263 @@
+"""Benchmark: the cost of one DiffusionNFT optimizer step against a plain flow-matching step.
+
+Three arms share one tiny model, its two LoRA adapters, one AdamW optimizer, one batch and one
+timestep count:
+
+* ``fm``: plain flow-matching fine-tuning (trained-adapter forward + backward per timestep);
+* ``nft``: the real ``NFTTrainer.train_on`` with KL off (plus the `old`-adapter forward);
+* ``nft_kl``: the same with ``kl_coef > 0`` (plus a reference forward with adapters disabled).
+
+Rounds run the arms interleaved (fm, nft, nft_kl, fm, ...) so drift from other load hits each arm
+alike; the report gives the median and min seconds per trained sample and the ratios to ``fm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .algorithms.nft import flow_matching_loss
+from .config import DataConfig, ExperimentConfig
+from .models import lora
+from .models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
+from .rollout import Rollout
+from .sampling import time_grid
+from .trainers.nft import NFTTrainer
+from .world import tiny_world as world
+
+ARMS = ("fm", "nft", "nft_kl")
+ARM_LABELS = {"fm": "plain FM", "nft": "NFT (KL off)", "nft_kl": "NFT (KL on)"}
+TARGET_RATIO_KL_OFF = 1.6
+KL_COEF = 1e-4
+LORA_RANK, LORA_ALPHA = 16, 32.0
+SEED = 0
+
+
+def build_bench_policy(model_path: str | None = None) -> tuple[TinyAVPolicy, str]:
+    """The tiny policy (shipped or given weights, else random init) and where it came from."""
+    if model_path is not None:
+        return TinyAVPolicy.from_pretrained(model_path), str(model_path)
+    if (BUILTIN_WEIGHTS / "config.json").is_file():
+        return TinyAVPolicy.from_pretrained("builtin"), "builtin"
+    torch.manual_seed(SEED)
+    return TinyAVPolicy(TinyAVTransformer()), "random-init (builtin weights absent)"
+
+
+def bench_group_size(batch_size: int) -> int:
+    """Samples per prompt group: the config's default group size if it divides the batch, else a divisor."""
+    return math.gcd(batch_size, DataConfig().group_size)
+
+
+def make_rollout(policy: TinyAVPolicy, batch_size: int, timesteps: int) -> Rollout:
+    """A fixed batch: random x0, tiny-world prompt groups, and a grid with `timesteps` training times."""
+    gen = torch.Generator().manual_seed(SEED)
+    group_size = bench_group_size(batch_size)
+    group_ids = torch.arange(batch_size) // group_size
+    prompts = [world.TRAIN_PROMPTS[int(g) % len(world.TRAIN_PROMPTS)] for g in group_ids]
+    x0 = torch.randn((batch_size, *policy.latent_shape), generator=gen)
+    return Rollout(
+        prompts=prompts,
+        group_ids=group_ids,
+        x0=x0,
+        cond=policy.encode_prompts(prompts),
+        grid=time_grid(timesteps),  # timesteps + 1 points; train_on trains on the `timesteps` with t > 0
+    )
+
+
+def make_trainer(
+    policy: TinyAVPolicy,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    kl_coef: float,
+    group_size: int,
+) -> NFTTrainer:
+    """An NFTTrainer carrying only what `train_on` reads, so the benchmark times the real step.
+
+    `NFTTrainer.__init__` would load prompts, rewards and a model from the config; the benchmark
+    supplies its own model and optimizer instead. If `train_on` starts to read another attribute,
+    the benchmark (and its test) fails with an AttributeError rather than timing something else.
+    """
+    cfg = ExperimentConfig()
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, kl_coef=kl_coef, timestep_fraction=1.0)
+    cfg.train = dataclasses.replace(cfg.train, seed=SEED)
+    cfg.data = dataclasses.replace(cfg.data, group_size=group_size)
+    trainer = NFTTrainer.__new__(NFTTrainer)
+    trainer.cfg = cfg
+    trainer.accelerator = None
+    trainer.rank, trainer.world_size, trainer.is_main = 0, 1, True
+    trainer.device = torch.device("cpu")
+    trainer.policy = policy
+    trainer.transformer = policy.transformer
+    trainer.params = params
+    trainer.optimizer = optimizer
+    trainer.step = 0
+    return trainer
+
+
+def flow_matching_step(trainer: NFTTrainer, rollout: Rollout, step: int) -> dict[str, float]:
+    """Plain flow-matching fine-tuning step, mirroring `NFTTrainer.train_on` line for line minus NFT.
+
+    Same per-group timestep draw and noise, x_t, loss scaling, metric sync, gradient clipping and
+    optimizer step; no `old` or reference forward, no NFT loss and no soft update of `old`.
+    """
+    a = trainer.cfg.algorithm
+    train_times = rollout.grid[:-1]
+    num_train = max(1, int(len(train_times) * a.timestep_fraction))
+    k = trainer.cfg.data.group_size
+    orders, noises = [], []
+    for gen in trainer._group_generators(step, rollout.group_ids[::k].tolist(), "train"):
+        orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
+        noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
+    order = torch.stack(orders)
+    all_noise = torch.cat(noises, dim=1)
+    device = rollout.x0.device
+    trainer.optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    for j in range(num_train):
+        t = train_times[order[:, j]].to(device)
+        noise = all_noise[j].to(device)
+        t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
+        x_t = (1 - t_b) * rollout.x0 + t_b * noise
+        v_theta = trainer.policy.velocity(x_t, t, rollout.cond)
+        loss = flow_matching_loss(v_theta, noise, rollout.x0)
+        (loss / num_train).backward()
+        sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss.detach()) / num_train
+    trainer._average_gradients()
+    if trainer.cfg.optim.grad_clip > 0:
+        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.optim.grad_clip))
+    trainer.optimizer.step()
+    return sums
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def machine_info() -> dict[str, Any]:
+    """What the timings depend on."""
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def format_table(medians: dict[str, float], mins: dict[str, float], ratios: dict[str, float]) -> str:
+    """Plain-text table: arm, median and min seconds per trained sample, ratio vs plain FM."""
+    lines = [f"{'arm':<14}{'median s/sample':>17}{'min s/sample':>14}{'ratio vs FM':>13}"]
+    for arm in ARMS:
+        lines.append(f"{ARM_LABELS[arm]:<14}{medians[arm]:>17.6f}{mins[arm]:>14.6f}{ratios[arm]:>13.3f}")
+    return "\n".join(lines)
+
+
+def run_nft_step_bench(
+    output: Path, repeats: int = 5, batch_size: int = 32, timesteps: int = 6, model_path: str | None = None
+) -> dict[str, Any]:
+    """Time plain FM, NFT (KL off) and NFT (KL on) steps; print a table and write JSON to `output`."""
+    if repeats < 1 or batch_size < 1 or timesteps < 1:
+        raise ValueError(
+            f"repeats, batch_size and timesteps must be >= 1; got {repeats}, {batch_size}, {timesteps}"
+        )
+    policy, source = build_bench_policy(model_path)
+    transformer = policy.transformer
+    transformer.requires_grad_(False)
+    lora.add_nft_adapters(transformer, LORA_RANK, LORA_ALPHA, DEFAULT_LORA_TARGETS)
+    params = lora.trainable_parameters(transformer)
+    optim_cfg = ExperimentConfig().optim
+    optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+    transformer.train()
+    rollout = make_rollout(policy, batch_size, timesteps)
+    r = torch.rand(batch_size, generator=torch.Generator().manual_seed(SEED + 1))
+
+    kl_coefs = {"fm": 0.0, "nft": 0.0, "nft_kl": KL_COEF}
+    group_size = bench_group_size(batch_size)
+    trainers = {arm: make_trainer(policy, params, optimizer, kl_coefs[arm], group_size) for arm in ARMS}
+    steps: dict[str, Callable[[int], object]] = {
+        "fm": lambda s: flow_matching_step(trainers["fm"], rollout, s),
+        "nft": lambda s: trainers["nft"].train_on(rollout, r, s),
+        "nft_kl": lambda s: trainers["nft_kl"].train_on(rollout, r, s),
+    }
+    for arm in ARMS:  # warm-up round, not timed
+        steps[arm](0)
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for round_index in range(1, repeats + 1):
+        for arm in ARMS:
+            seconds[arm].append(_timed(lambda arm=arm, s=round_index: steps[arm](s)))
+
+    per_sample = {arm: [s / batch_size for s in seconds[arm]] for arm in ARMS}
+    medians = {arm: statistics.median(v) for arm, v in per_sample.items()}
+    mins = {arm: min(v) for arm, v in per_sample.items()}
+    ratios = {arm: medians[arm] / medians["fm"] for arm in ARMS}
+    ratios_min = {arm: mins[arm] / mins["fm"] for arm in ARMS}
+    # Per-round ratios pair each arm with the FM step right before it: robust to slow drift in load.
+    paired = {arm: statistics.median([s / f for s, f in zip(seconds[arm], seconds["fm"], strict=True)])
+              for arm in ARMS}
+    result: dict[str, Any] = {
+        "benchmark": "nft-step",
+        "machine": machine_info(),
+        "config": {
+            "batch_size": batch_size,
+            "timesteps": timesteps,
+            "group_size": group_size,
+            "repeats": repeats,
+            "warmup_rounds": 1,
+            "model": source,
+            "lora_rank": LORA_RANK,
+            "lora_alpha": LORA_ALPHA,
+            "lora_targets": list(DEFAULT_LORA_TARGETS),
+            "kl_coef": KL_COEF,
+            "order": list(ARMS),
+        },
+        "arms": {arm: ARM_LABELS[arm] for arm in ARMS},
+        "timings_s_per_step": seconds,
+        "timings_s_per_sample": per_sample,
+        "median_s_per_sample": medians,
+        "min_s_per_sample": mins,
+        "ratios": {"nft_kl_off_vs_fm": ratios["nft"], "nft_kl_on_vs_fm": ratios["nft_kl"]},
+        "ratios_from_min": {"nft_kl_off_vs_fm": ratios_min["nft"], "nft_kl_on_vs_fm": ratios_min["nft_kl"]},
+        "ratios_paired_median": {"nft_kl_off_vs_fm": paired["nft"], "nft_kl_on_vs_fm": paired["nft_kl"]},
+        "target_ratio_kl_off": TARGET_RATIO_KL_OFF,
+        "meets_target": bool(ratios["nft"] <= TARGET_RATIO_KL_OFF),
+    }
+    print(format_table(medians, mins, ratios))
+    verdict = "meets" if result["meets_target"] else "misses"
+    print(f"NFT/FM (KL off) = {ratios['nft']:.3f}: {verdict} the target <= {TARGET_RATIO_KL_OFF}")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print(f"wrote {output}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m omni_diffusion_rl.bench`: run the NFT-step benchmark."""
+    parser = argparse.ArgumentParser(description="Time an NFT step against a plain flow-matching step.")
+    parser.add_argument("--output", type=Path, default=Path("runs/bench/nft_step.json"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--timesteps", type=int, default=6)
+    parser.add_argument("--model-path", default=None,
+                        help="tiny_av model directory (default: builtin, else random init)")
+    args = parser.parse_args(argv)
+    run_nft_step_bench(args.output, args.repeats, args.batch_size, args.timesteps, args.model_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

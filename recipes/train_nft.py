@@ -1,0 +1,12 @@
+"""Recipe entry point for `accelerate launch`.
+
+    accelerate launch recipes/train_nft.py recipes/configs/tiny_t2av_nft.yaml train.steps=10
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 recipes/train_nft.py CONFIG
+"""
+
+import sys
+
+from omni_diffusion_rl.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))

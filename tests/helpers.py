@@ -1,0 +1,57 @@
+"""Shared test helpers: a tiny random-init built-in model and a fast training config."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from omni_diffusion_rl.models.tiny_av import TinyAVTransformer
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+
+
+def tiny_model_dir(path: Path, seed: int = 0) -> Path:
+    """A small random-init tiny_av transformer saved with save_pretrained."""
+    torch.manual_seed(seed)
+    TinyAVTransformer(dim=32, depth=1, heads=2, mlp_ratio=2).save_pretrained(path)
+    return path
+
+
+def fast_overrides(model_dir: Path, output_dir: Path, steps: int = 2) -> list[str]:
+    return [
+        f"model.pretrained={model_dir}",
+        f"train.output_dir={output_dir}",
+        f"train.steps={steps}",
+        "data.prompts_per_step=2",
+        "data.group_size=2",
+        "data.eval_samples=4",
+        "sampling.num_steps=3",
+        "sampling.eval_num_steps=3",
+        "train.preview_every=0",
+        "train.progress=false",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+    ]
+
+
+def odrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "omni_diffusion_rl.cli", *args]
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """Training records of a run's metrics.jsonl without wall-clock timings."""
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "reward/mean" in row:
+            rows.append({k: v for k, v in row.items() if not k.startswith("time/")})
+    return rows
+
+
+def last_json_line(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])

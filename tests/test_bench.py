@@ -1,0 +1,45 @@
+"""The NFT-step benchmark runs end to end and writes a complete report (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.bench import ARMS, run_nft_step_bench
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a loaded small machine, spinning OpenMP threads make tiny ops ~50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
+    output = tmp_path / "bench" / "nft_step.json"
+    result = run_nft_step_bench(output, repeats=1, batch_size=4, timesteps=2)
+    assert output.is_file()
+    report = json.loads(output.read_text(encoding="utf-8"))
+    assert report == json.loads(json.dumps(result))
+    for key in ("machine", "config", "timings_s_per_step", "timings_s_per_sample", "median_s_per_sample",
+                "min_s_per_sample", "ratios", "target_ratio_kl_off", "meets_target"):
+        assert key in report, key
+    assert {"torch", "threads", "cpu_count"} <= set(report["machine"])
+    assert report["machine"]["threads"] == 1
+    assert report["config"] | {"batch_size": 4, "timesteps": 2, "repeats": 1} == report["config"]
+    for arm in ARMS:
+        assert len(report["timings_s_per_step"][arm]) == 1
+        assert all(s > 0 for s in report["timings_s_per_sample"][arm])
+        assert report["median_s_per_sample"][arm] > 0
+        assert report["min_s_per_sample"][arm] > 0
+    for ratio in report["ratios"].values():
+        assert ratio > 0 and math.isfinite(ratio)
+    assert report["target_ratio_kl_off"] == 1.6
+    assert isinstance(report["meets_target"], bool)

@@ -1,0 +1,293 @@
+"""Plug-in registries, the weighted reward and its failure rules, and the four tiny-world detectors."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+import omni_diffusion_rl.reward as reward_module
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.registry import Registry, RegistryError
+from omni_diffusion_rl.reward import RewardError, WeightedReward, checked_scores
+from omni_diffusion_rl.world import tiny_world as world
+
+TINY_REWARDS = ("av_sync", "color_match", "pitch_match", "timing_match")
+GROUP = "omni_diffusion_rl.rewards"
+
+# ---------------------------------------------------------------------------------------------------------
+# Registry
+
+
+def _empty_registry() -> Registry:
+    return Registry("widget", "omni_diffusion_rl.tests_no_such_group")
+
+
+def test_register_get_create() -> None:
+    widgets = _empty_registry()
+
+    @widgets.register("box")
+    class Box:
+        def __init__(self, size: int = 1) -> None:
+            self.size = size
+
+    assert Box.__name__ == "Box"  # the decorator returns the class itself
+    assert widgets.get("box") is Box
+    made = widgets.create("box", size=3)
+    assert isinstance(made, Box) and made.size == 3
+    assert widgets.names() == ["box"]
+
+
+def test_register_twice_needs_overwrite() -> None:
+    widgets = _empty_registry()
+
+    def first() -> int:
+        return 1
+
+    def second() -> int:
+        return 2
+
+    widgets.register("f")(first)
+    widgets.register("f")(first)  # the same factory again is harmless
+    with pytest.raises(RegistryError, match="already registered") as info:
+        widgets.register("f")(second)
+    assert "first" in str(info.value) and "overwrite=True" in str(info.value)
+    assert widgets.create("f") == 1
+    widgets.register("f", overwrite=True)(second)
+    assert widgets.create("f") == 2
+
+
+def test_unknown_name_lists_registered_names() -> None:
+    widgets = _empty_registry()
+    widgets.register("alpha")(dict)
+    widgets.register("beta")(list)
+    with pytest.raises(RegistryError) as info:
+        widgets.get("gamma")
+    message = str(info.value)
+    assert message.startswith("unknown widget 'gamma'")  # not quoted like a plain KeyError
+    assert "alpha, beta" in message
+    assert "omni_diffusion_rl.tests_no_such_group" in message
+    assert isinstance(info.value, KeyError)
+    with pytest.raises(RegistryError, match=r"\(none\)"):
+        _empty_registry().create("anything")
+
+
+def test_tiny_world_rewards_are_installed_entry_points() -> None:
+    found = {ep.name: ep for ep in entry_points(group=GROUP)}
+    assert set(TINY_REWARDS) <= set(found)
+    for name in TINY_REWARDS:
+        assert found[name].value.startswith("rewards.tiny_world:")
+    # A fresh registry finds them through the entry points alone and loads them lazily.
+    fresh = Registry("reward", GROUP)
+    assert set(TINY_REWARDS) <= set(fresh.names())
+    color = fresh.get("color_match")
+    assert color.__name__ == "ColorMatchReward"
+    assert hasattr(fresh.create("pitch_match"), "score")
+    assert fresh.get("color_match") is color
+
+
+def test_global_reward_registry_resolves_tiny_world_names() -> None:
+    from omni_diffusion_rl.registry import rewards
+
+    for name in TINY_REWARDS:
+        assert callable(getattr(rewards.create(name), "score", None))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weighted reward and the failure rules
+
+
+class _Constant:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        return torch.full((len(media),), self.value)
+
+
+def _audio_media(batch: int = 3) -> MediaBatch:
+    return MediaBatch(audio=torch.zeros(batch, 1, 16))
+
+
+def test_weighted_reward_normalises_weights_and_keeps_components() -> None:
+    combined = WeightedReward({"a": _Constant(1.0), "b": _Constant(0.2)}, {"a": 3.0, "b": 1.0})
+    assert combined.weights == pytest.approx({"a": 0.75, "b": 0.25})
+    total, parts = combined(_audio_media(), ["p"] * 3)
+    assert total.tolist() == pytest.approx([0.75 * 1.0 + 0.25 * 0.2] * 3)
+    assert set(parts) == {"a", "b"}
+    assert parts["a"].tolist() == [1.0] * 3
+    assert parts["b"].tolist() == pytest.approx([0.2] * 3)
+
+
+def test_weighted_reward_zero_weight_component_is_still_scored() -> None:
+    combined = WeightedReward({"a": _Constant(1.0), "b": _Constant(0.0)}, {"a": 1.0, "b": 0.0})
+    total, parts = combined(_audio_media(2), ["p", "q"])
+    assert total.tolist() == [1.0, 1.0]
+    assert parts["b"].tolist() == [0.0, 0.0]
+
+
+def test_weighted_reward_rejects_bad_setups() -> None:
+    with pytest.raises(ValueError, match="same rewards"):
+        WeightedReward({"a": _Constant(1.0)}, {"b": 1.0})
+    with pytest.raises(ValueError, match="positive"):
+        WeightedReward({"a": _Constant(1.0)}, {"a": 0.0})
+    combined = WeightedReward({"a": _Constant(1.0)}, {"a": 1.0})
+    with pytest.raises(RewardError, match="2 prompts for 3"):
+        combined(_audio_media(3), ["p", "q"])
+
+
+class _Broken:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> object:
+        n = len(media)
+        if self.kind == "nan":
+            return torch.tensor([0.5] + [float("nan")] * (n - 1))
+        if self.kind == "inf":
+            return torch.full((n,), float("inf"))
+        if self.kind == "shape":
+            return torch.zeros(n, 2)
+        if self.kind == "list":
+            return [0.5] * n
+        raise OSError("model weights not found")
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragment"),
+    [
+        ("nan", "non-finite"),
+        ("inf", "non-finite"),
+        ("shape", "shape (3, 2)"),
+        ("list", "torch.Tensor"),
+        ("raise", "OSError: model weights not found"),
+    ],
+)
+def test_registered_broken_reward_is_an_error_naming_it(
+    kind: str, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registry = Registry("reward", GROUP)
+    registry.register("broken_reward")(lambda: _Broken(kind))
+    monkeypatch.setattr(reward_module, "reward_registry", registry)
+    combined = WeightedReward.from_registry({"pitch_match": 1.0, "broken_reward": 1.0})
+    media = _scene_media([world.ALL_SCENES[0]] * 3)
+    prompts = [world.ALL_SCENES[0].prompt] * 3
+    with pytest.raises(RewardError) as info:
+        combined(media, prompts)
+    assert "'broken_reward'" in str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_reward_error_from_a_component_passes_through_unchanged() -> None:
+    class Strict:
+        def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+            raise RewardError("strict says no")
+
+    with pytest.raises(RewardError, match="^strict says no$"):
+        WeightedReward({"strict": Strict()}, {"strict": 1.0})(_audio_media(1), ["p"])
+
+
+def test_checked_scores_converts_to_float_cpu() -> None:
+    out = checked_scores("x", torch.tensor([1, 0], dtype=torch.int64), 2)
+    assert out.dtype == torch.float32 and out.tolist() == [1.0, 0.0]
+    with pytest.raises(RewardError, match=r"'x'.*expected \(3,\)"):
+        checked_scores("x", torch.zeros(2), 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny-world detectors on perfectly rendered scenes
+
+
+def _decode(video: torch.Tensor, amps: torch.Tensor) -> MediaBatch:
+    """The tiny policy's decode path applied to the packed latent of rendered clips."""
+    v, a = world.unpack_latent(world.pack_latent(video, amps))
+    return MediaBatch(video=v, audio=world.synthesize_audio(a), fps=world.FPS, sample_rate=world.SAMPLE_RATE)
+
+
+def _scene_media(scenes: list[world.Scene], seed: int = 0) -> MediaBatch:
+    gen = torch.Generator().manual_seed(seed)
+    videos, amps = zip(*[world.render_scene(s, gen) for s in scenes], strict=True)
+    return _decode(torch.stack(videos), torch.stack(amps))
+
+
+def _reward(name: str):  # noqa: ANN202 - a reward plug-in instance
+    return Registry("reward", GROUP).create(name)
+
+
+@pytest.fixture(scope="module")
+def all_scenes_media() -> MediaBatch:
+    return _scene_media(world.ALL_SCENES)
+
+
+@pytest.mark.parametrize("name", TINY_REWARDS)
+def test_rendered_scenes_score_near_one(name: str, all_scenes_media: MediaBatch) -> None:
+    prompts = [s.prompt for s in world.ALL_SCENES]
+    scores = _reward(name).score(all_scenes_media, prompts)
+    assert scores.shape == (len(world.ALL_SCENES),)
+    assert float(scores.min()) > 0.95
+    assert float(scores.max()) <= 1.0 + 1e-6
+
+
+def _scene(**changes: str) -> world.Scene:
+    base = {"color": "red", "shape": "circle", "pitch": "high", "when": "early"}
+    return world.Scene(**{**base, **changes})
+
+
+def test_color_match_mismatch() -> None:
+    media = _scene_media([_scene()])
+    score = _reward("color_match").score(media, [_scene(color="blue").prompt])
+    assert float(score[0]) < 0.2
+    assert float(_reward("color_match").score(media, [_scene().prompt])[0]) > 0.95
+
+
+def test_pitch_match_mismatch() -> None:
+    media = _scene_media([_scene(), _scene()])
+    score = _reward("pitch_match").score(media, [_scene(pitch="low").prompt, _scene(pitch="mid").prompt])
+    assert float(score.max()) < 0.2
+
+
+def test_timing_match_mismatch() -> None:
+    media = _scene_media([_scene(when="early"), _scene(when="late")])
+    score = _reward("timing_match").score(media, [_scene(when="late").prompt, _scene(when="early").prompt])
+    assert float(score.max()) < 0.2
+
+
+def test_av_sync_audio_shifted_against_video() -> None:
+    gen = torch.Generator().manual_seed(0)
+    video_early, amps_early = world.render_scene(_scene(when="early"), gen)
+    video_late, amps_late = world.render_scene(_scene(when="late"), gen)
+    shifted = _decode(torch.stack([video_early, video_late]), torch.stack([amps_late, amps_early]))
+    in_sync = _decode(torch.stack([video_early, video_late]), torch.stack([amps_early, amps_late]))
+    prompts = [_scene(when="early").prompt, _scene(when="late").prompt]
+    assert float(_reward("av_sync").score(shifted, prompts).max()) < 0.2
+    assert float(_reward("av_sync").score(in_sync, prompts).min()) > 0.95
+
+
+def test_silent_or_empty_media_scores_zero_not_nan() -> None:
+    video = torch.full((1, world.VIDEO_FRAMES, 3, world.VIDEO_SIZE, world.VIDEO_SIZE), world.BACKGROUND)
+    silent = MediaBatch(video=video, audio=torch.zeros(1, 1, 4000), sample_rate=world.SAMPLE_RATE)
+    prompt = [_scene().prompt]
+    for name in TINY_REWARDS:
+        score = _reward(name).score(silent, prompt)
+        assert torch.isfinite(score).all(), name
+        assert float(score[0]) == pytest.approx(0.0, abs=1e-6), name
+
+
+@pytest.mark.parametrize("name", TINY_REWARDS)
+def test_non_tiny_world_prompt_raises(name: str) -> None:
+    media = _scene_media([_scene()])
+    with pytest.raises(ValueError, match="not a tiny-world prompt"):
+        _reward(name).score(media, ["a photo of a cat"])
+    combined = WeightedReward({name: _reward(name)}, {name: 1.0})
+    with pytest.raises(RewardError, match=f"'{name}'.*not a tiny-world prompt"):
+        combined(media, ["a photo of a cat"])
+
+
+def test_rewards_need_their_modality() -> None:
+    audio_only = _audio_media(1)
+    with pytest.raises(ValueError, match="video"):
+        _reward("color_match").score(audio_only, [_scene().prompt])
+    video_only = MediaBatch(video=torch.zeros(1, 4, 3, 16, 16))
+    with pytest.raises(ValueError, match="audio"):
+        _reward("pitch_match").score(video_only, [_scene().prompt])

@@ -1,0 +1,158 @@
+"""Flow-matching ODE solvers against velocity fields whose exact flow is known in closed form.
+
+Convention: x_t = (1 - t) x0 + t eps, so t = 1 is noise and t = 0 is data, and the probability-flow
+velocity is v(x, t) = E[eps - x0 | x_t = x].
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from omni_diffusion_rl.sampling import SOLVERS, sample_ode, shift_time, time_grid
+
+# ---------------------------------------------------------------------------------------------------------
+# Time grid
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 10, 40])
+@pytest.mark.parametrize("shift", [1.0, 3.0, 0.5])
+def test_time_grid_endpoints_and_monotonic(num_steps: int, shift: float) -> None:
+    grid = time_grid(num_steps, shift)
+    assert grid.shape == (num_steps + 1,)
+    assert grid.dtype == torch.float32
+    assert grid[0].item() == 1.0
+    assert grid[-1].item() == 0.0
+    assert bool((grid[1:] < grid[:-1]).all())
+
+
+def test_time_grid_unshifted_is_uniform() -> None:
+    assert time_grid(4).tolist() == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0], abs=1e-7)
+
+
+@pytest.mark.parametrize("shift", [3.0, 0.5])
+def test_time_grid_shift_formula(shift: float) -> None:
+    n = 8
+    expected = []
+    for i in range(n + 1):
+        t = 1.0 - i / n
+        expected.append(shift * t / (1 + (shift - 1) * t))
+    assert time_grid(n, shift).tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    # A shift above 1 spends more of the grid at high noise: the midpoint 0.5 moves to s / (1 + s).
+    assert shift_time(torch.tensor(0.5), shift).item() == pytest.approx(shift / (1 + shift), rel=1e-6)
+
+
+def test_time_grid_rejects_zero_steps() -> None:
+    with pytest.raises(ValueError, match="num_steps"):
+        time_grid(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Solvers
+
+
+def _noise(batch: int = 256, dim: int = 3) -> torch.Tensor:
+    return torch.randn(batch, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("num_steps", [1, 3, 10])
+def test_point_mass_lands_exactly_on_the_data_point(solver: str, num_steps: int) -> None:
+    # Data is a single point c: x_t = (1 - t) c + t eps, so eps = (x - (1 - t) c) / t and
+    # v = eps - c = (x - c) / t. The flow is a straight line, which even one Euler step follows.
+    c = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64)
+    seen_t: list[float] = []
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        assert t.shape == (x.shape[0],)
+        seen_t.extend(t.tolist())
+        return (x - c) / t.to(x.dtype).view(-1, 1)
+
+    x0 = sample_ode(velocity, _noise(), time_grid(num_steps, shift=3.0), solver=solver)
+    torch.testing.assert_close(x0, c.expand_as(x0), rtol=0, atol=1e-6)
+    # The field is singular at t = 0: no solver may evaluate it there.
+    assert min(seen_t) > 0
+
+
+def _gaussian_velocity(mu: torch.Tensor, s: float):  # noqa: ANN202 - returns a velocity closure
+    """Exact velocity for data N(mu, s^2 I).
+
+    x_t ~ N((1 - t) mu, sigma_t^2) with sigma_t^2 = (1 - t)^2 s^2 + t^2, and
+    Cov(eps - x0, x_t) = t - (1 - t) s^2, so v = -mu + (t - (1 - t) s^2) / sigma_t^2 (x - (1 - t) mu).
+    Its flow maps noise z at t = 1 to mu + s z at t = 0.
+    """
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(x.dtype).view(-1, 1)
+        var = (1 - t) ** 2 * s**2 + t**2
+        return -mu + (t - (1 - t) * s**2) / var * (x - (1 - t) * mu)
+
+    return velocity
+
+
+MU = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
+S = 0.5
+
+
+def _gaussian_error(solver: str, num_steps: int, shift: float = 1.0) -> float:
+    noise = _noise()
+    x0 = sample_ode(_gaussian_velocity(MU, S), noise, time_grid(num_steps, shift), solver=solver)
+    return (x0 - (MU + S * noise)).abs().max().item()
+
+
+def test_gaussian_velocity_is_the_exact_flow() -> None:
+    # The closed-form trajectory x_t = (1 - t) mu + sigma_t z satisfies dx/dt = v(x_t, t).
+    z = _noise(8)
+    velocity = _gaussian_velocity(MU, S)
+    for t in (0.9, 0.5, 0.1):
+        h = 1e-6
+
+        def x_at(tt: float) -> torch.Tensor:
+            return (1 - tt) * MU + math.sqrt((1 - tt) ** 2 * S**2 + tt**2) * z
+
+        derivative = (x_at(t + h) - x_at(t - h)) / (2 * h)
+        torch.testing.assert_close(velocity(x_at(t), torch.full((8,), t)), derivative, rtol=1e-6, atol=1e-6)
+
+
+def test_heun_beats_euler_on_a_gaussian() -> None:
+    euler, heun = _gaussian_error("euler", 10), _gaussian_error("heun", 10)
+    assert euler > 0.1  # curved paths: Euler is visibly off with 10 steps
+    assert heun < euler / 5
+    assert _gaussian_error("heun", 20) < _gaussian_error("euler", 20) / 10
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_both_solvers_converge_on_a_gaussian(shift: float) -> None:
+    euler = [_gaussian_error("euler", n, shift) for n in (10, 20, 40, 80)]
+    heun = [_gaussian_error("heun", n, shift) for n in (10, 20, 40, 80)]
+    # Euler is first order: doubling the steps roughly halves the error.
+    for coarse, fine in zip(euler, euler[1:], strict=False):
+        assert fine < coarse * 0.7
+    # Heun is second order: doubling the steps cuts the error by about four.
+    for coarse, fine in zip(heun, heun[1:], strict=False):
+        assert fine < coarse * 0.4
+    assert heun[-1] < euler[-1] / 10
+    assert heun[-1] < 0.01
+
+
+def test_solver_counts_function_evaluations() -> None:
+    calls = {"n": 0}
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return torch.zeros_like(x)
+
+    noise = _noise(2)
+    sample_ode(velocity, noise, time_grid(5), solver="euler")
+    assert calls["n"] == 5
+    calls["n"] = 0
+    out = sample_ode(velocity, noise, time_grid(5), solver="heun")
+    assert calls["n"] == 9  # two per step, one on the last step into t = 0
+    torch.testing.assert_close(out, noise)  # a zero field leaves the noise in place
+
+
+def test_unknown_solver_raises() -> None:
+    with pytest.raises(ValueError, match="euler, heun"):
+        sample_ode(lambda x, t: x, _noise(2), time_grid(2), solver="rk4")

@@ -1,0 +1,131 @@
+"""End-to-end trainer tests: resume equality, several processes, bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.checkpoint import CheckpointError
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.trainers.nft import NFTTrainer
+
+from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def _train(model_dir: Path, out: Path, steps: int, *extra: str) -> NFTTrainer:
+    cfg = load_config(None, fast_overrides(model_dir, out, steps) + list(extra))
+    trainer = NFTTrainer(cfg)
+    trainer.summary = trainer.fit()
+    return trainer
+
+
+def test_training_changes_trained_adapter_and_soft_updates_old(model_dir: Path, tmp_path: Path) -> None:
+    trainer = _train(model_dir, tmp_path / "run", 2)
+    from omni_diffusion_rl.models import lora
+
+    default = lora.adapter_state_dict(trainer.transformer, lora.TRAINED)
+    old = lora.adapter_state_dict(trainer.transformer, lora.OLD)
+    lora_b = [k for k in default if "lora_B" in k]
+    assert any(default[k].abs().sum() > 0 for k in lora_b), "lora_B starts at 0 and must move"
+    # linear_to_0_5 at steps 0 and 1 gives decays 0 and 0.001: old trails default but stays close.
+    assert any(not torch.equal(default[k], old[k]) for k in lora_b)
+    assert all(torch.allclose(default[k], old[k], atol=1e-3) for k in default)
+    rows = step_records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (tmp_path / "run" / "reward_curve.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0.0 <= summary["heldout_reward_after"] <= 1.0
+
+
+def test_resume_after_kill_replays_the_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
+    steps = 6
+    reference = tmp_path / "reference"
+    _train(model_dir, reference, steps, "train.checkpoint_every=2")
+
+    interrupted = tmp_path / "interrupted"
+    args = odrl("train", *fast_overrides(model_dir, interrupted, steps), "train.checkpoint_every=2")
+    proc = subprocess.Popen(args, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        marker = interrupted / "checkpoints" / "step_0000002" / "manifest.json"
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.time() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert not (interrupted / "summary.json").exists(), "the run finished before it could be interrupted"
+
+    resumed = subprocess.run(
+        odrl("train", *fast_overrides(model_dir, interrupted, steps), "train.checkpoint_every=2",
+             "--resume", str(interrupted / "checkpoints")),
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert step_records(interrupted) == step_records(reference)
+    ref_summary = json.loads((reference / "summary.json").read_text())
+    assert last_json_line(resumed.stdout)["heldout_reward_after"] == ref_summary["heldout_reward_after"]
+
+
+def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_path: Path) -> None:
+    """Prompt groups spread over 2 ranks: same rewards, advantages and updates as 1 process."""
+    single = tmp_path / "single"
+    _train(model_dir, single, 2)
+    double = tmp_path / "double"
+    accelerate = shutil.which("accelerate")
+    assert accelerate, "accelerate's launcher must be installed"
+    env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+         str(REPO / "recipes" / "train_nft.py"), *fast_overrides(model_dir, double, 2)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows_1, rows_2 = step_records(single), step_records(double)
+    assert len(rows_2) == 2
+    for a, b in zip(rows_1, rows_2):
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-5)
+        assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-4, abs=1e-6)
+    assert last_json_line(proc.stdout)["heldout_reward_after"] == pytest.approx(
+        json.loads((single / "summary.json").read_text())["heldout_reward_after"], abs=1e-4
+    )
+
+
+@pytest.mark.parametrize("damage", ["missing", "no_manifest", "truncated", "other_model"])
+def test_bad_checkpoints_are_refused(model_dir: Path, tmp_path: Path, damage: str) -> None:
+    run = tmp_path / "run"
+    _train(model_dir, run, 1, "train.eval_at_start_and_end=false")
+    ckpt = run / "checkpoints" / "step_0000001"
+    overrides = fast_overrides(model_dir, tmp_path / "again", 2) + ["train.eval_at_start_and_end=false"]
+    if damage == "missing":
+        ckpt = tmp_path / "nowhere"
+    elif damage == "no_manifest":
+        (ckpt / "manifest.json").unlink()
+    elif damage == "truncated":
+        data = (ckpt / "tensors.safetensors").read_bytes()
+        (ckpt / "tensors.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        overrides.append("model.lora_rank=8")
+    trainer = NFTTrainer(load_config(None, overrides))
+    with pytest.raises(CheckpointError) as info:
+        trainer.fit(resume=str(ckpt))
+    message = str(info.value)
+    expected = {"missing": "does not exist", "no_manifest": "not a complete checkpoint",
+                "truncated": "truncated or corrupted", "other_model": "another model configuration"}[damage]
+    assert expected in message
+    assert not list((tmp_path / "again").glob("checkpoints/step_*")), "a refused resume must write nothing"
