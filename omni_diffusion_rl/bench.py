@@ -155,6 +155,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -174,6 +175,7 @@ def run_nft_step_bench(
         raise ValueError(
             f"repeats, batch_size and timesteps must be >= 1; got {repeats}, {batch_size}, {timesteps}"
         )
+    machine = machine_info()  # before the run: the load average then is the other processes' load
     policy, source = build_bench_policy(model_path)
     transformer = policy.transformer
     transformer.requires_grad_(False)
@@ -210,7 +212,7 @@ def run_nft_step_bench(
               for arm in ARMS}
     result: dict[str, Any] = {
         "benchmark": "nft-step",
-        "machine": machine_info(),
+        "machine": machine,
         "config": {
             "batch_size": batch_size,
             "timesteps": timesteps,

@@ -83,7 +83,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _spec(3e-4, "AdamW learning rate", gt=0)
+    lr: float = _spec(6e-4, "AdamW learning rate (the tiny default; reference recipes use 3e-4)", gt=0)
     weight_decay: float = _spec(1e-4, "AdamW weight decay", ge=0)
     grad_clip: float = _spec(1.0, "max gradient norm (0 disables)", ge=0)
 
@@ -107,7 +107,7 @@ class RewardConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _spec(60, "optimizer steps", ge=1)
+    steps: int = _spec(80, "optimizer steps", ge=1)
     seed: int = _spec(0, "seed for prompts, noise and initialisation", ge=0)
     output_dir: str = _spec("runs/tiny_t2av_nft", "where metrics, previews and checkpoints go")
     log_every: int = _spec(1, "steps between metric records", ge=1)
@@ -287,6 +287,15 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"reward.weights.{name}: {weight} is negative; weights must be >= 0")
     if sum(cfg.reward.weights.values()) <= 0:
         raise ConfigError("reward.weights: the weights sum to 0; give at least one a positive weight")
+    from .registry import rewards
+
+    registered = rewards.names()
+    for name in cfg.reward.weights:
+        if name not in registered:
+            raise ConfigError(
+                f"reward.weights.{name}: unknown reward '{name}'; registered: {', '.join(registered)} "
+                "(register your own with @omni_diffusion_rl.registry.rewards.register or an entry point)"
+            )
 
 
 def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:

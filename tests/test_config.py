@@ -193,3 +193,12 @@ def test_cli_train_rejects_a_bad_value_before_doing_any_work(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing written
+
+
+def test_unknown_reward_name_lists_the_registered_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["reward.weights={colour_match: 1.0}"])
+    message = str(info.value)
+    assert "unknown reward 'colour_match'" in message
+    for registered in ("color_match", "pitch_match", "timing_match", "av_sync"):
+        assert registered in message

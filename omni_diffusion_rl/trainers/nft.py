@@ -204,8 +204,8 @@ class NFTTrainer:
             loss, metrics = nft_loss(v_theta, v_old, x_t, rollout.x0, t, r.to(device), a.beta, a.adv_clip_max,
                                      v_ref, a.kl_coef)
             (loss / num_train).backward()
-            for k, v in {"loss/total": loss.detach(), **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) / num_train
+            for name, value in {"loss/total": loss.detach(), **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float(value) / num_train
         self._average_gradients()
         if self.cfg.optim.grad_clip > 0:
             sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
@@ -272,7 +272,8 @@ class NFTTrainer:
     def preview(self, tag: str, num: int = 4) -> Path | None:
         if not self.is_main:
             return None
-        prompts = self.eval_prompts[:num]
+        stride = max(1, len(self.eval_prompts) // num)
+        prompts = self.eval_prompts[::stride][:num]  # spread over the held-out set
         s = self.cfg.sampling
         cond = self._on_device(self.policy.encode_prompts(prompts))
         noise = torch.randn((len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview"))
