@@ -19,7 +19,7 @@ demo: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_t2av_nft.yaml
 
 test: setup
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/ruff check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q
 
 bench: setup

@@ -208,8 +208,10 @@ def run_nft_step_bench(
     ratios = {arm: medians[arm] / medians["fm"] for arm in ARMS}
     ratios_min = {arm: mins[arm] / mins["fm"] for arm in ARMS}
     # Per-round ratios pair each arm with the FM step right before it: robust to slow drift in load.
-    paired = {arm: statistics.median([s / f for s, f in zip(seconds[arm], seconds["fm"], strict=True)])
-              for arm in ARMS}
+    paired = {
+        arm: statistics.median([s / f for s, f in zip(seconds[arm], seconds["fm"], strict=True)])
+        for arm in ARMS
+    }
     result: dict[str, Any] = {
         "benchmark": "nft-step",
         "machine": machine,
@@ -254,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--timesteps", type=int, default=6)
-    parser.add_argument("--model-path", default=None,
-                        help="tiny_av model directory (default: builtin, else random init)")
+    parser.add_argument(
+        "--model-path", default=None, help="tiny_av model directory (default: builtin, else random init)"
+    )
     args = parser.parse_args(argv)
     run_nft_step_bench(args.output, args.repeats, args.batch_size, args.timesteps, args.model_path)
     return 0

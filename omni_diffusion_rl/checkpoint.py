@@ -71,9 +71,13 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "tensors.safetensors")
+    )
     torch.save(objects, tmp / "objects.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "format": FORMAT_VERSION}, indent=1), encoding="utf-8")
+    (tmp / "state.json").write_text(
+        json.dumps({**state, "format": FORMAT_VERSION}, indent=1), encoding="utf-8"
+    )
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1), encoding="utf-8")
     for p in tmp.iterdir():
@@ -126,7 +130,9 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             raise CheckpointError(f"checkpoint file {f} is truncated or corrupted (size/sha256 mismatch)")
     state = json.loads((path / "state.json").read_text(encoding="utf-8"))
     if state.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {state.get('format')}; this version reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format {state.get('format')}; this version reads {FORMAT_VERSION}"
+        )
     tensors = load_file(str(path / "tensors.safetensors"))
     objects = torch.load(path / "objects.pt", weights_only=False)
     return tensors, objects, state

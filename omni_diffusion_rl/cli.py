@@ -16,8 +16,10 @@ EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(
 def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported lazily
     from accelerate import Accelerator
 
-    return Accelerator(cpu=os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"),
-                       log_with="wandb" if use_wandb else None)
+    return Accelerator(
+        cpu=os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"),
+        log_with="wandb" if use_wandb else None,
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -72,16 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
-        "train", help="post-train a policy with DiffusionNFT (colocated; use accelerate launch for several processes)",
-        description="Post-train with DiffusionNFT. Prints a final JSON line with the held-out reward before/after.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "train",
+        help="post-train a policy with DiffusionNFT (colocated; use accelerate launch for several processes)",
+        description="Post-train with DiffusionNFT; prints a JSON line with the held-out reward before/after.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("config", nargs="?", help="YAML config (e.g. recipes/configs/tiny_t2av_nft.yaml)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. algorithm.beta=0.1")
     train.add_argument("--resume", help="checkpoint directory, or a run's checkpoints/ folder (its latest)")
     train.set_defaults(func=cmd_train)
 
-    sample = sub.add_parser("sample", help="generate media from a checkpoint or a base model and save previews")
+    sample = sub.add_parser(
+        "sample", help="generate media from a checkpoint or a base model and save previews"
+    )
     sample.add_argument("--checkpoint", help="checkpoint directory (uses its trained adapter)")
     sample.add_argument("--pretrained", default="builtin", help="base model when no checkpoint is given")
     sample.add_argument("--prompt", action="append", help="a prompt (repeatable)")

@@ -27,7 +27,9 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
     for name in (lora.TRAINED, lora.OLD):
         prefix = f"{name}/"
         lora.load_adapter_state_dict(
-            policy.transformer, name, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            policy.transformer,
+            name,
+            {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)},
         )
     lora.set_active_adapter(policy.transformer, lora.TRAINED)
     policy.transformer.eval()
@@ -36,7 +38,12 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
 
 @torch.no_grad()
 def generate_media(
-    policy: FlowPolicy, prompts: list[str], steps: int = 20, solver: str = "euler", seed: int = 0, shift: float = 1.0
+    policy: FlowPolicy,
+    prompts: list[str],
+    steps: int = 20,
+    solver: str = "euler",
+    seed: int = 0,
+    shift: float = 1.0,
 ) -> MediaBatch:
     """One sample per prompt from seeded noise."""
     cond = policy.encode_prompts(prompts)

@@ -20,7 +20,9 @@ def load_prompts(source: str) -> list[str]:
     """Prompts from 'builtin:NAME' or a text file; blank lines and '#' comments are skipped."""
     if source.startswith("builtin:"):
         if source not in BUILTIN:
-            raise PromptFileError(f"unknown built-in prompt set '{source}'; choose one of {', '.join(BUILTIN)}")
+            raise PromptFileError(
+                f"unknown built-in prompt set '{source}'; choose one of {', '.join(BUILTIN)}"
+            )
         return list(BUILTIN[source])
     path = Path(source)
     if not path.is_file():
@@ -28,8 +30,12 @@ def load_prompts(source: str) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
-        raise PromptFileError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8") from e
-    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        raise PromptFileError(
+            f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8"
+        ) from e
+    prompts = [
+        line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
     if not prompts:
         raise PromptFileError(f"prompt file {path} has no prompts: write one prompt per line")
     return prompts

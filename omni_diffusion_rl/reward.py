@@ -26,15 +26,19 @@ class Reward(Protocol):
 def checked_scores(name: str, scores: object, batch_size: int) -> torch.Tensor:
     """The scores as a float tensor [B], or a RewardError naming what is wrong."""
     if not isinstance(scores, torch.Tensor):
-        raise RewardError(f"reward '{name}' returned {type(scores).__name__}; it must return a torch.Tensor [B]")
+        raise RewardError(
+            f"reward '{name}' returned {type(scores).__name__}; it must return a torch.Tensor [B]"
+        )
     if scores.shape != (batch_size,):
         raise RewardError(
-            f"reward '{name}' returned shape {tuple(scores.shape)} for a batch of {batch_size}; expected ({batch_size},)"
+            f"reward '{name}' returned shape {tuple(scores.shape)} for a batch of {batch_size}; "
+            f"expected ({batch_size},)"
         )
     bad = ~torch.isfinite(scores)
     if bad.any():
         raise RewardError(
-            f"reward '{name}' returned non-finite scores (NaN/inf) for samples {bad.nonzero().flatten().tolist()}"
+            f"reward '{name}' returned non-finite scores (NaN/inf) for samples "
+            f"{bad.nonzero().flatten().tolist()}"
         )
     return scores.detach().float().cpu()
 
@@ -44,7 +48,9 @@ class WeightedReward:
 
     def __init__(self, components: dict[str, Reward], weights: dict[str, float]) -> None:
         if set(components) != set(weights):
-            raise ValueError(f"components {sorted(components)} and weights {sorted(weights)} must name the same rewards")
+            raise ValueError(
+                f"components {sorted(components)} and weights {sorted(weights)} must name the same rewards"
+            )
         total = sum(weights.values())
         if total <= 0:
             raise ValueError("reward weights must sum to a positive number")

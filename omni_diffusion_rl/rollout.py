@@ -49,5 +49,7 @@ def generate(
 
 
 @torch.no_grad()
-def score(policy: FlowPolicy, reward: WeightedReward, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def score(
+    policy: FlowPolicy, reward: WeightedReward, rollout: Rollout
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return reward(policy.decode(rollout.x0), rollout.prompts)

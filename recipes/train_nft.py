@@ -1,7 +1,7 @@
 """Recipe entry point for `accelerate launch`.
 
-    accelerate launch recipes/train_nft.py recipes/configs/tiny_t2av_nft.yaml train.steps=10
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 recipes/train_nft.py CONFIG
+accelerate launch recipes/train_nft.py recipes/configs/tiny_t2av_nft.yaml train.steps=10
+ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 recipes/train_nft.py CONFIG
 """
 
 import sys

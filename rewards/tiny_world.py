@@ -79,7 +79,9 @@ class PitchMatchReward:
         band = (octaves <= self.tolerance) & (freqs[None] >= 50)
         audible = freqs[None] >= 50
         total = (power * audible).sum(-1)
-        return torch.where(total > 1e-6, (power * band).sum(-1) / total.clamp(min=1e-6), torch.zeros_like(total))
+        return torch.where(
+            total > 1e-6, (power * band).sum(-1) / total.clamp(min=1e-6), torch.zeros_like(total)
+        )
 
 
 def _audio_envelope(audio: torch.Tensor, frames: int) -> torch.Tensor:

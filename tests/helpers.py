@@ -16,9 +16,18 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBU
 
 
 def tiny_model_dir(path: Path, seed: int = 0) -> Path:
-    """A small random-init tiny_av transformer saved with save_pretrained."""
+    """A small random-init tiny_av transformer saved with save_pretrained.
+
+    adaLN-Zero starts its gates at 0, which would block every gradient into the adapted layers;
+    a trained model has open gates, so the modulation layers get small random weights here.
+    """
     torch.manual_seed(seed)
-    TinyAVTransformer(dim=32, depth=1, heads=2, mlp_ratio=2).save_pretrained(path)
+    model = TinyAVTransformer(dim=32, depth=1, heads=2, mlp_ratio=2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "modulation" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
     return path
 
 

@@ -28,8 +28,17 @@ def test_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
     assert output.is_file()
     report = json.loads(output.read_text(encoding="utf-8"))
     assert report == json.loads(json.dumps(result))
-    for key in ("machine", "config", "timings_s_per_step", "timings_s_per_sample", "median_s_per_sample",
-                "min_s_per_sample", "ratios", "target_ratio_kl_off", "meets_target"):
+    for key in (
+        "machine",
+        "config",
+        "timings_s_per_step",
+        "timings_s_per_sample",
+        "median_s_per_sample",
+        "min_s_per_sample",
+        "ratios",
+        "target_ratio_kl_off",
+        "meets_target",
+    ):
         assert key in report, key
     assert {"torch", "threads", "cpu_count"} <= set(report["machine"])
     assert report["machine"]["threads"] == 1

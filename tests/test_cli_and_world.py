@@ -22,7 +22,9 @@ def test_pretrain_writes_a_loadable_model_and_lowers_the_loss(tmp_path: Path) ->
     later = pretrain_base_model(out, steps=40, batch_size=16, dataset_size=64, lr=3e-3, progress=False)
     assert later["final_loss"] < first["final_loss"]
     policy = TinyAVPolicy.from_pretrained(out)
-    v = policy.velocity(torch.zeros(2, world.LATENT_DIM), torch.full((2,), 0.5), policy.encode_prompts(["a", "b"]))
+    v = policy.velocity(
+        torch.zeros(2, world.LATENT_DIM), torch.full((2,), 0.5), policy.encode_prompts(["a", "b"])
+    )
     assert v.shape == (2, world.LATENT_DIM) and torch.isfinite(v).all()
 
 
@@ -39,9 +41,24 @@ def test_sample_command_writes_previews(tmp_path: Path) -> None:
     model = tiny_model_dir(tmp_path / "model")
     out = tmp_path / "samples"
     proc = subprocess.run(
-        odrl("sample", "--pretrained", str(model), "--prompt", world.HELDOUT_PROMPTS[0], "--prompt",
-             world.HELDOUT_PROMPTS[1], "--steps", "3", "--output", str(out)),
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120,
+        odrl(
+            "sample",
+            "--pretrained",
+            str(model),
+            "--prompt",
+            world.HELDOUT_PROMPTS[0],
+            "--prompt",
+            world.HELDOUT_PROMPTS[1],
+            "--steps",
+            "3",
+            "--output",
+            str(out),
+        ),
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     files = json.loads(proc.stdout.strip().splitlines()[-1])["files"]

@@ -65,7 +65,10 @@ class Attention(nn.Module):
             return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(
-            split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)), attn_mask=key_mask[:, None, None, :]
+            split(self.to_q(x)),
+            split(self.to_k(x)),
+            split(self.to_v(x)),
+            attn_mask=key_mask[:, None, None, :],
         )
         return self.to_out(out.transpose(1, 2).reshape(b, n, d))
 
@@ -196,4 +199,6 @@ class TinyAVPolicy:
 
     def decode(self, x0: torch.Tensor) -> MediaBatch:
         video, amps = world.unpack_latent(x0.float())
-        return MediaBatch(video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE)
+        return MediaBatch(
+            video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
+        )

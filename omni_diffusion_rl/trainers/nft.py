@@ -26,9 +26,7 @@ from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ExperimentConfig
 from ..media import save_previews
-from ..models import build_policy
-from ..models import lora
-from ..models.policy import FlowPolicy, index_condition
+from ..models import build_policy, lora
 from ..prompts import load_prompts
 from ..reward import WeightedReward
 from ..rollout import Rollout, generate, score
@@ -86,8 +84,11 @@ class NFTTrainer:
             self.accelerator.wait_for_everyone()
         path = None
         if self.is_main:
-            tensors = {f"{name}/{k}": v for name in (lora.TRAINED, lora.OLD)
-                       for k, v in lora.adapter_state_dict(self.transformer, name).items()}
+            tensors = {
+                f"{name}/{k}": v
+                for name in (lora.TRAINED, lora.OLD)
+                for k, v in lora.adapter_state_dict(self.transformer, name).items()
+            }
             objects = {
                 "optimizer": self.optimizer.state_dict(),
                 "torch_rng": torch.get_rng_state(),
@@ -117,7 +118,9 @@ class NFTTrainer:
         for name in (lora.TRAINED, lora.OLD):
             prefix = f"{name}/"
             lora.load_adapter_state_dict(
-                self.transformer, name, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                self.transformer,
+                name,
+                {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)},
             )
         self.optimizer.load_state_dict(objects["optimizer"])
         torch.set_rng_state(objects["torch_rng"])
@@ -145,6 +148,15 @@ class NFTTrainer:
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.gather(t) if self.world_size > 1 else t
 
+    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Per-rank metrics (e.g. the local loss) averaged over all processes, for logging."""
+        if self.world_size == 1:
+            return metrics
+        names = sorted(metrics)
+        values = torch.tensor([metrics[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(values)
+        return {n: float(v) / self.world_size for n, v in zip(names, values, strict=True)}
+
     def _average_gradients(self) -> None:
         if self.world_size == 1:
             return
@@ -166,10 +178,12 @@ class NFTTrainer:
     def rollout(self, step: int) -> Rollout:
         prompts, group_ids = self.prompts_for_step(step)
         s = self.cfg.sampling
-        noise = torch.cat([
-            torch.randn((self.cfg.data.group_size, *self.policy.latent_shape), generator=g)
-            for g in self._group_generators(step, group_ids, "rollout")
-        ])
+        noise = torch.cat(
+            [
+                torch.randn((self.cfg.data.group_size, *self.policy.latent_shape), generator=g)
+                for g in self._group_generators(step, group_ids, "rollout")
+            ]
+        )
         with lora.using_adapter(self.transformer, lora.OLD):
             return generate(self.policy, prompts, group_ids, noise, s.num_steps, s.time_shift, s.solver)
 
@@ -201,8 +215,9 @@ class NFTTrainer:
                     with lora.adapters_disabled(self.transformer):
                         v_ref = self.policy.velocity(x_t, t, rollout.cond)
             v_theta = self.policy.velocity(x_t, t, rollout.cond)
-            loss, metrics = nft_loss(v_theta, v_old, x_t, rollout.x0, t, r.to(device), a.beta, a.adv_clip_max,
-                                     v_ref, a.kl_coef)
+            loss, metrics = nft_loss(
+                v_theta, v_old, x_t, rollout.x0, t, r.to(device), a.beta, a.adv_clip_max, v_ref, a.kl_coef
+            )
             (loss / num_train).backward()
             for name, value in {"loss/total": loss.detach(), **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float(value) / num_train
@@ -228,18 +243,20 @@ class NFTTrainer:
         adv = group_advantages(all_rewards, all_groups, per_group_std=a.per_group_std)
         local = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
         r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
-        metrics = self.train_on(rollout, r, step)
+        metrics = self._mean_over_ranks(self.train_on(rollout, r, step))
         t3 = time.perf_counter()
         self.step += 1
-        metrics.update({
-            "reward/mean": float(all_rewards.mean()),
-            "reward/std": float(all_rewards.std(correction=0)),
-            "r/mean": float(r.mean()),
-            "time/rollout_s": t1 - t0,
-            "time/reward_s": t2 - t1,
-            "time/train_s": t3 - t2,
-            "time/sec_per_prompt": (t3 - t0) / (self.cfg.data.prompts_per_step // self.world_size),
-        })
+        metrics.update(
+            {
+                "reward/mean": float(all_rewards.mean()),
+                "reward/std": float(all_rewards.std(correction=0)),
+                "r/mean": float(r.mean()),
+                "time/rollout_s": t1 - t0,
+                "time/reward_s": t2 - t1,
+                "time/train_s": t3 - t2,
+                "time/sec_per_prompt": (t3 - t0) / (self.cfg.data.prompts_per_step // self.world_size),
+            }
+        )
         for name, s in parts.items():
             metrics[f"reward/{name}"] = float(self._gather(s).mean())
         return metrics
@@ -276,13 +293,21 @@ class NFTTrainer:
         prompts = self.eval_prompts[::stride][:num]  # spread over the held-out set
         s = self.cfg.sampling
         cond = self._on_device(self.policy.encode_prompts(prompts))
-        noise = torch.randn((len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview"))
-        x0 = sample_ode(self._velocity_fn(cond), noise.to(self.device), time_grid(s.eval_num_steps, s.time_shift),
-                        s.solver)
+        noise = torch.randn(
+            (len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview")
+        )
+        x0 = sample_ode(
+            self._velocity_fn(cond),
+            noise.to(self.device),
+            time_grid(s.eval_num_steps, s.time_shift),
+            s.solver,
+        )
         media = self.policy.decode(x0)
         total, parts = self.reward(media, prompts)
         out = self.output_dir / "previews" / tag
-        save_previews(out, media, prompts, {"reward": total.tolist(), **{k: v.tolist() for k, v in parts.items()}})
+        save_previews(
+            out, media, prompts, {"reward": total.tolist(), **{k: v.tolist() for k, v in parts.items()}}
+        )
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -295,24 +320,35 @@ class NFTTrainer:
         if self.is_main:
             _truncate_metrics(metrics_path, keep_until=self.step)
         logger = MetricsLogger(
-            self.output_dir, self.accelerator, use_wandb=cfg.tracking.wandb, project=cfg.tracking.project,
-            run_name=cfg.tracking.run_name or self.output_dir.name, config=cfg.to_dict(),
+            self.output_dir,
+            self.accelerator,
+            use_wandb=cfg.tracking.wandb,
+            project=cfg.tracking.project,
+            run_name=cfg.tracking.run_name or self.output_dir.name,
+            config=cfg.to_dict(),
         )
         start = time.perf_counter()
         if cfg.train.eval_at_start_and_end and self.eval_before is None:
             self.eval_before = self.evaluate()
             if cfg.train.preview_every:
                 self.preview(f"step_{self.step:05d}")
-        bar = tqdm(total=cfg.train.steps, initial=self.step, desc="DiffusionNFT",
-                   disable=not (cfg.train.progress and self.is_main))
+        bar = tqdm(
+            total=cfg.train.steps,
+            initial=self.step,
+            desc="DiffusionNFT",
+            disable=not (cfg.train.progress and self.is_main),
+        )
         try:
             while self.step < cfg.train.steps:
                 metrics = self.train_step()
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(metrics, step=self.step)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics['loss/total']:.3f}",
-                                s_per_prompt=f"{metrics['time/sec_per_prompt']:.2f}")
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}",
+                    loss=f"{metrics['loss/total']:.3f}",
+                    s_per_prompt=f"{metrics['time/sec_per_prompt']:.2f}",
+                )
                 if cfg.train.preview_every and self.step % cfg.train.preview_every == 0:
                     self.preview(f"step_{self.step:05d}")
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
@@ -325,13 +361,15 @@ class NFTTrainer:
         if cfg.train.eval_at_start_and_end:
             after = self.evaluate()
             before = self.eval_before or {}
-            summary.update({
-                "heldout_reward_before": round(before.get("reward", float("nan")), 4),
-                "heldout_reward_after": round(after["reward"], 4),
-                "heldout_gain": round(after["reward"] - before.get("reward", float("nan")), 4),
-                "components_before": {k: round(v, 4) for k, v in before.items() if k != "reward"},
-                "components_after": {k: round(v, 4) for k, v in after.items() if k != "reward"},
-            })
+            summary.update(
+                {
+                    "heldout_reward_before": round(before.get("reward", float("nan")), 4),
+                    "heldout_reward_after": round(after["reward"], 4),
+                    "heldout_gain": round(after["reward"] - before.get("reward", float("nan")), 4),
+                    "components_before": {k: round(v, 4) for k, v in before.items() if k != "reward"},
+                    "components_after": {k: round(v, 4) for k, v in after.items() if k != "reward"},
+                }
+            )
             logger.log({"eval/heldout_reward": after["reward"]}, step=self.step)
         logger.close()
         if self.is_main:
@@ -344,8 +382,11 @@ def _truncate_metrics(path: Path, keep_until: int) -> None:
     """Drop records logged after the checkpoint a run resumes from (they will be logged again)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= keep_until]
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= keep_until
+    ]
     if keep_until == 0:
         kept = []
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")

@@ -61,8 +61,8 @@ TRAIN_PROMPTS = [s.prompt for i, s in enumerate(ALL_SCENES) if i not in _HELDOUT
 HELDOUT_PROMPTS = [s.prompt for i, s in enumerate(ALL_SCENES) if i in _HELDOUT]
 
 _PROMPT_RE = re.compile(
-    r"\b(?P<color>%s)\b.*\b(?P<shape>%s)\b.*\b(?P<pitch>%s) tone\b.*\b(?P<when>start|end)\b"
-    % ("|".join(COLORS), "|".join(SHAPES), "|".join(PITCH_BINS))
+    rf"\b(?P<color>{'|'.join(COLORS)})\b.*\b(?P<shape>{'|'.join(SHAPES)})\b"
+    rf".*\b(?P<pitch>{'|'.join(PITCH_BINS)}) tone\b.*\b(?P<when>start|end)\b"
 )
 
 
@@ -151,7 +151,11 @@ def synthetic_batch(
     for _ in range(batch_size):
         scene = ALL_SCENES[int(torch.randint(len(ALL_SCENES), (1,), generator=gen))]
         shown = scene
-        for attr, options in (("color", list(COLORS)), ("pitch", list(PITCH_BINS)), ("when", list(WHEN_PHRASES))):
+        for attr, options in (
+            ("color", list(COLORS)),
+            ("pitch", list(PITCH_BINS)),
+            ("when", list(WHEN_PHRASES)),
+        ):
             if torch.rand((), generator=gen).item() < label_noise:
                 pick = options[int(torch.randint(len(options), (1,), generator=gen))]
                 shown = Scene(**{**shown.__dict__, attr: pick})
