@@ -24,13 +24,7 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
     policy, default_targets = build_policy(model_cfg)
     targets = model_cfg.lora_targets or default_targets
     lora.add_nft_adapters(policy.transformer, model_cfg.lora_rank, model_cfg.lora_alpha, targets)
-    for name in (lora.TRAINED, lora.OLD):
-        prefix = f"{name}/"
-        lora.load_adapter_state_dict(
-            policy.transformer,
-            name,
-            {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)},
-        )
+    lora.load_nft_adapter_tensors(policy.transformer, tensors)
     lora.set_active_adapter(policy.transformer, lora.TRAINED)
     policy.transformer.eval()
     return policy

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 METRICS_FILE = "metrics.jsonl"
 WANDB_MISSING = (
     "tracking with wandb was requested but the wandb package is not installed: "
-    "run `pip install wandb` (or `pip install -e .[wandb]`), or set tracking.wandb=false"
+    "run `pip install wandb`, or set tracking.wandb=false"
 )
 
 

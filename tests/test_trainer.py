@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -96,13 +96,12 @@ def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_p
     single = tmp_path / "single"
     _train(model_dir, single, 2)
     double = tmp_path / "double"
-    accelerate = shutil.which("accelerate")
-    assert accelerate, "accelerate's launcher must be installed"
     env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [
-            accelerate,
-            "launch",
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
             "--multi_gpu",
             "--num_processes",
             "2",

@@ -108,6 +108,20 @@ def adapter_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
     return {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model, name).items()}
 
 
+def nft_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Both adapters as one flat dict ('default/<param>', 'old/<param>') for a checkpoint."""
+    return {f"{name}/{k}": v for name in (TRAINED, OLD) for k, v in adapter_state_dict(model, name).items()}
+
+
+def load_nft_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of nft_adapter_tensors."""
+    for name in (TRAINED, OLD):
+        prefix = f"{name}/"
+        load_adapter_state_dict(
+            model, name, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        )
+
+
 @torch.no_grad()
 def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
     params = adapter_parameters(model, name)

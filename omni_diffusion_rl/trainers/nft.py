@@ -2,7 +2,8 @@
 
 Runs as one process or several under `accelerate launch`; gradients of the trained LoRA adapter
 are averaged across processes, and advantages are computed on the rewards of the whole batch.
-All per-step randomness derives from (seed, step, rank), so a resumed run replays exactly.
+All per-step randomness derives from (seed, step, prompt group), so a resumed run replays exactly
+and 2 processes reproduce 1.
 """
 
 from __future__ import annotations
@@ -84,11 +85,7 @@ class NFTTrainer:
             self.accelerator.wait_for_everyone()
         path = None
         if self.is_main:
-            tensors = {
-                f"{name}/{k}": v
-                for name in (lora.TRAINED, lora.OLD)
-                for k, v in lora.adapter_state_dict(self.transformer, name).items()
-            }
+            tensors = lora.nft_adapter_tensors(self.transformer)
             objects = {
                 "optimizer": self.optimizer.state_dict(),
                 "torch_rng": torch.get_rng_state(),
@@ -115,13 +112,7 @@ class NFTTrainer:
                 f"checkpoint {path} was made for another model configuration ({saved}); "
                 f"this run uses {dataclasses.asdict(self.cfg.model)}"
             )
-        for name in (lora.TRAINED, lora.OLD):
-            prefix = f"{name}/"
-            lora.load_adapter_state_dict(
-                self.transformer,
-                name,
-                {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)},
-            )
+        lora.load_nft_adapter_tensors(self.transformer, tensors)
         self.optimizer.load_state_dict(objects["optimizer"])
         torch.set_rng_state(objects["torch_rng"])
         random.setstate(objects["python_rng"])
@@ -351,6 +342,8 @@ class NFTTrainer:
                 )
                 if cfg.train.preview_every and self.step % cfg.train.preview_every == 0:
                     self.preview(f"step_{self.step:05d}")
+                    if self.is_main:
+                        plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save()
         finally:
