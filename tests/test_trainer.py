@@ -160,3 +160,31 @@ def test_bad_checkpoints_are_refused(model_dir: Path, tmp_path: Path, damage: st
     }[damage]
     assert expected in message
     assert not list((tmp_path / "again").glob("checkpoints/step_*")), "a refused resume must write nothing"
+
+
+def test_a_reward_that_returns_nan_stops_training_without_a_partial_checkpoint(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.registry import rewards
+    from omni_diffusion_rl.reward import RewardError
+
+    @rewards.register("test_nan_on_second_call", overwrite=True)
+    class NanOnSecondCall:
+        calls = 0
+
+        def score(self, media, prompts):  # noqa: ANN001, ANN202
+            NanOnSecondCall.calls += 1
+            scores = torch.rand(len(prompts))
+            return scores if NanOnSecondCall.calls == 1 else scores * float("nan")
+
+    run = tmp_path / "run"
+    overrides = fast_overrides(model_dir, run, 3) + [
+        "reward.weights={test_nan_on_second_call: 1.0}",
+        "train.eval_at_start_and_end=false",
+        "train.checkpoint_every=1",
+    ]
+    with pytest.raises(RewardError, match="test_nan_on_second_call.*non-finite"):
+        NFTTrainer(load_config(None, overrides)).fit()
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert checkpoints == ["latest", "step_0000001"], "only the completed step may be saved"
+    assert [r["step"] for r in step_records(run)] == [1]
