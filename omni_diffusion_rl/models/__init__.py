@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -9,20 +10,32 @@ if TYPE_CHECKING:
     from .policy import FlowPolicy
 
 
+def _has_local(source: str, subfolder: str) -> bool:
+    return (Path(source) / subfolder).is_dir()
+
+
 def build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
-    """The policy named by the config and its default LoRA target modules."""
+    """The policy named by the config and its default LoRA target modules.
+
+    For diffusers families, `pretrained` is a pipeline directory (or hub id) with a `transformer`
+    subfolder; a `vae` subfolder decodes latents when present, and for sd3 a `text_encoder` (+
+    `tokenizer`) subfolder encodes prompts (otherwise prompts are hashed offline).
+    """
     if cfg.family == "tiny_av":
         from .tiny_av import DEFAULT_LORA_TARGETS, TinyAVPolicy
 
         return TinyAVPolicy.from_pretrained(cfg.pretrained), DEFAULT_LORA_TARGETS
-    if cfg.family == "sd3":
-        from .diffusers_adapter import DiffusersImagePolicy
+    if cfg.family not in ("sd3", "stable_audio"):
+        raise ValueError(f"unknown model family '{cfg.family}'; choose tiny_av, sd3 or stable_audio")
+    from .diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy, TransformersPromptEncoder
 
-        policy = DiffusersImagePolicy.from_pretrained(cfg.pretrained)
-        return policy, list(policy.lora_target_modules)
-    if cfg.family == "stable_audio":
-        from .diffusers_adapter import DiffusersAudioPolicy
-
-        policy = DiffusersAudioPolicy.from_pretrained(cfg.pretrained)
-        return policy, list(policy.lora_target_modules)
-    raise ValueError(f"unknown model family '{cfg.family}'; choose tiny_av, sd3 or stable_audio")
+    cls = DiffusersImagePolicy if cfg.family == "sd3" else DiffusersAudioPolicy
+    is_local = Path(cfg.pretrained).exists()
+    vae = "vae" if not is_local or _has_local(cfg.pretrained, "vae") else None
+    policy = cls.from_pretrained(cfg.pretrained, vae_subfolder=vae)
+    if cfg.family == "sd3" and is_local and _has_local(cfg.pretrained, "text_encoder"):
+        config = policy.transformer.config
+        policy.prompt_encoder = TransformersPromptEncoder.from_pretrained(
+            cfg.pretrained, hidden_dim=config.joint_attention_dim, pooled_dim=config.pooled_projection_dim
+        )
+    return policy, list(policy.lora_target_modules)
