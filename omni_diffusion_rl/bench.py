@@ -106,37 +106,21 @@ def make_trainer(
 
 
 def flow_matching_step(trainer: NFTTrainer, rollout: Rollout, step: int) -> dict[str, float]:
-    """Plain flow-matching fine-tuning step, mirroring `NFTTrainer.train_on` line for line minus NFT.
+    """Plain flow-matching fine-tuning step on the trainer's own inputs and optimizer step.
 
-    Same per-group timestep draw and noise, x_t, loss scaling, metric sync, gradient clipping and
-    optimizer step; no `old` or reference forward, no NFT loss and no soft update of `old`.
+    Same timestep draw, noise and x_t (`noised_inputs`), loss scaling, gradient sync, clipping and
+    optimizer step (`apply_gradients`) as `NFTTrainer.train_on`; no `old` or reference forward, no
+    NFT loss and no soft update of `old`.
     """
-    a = trainer.cfg.algorithm
-    train_times = rollout.grid[:-1]
-    num_train = max(1, int(len(train_times) * a.timestep_fraction))
-    k = trainer.cfg.data.group_size
-    orders, noises = [], []
-    for gen in trainer._group_generators(step, rollout.group_ids[::k].tolist(), "train"):
-        orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
-        noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
-    order = torch.stack(orders)
-    all_noise = torch.cat(noises, dim=1)
-    device = rollout.x0.device
+    inputs = trainer.noised_inputs(rollout, step)
     trainer.optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    for j in range(num_train):
-        t = train_times[order[:, j]].to(device)
-        noise = all_noise[j].to(device)
-        t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
-        x_t = (1 - t_b) * rollout.x0 + t_b * noise
+    sums: dict[str, float] = {"loss/total": 0.0}
+    for t, noise, x_t in inputs:
         v_theta = trainer.policy.velocity(x_t, t, rollout.cond)
         loss = flow_matching_loss(v_theta, noise, rollout.x0)
-        (loss / num_train).backward()
-        sums["loss/total"] = sums.get("loss/total", 0.0) + float(loss.detach()) / num_train
-    trainer._average_gradients()
-    if trainer.cfg.optim.grad_clip > 0:
-        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.optim.grad_clip))
-    trainer.optimizer.step()
+        (loss / len(inputs)).backward()
+        sums["loss/total"] += float(loss.detach()) / len(inputs)
+    trainer.apply_gradients(sums)
     return sums
 
 

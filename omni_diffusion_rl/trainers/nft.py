@@ -178,26 +178,44 @@ class NFTTrainer:
         with lora.using_adapter(self.transformer, lora.OLD):
             return generate(self.policy, prompts, group_ids, noise, s.num_steps, s.time_shift, s.solver)
 
-    def train_on(self, rollout: Rollout, r: torch.Tensor, step: int) -> dict[str, float]:
-        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step."""
-        a = self.cfg.algorithm
-        train_times = rollout.grid[:-1]  # t > 0
-        num_train = max(1, int(len(train_times) * a.timestep_fraction))
+    def noised_inputs(
+        self, rollout: Rollout, step: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(t, noise, x_t) per trained timestep: `timestep_fraction` of the sampler grid (t > 0), in a
+        random order per sample, x_t forward-noised from x0 with fresh noise."""
+        train_times = rollout.grid[:-1]
+        num_train = max(1, int(len(train_times) * self.cfg.algorithm.timestep_fraction))
         k = self.cfg.data.group_size
         orders, noises = [], []
         for gen in self._group_generators(step, rollout.group_ids[::k].tolist(), "train"):
             orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
             noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
         order = torch.stack(orders)
-        all_noise = torch.cat(noises, dim=1)
-        device = rollout.x0.device
+        all_noise = torch.cat(noises, dim=1).to(rollout.x0.device)
+        inputs = []
+        for j in range(num_train):
+            t = train_times[order[:, j]].to(rollout.x0.device)
+            t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
+            inputs.append((t, all_noise[j], (1 - t_b) * rollout.x0 + t_b * all_noise[j]))
+        return inputs
+
+    def apply_gradients(self, metrics: dict[str, float]) -> None:
+        """Average gradients over processes, clip, take the optimizer step."""
+        self._average_gradients()
+        if self.cfg.optim.grad_clip > 0:
+            metrics["grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+            )
+        self.optimizer.step()
+
+    def train_on(self, rollout: Rollout, r: torch.Tensor, step: int) -> dict[str, float]:
+        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step."""
+        a = self.cfg.algorithm
+        inputs = self.noised_inputs(rollout, step)
+        r = r.to(rollout.x0.device)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for j in range(num_train):
-            t = train_times[order[:, j]].to(device)
-            noise = all_noise[j].to(device)
-            t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
-            x_t = (1 - t_b) * rollout.x0 + t_b * noise
+        for t, _, x_t in inputs:
             with torch.no_grad():
                 with lora.using_adapter(self.transformer, lora.OLD):
                     v_old = self.policy.velocity(x_t, t, rollout.cond)
@@ -207,15 +225,12 @@ class NFTTrainer:
                         v_ref = self.policy.velocity(x_t, t, rollout.cond)
             v_theta = self.policy.velocity(x_t, t, rollout.cond)
             loss, metrics = nft_loss(
-                v_theta, v_old, x_t, rollout.x0, t, r.to(device), a.beta, a.adv_clip_max, v_ref, a.kl_coef
+                v_theta, v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
             )
-            (loss / num_train).backward()
+            (loss / len(inputs)).backward()
             for name, value in {"loss/total": loss.detach(), **metrics}.items():
-                sums[name] = sums.get(name, 0.0) + float(value) / num_train
-        self._average_gradients()
-        if self.cfg.optim.grad_clip > 0:
-            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip))
-        self.optimizer.step()
+                sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
+        self.apply_gradients(sums)
         decay = old_adapter_decay(a.decay_schedule, step)
         lora.soft_update_old(self.transformer, decay)
         sums["old_decay"] = decay
