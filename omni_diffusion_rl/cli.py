@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pretrain = sub.add_parser("pretrain", help="pre-train the tiny built-in base model on synthetic clips")
     pretrain.add_argument("--output", default=None, help="directory (default: the shipped builtin location)")
-    pretrain.add_argument("--steps", type=int, default=2000)
+    pretrain.add_argument("--steps", type=int, default=1500)
     pretrain.add_argument("--label-noise", type=float, default=0.5)
     pretrain.add_argument("--seed", type=int, default=0)
     pretrain.set_defaults(func=cmd_pretrain)

@@ -19,7 +19,7 @@ from . import tiny_world as world
 
 def pretrain_base_model(
     output_dir: str | Path = BUILTIN_WEIGHTS,
-    steps: int = 2000,
+    steps: int = 1500,
     batch_size: int = 64,
     dataset_size: int = 8192,
     label_noise: float = 0.5,
