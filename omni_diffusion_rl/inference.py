@@ -11,7 +11,7 @@ from .config import ModelConfig
 from .media import MediaBatch
 from .models import build_policy, lora
 from .models.policy import FlowPolicy
-from .sampling import sample_ode, time_grid
+from .rollout import generate
 
 
 def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin") -> FlowPolicy:
@@ -40,7 +40,5 @@ def generate_media(
     shift: float = 1.0,
 ) -> MediaBatch:
     """One sample per prompt from seeded noise."""
-    cond = policy.encode_prompts(prompts)
     noise = torch.randn((len(prompts), *policy.latent_shape), generator=torch.Generator().manual_seed(seed))
-    x0 = sample_ode(lambda x, t: policy.velocity(x, t, cond), noise, time_grid(steps, shift), solver)
-    return policy.decode(x0)
+    return policy.decode(generate(policy, prompts, list(range(len(prompts))), noise, steps, shift, solver).x0)

@@ -31,7 +31,6 @@ from ..models import build_policy, lora
 from ..prompts import load_prompts
 from ..reward import WeightedReward
 from ..rollout import Rollout, generate, score
-from ..sampling import sample_ode, time_grid
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
@@ -268,12 +267,6 @@ class NFTTrainer:
         return metrics
 
     # ------------------------------------------------------------------ evaluation and previews
-    def _on_device(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in cond.items()}
-
-    def _velocity_fn(self, cond: dict[str, torch.Tensor]):  # noqa: ANN202
-        return lambda x, t: self.policy.velocity(x, t.to(self.device), cond)
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out reward with the trained adapter, fixed prompts and fixed noise (seed-independent)."""
@@ -283,10 +276,16 @@ class NFTTrainer:
         gen = step_generator(0, 0, 0, "eval")
         noise_all = torch.randn((n, *self.policy.latent_shape), generator=gen)
         s = self.cfg.sampling
-        cond = self._on_device(self.policy.encode_prompts([prompts[i] for i in mine]))
-        grid = time_grid(s.eval_num_steps, s.time_shift)
-        x0 = sample_ode(self._velocity_fn(cond), noise_all[mine].to(self.device), grid, s.solver)
-        total, parts = self.reward(self.policy.decode(x0), [prompts[i] for i in mine])
+        rollout = generate(
+            self.policy,
+            [prompts[i] for i in mine],
+            mine,
+            noise_all[mine],
+            s.eval_num_steps,
+            s.time_shift,
+            s.solver,
+        )
+        total, parts = score(self.policy, self.reward, rollout)
         out = {"reward": float(self._gather(total).mean())}
         out.update({name: float(self._gather(v).mean()) for name, v in parts.items()})
         return out
@@ -298,17 +297,13 @@ class NFTTrainer:
         stride = max(1, len(self.eval_prompts) // num)
         prompts = self.eval_prompts[::stride][:num]  # spread over the held-out set
         s = self.cfg.sampling
-        cond = self._on_device(self.policy.encode_prompts(prompts))
         noise = torch.randn(
             (len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview")
         )
-        x0 = sample_ode(
-            self._velocity_fn(cond),
-            noise.to(self.device),
-            time_grid(s.eval_num_steps, s.time_shift),
-            s.solver,
+        rollout = generate(
+            self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
         )
-        media = self.policy.decode(x0)
+        media = self.policy.decode(rollout.x0)
         total, parts = self.reward(media, prompts)
         out = self.output_dir / "previews" / tag
         save_previews(
