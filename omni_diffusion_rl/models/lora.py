@@ -19,7 +19,13 @@ OLD = "old"
 
 
 def _lora_layers(model: nn.Module) -> list[BaseTunerLayer]:
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    """The adapted layers, found once per model (adapter switches happen several times a step)."""
+    cached = model.__dict__.get("_odrl_lora_layers")
+    if cached is None:
+        cached = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        if cached:
+            model.__dict__["_odrl_lora_layers"] = cached
+    return cached
 
 
 def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: list[str]) -> None:
@@ -36,13 +42,12 @@ def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: 
 
 
 def set_active_adapter(model: nn.Module, name: str) -> None:
-    """Route forwards through adapter `name` (adapters enabled); `old` never requires grad."""
+    """Route forwards through adapter `name` (adapters enabled); only `default` ever requires grad."""
     for layer in _lora_layers(model):
-        layer.set_adapter(name)
-        layer.enable_adapters(True)
-    # peft marks the active adapter trainable; the `old` adapter is never trained.
-    for param in adapter_parameters(model, OLD).values():
-        param.requires_grad_(False)
+        if layer.disable_adapters:
+            layer.enable_adapters(True)
+        # peft marks the active adapter trainable unless inference_mode; `old` is never trained.
+        layer.set_adapter(name, inference_mode=name != TRAINED)
 
 
 @contextmanager
