@@ -103,6 +103,9 @@ class RewardConfig:
         {"color_match": 1.0, "pitch_match": 1.0, "timing_match": 1.0, "av_sync": 1.0},
         "registered reward name -> weight; the reward is the weighted mean",
     )
+    options: dict[str, dict[str, Any]] = _spec(
+        {}, "reward name -> keyword arguments for it, e.g. {clap: {checkpoint: /models/clap}}"
+    )
 
 
 @dataclass
@@ -171,6 +174,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         k_tp, v_tp = typing.get_args(tp)
         return {_coerce(f"{key} key", k, k_tp): _coerce(f"{key}.{k}", v, v_tp) for k, v in value.items()}
+    if tp is Any:
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
@@ -287,6 +292,12 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"reward.weights.{name}: {weight} is negative; weights must be >= 0")
     if sum(cfg.reward.weights.values()) <= 0:
         raise ConfigError("reward.weights: the weights sum to 0; give at least one a positive weight")
+    for name in cfg.reward.options:
+        if name not in cfg.reward.weights:
+            raise ConfigError(
+                f"reward.options.{name}: options for a reward that reward.weights does not use "
+                f"({', '.join(cfg.reward.weights)})"
+            )
     from .registry import rewards
 
     registered = rewards.names()

@@ -6,7 +6,7 @@ scores are finite; register it with `@omni_diffusion_rl.registry.rewards.registe
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -58,8 +58,12 @@ class WeightedReward:
         self.weights = {k: w / total for k, w in weights.items()}
 
     @classmethod
-    def from_registry(cls, weights: dict[str, float]) -> WeightedReward:
-        return cls({name: reward_registry.create(name) for name in weights}, weights)
+    def from_registry(
+        cls, weights: dict[str, float], options: dict[str, dict[str, Any]] | None = None
+    ) -> WeightedReward:
+        """Each named reward created from the registry with its keyword arguments from `options`."""
+        options = options or {}
+        return cls({name: reward_registry.create(name, **options.get(name, {})) for name in weights}, weights)
 
     def __call__(self, media: MediaBatch, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Combined scores [B] and each component's scores."""

@@ -1,8 +1,12 @@
 """CLAP text-audio reward: cosine of the L2-normalised text and audio embeddings of a CLAP model.
 
 The default backend is transformers' `ClapModel` + `ClapProcessor`, loaded with `from_pretrained` from a
-local directory or a hub id (laion-clap is not used). The registry creates rewards without arguments, so
-`rewards.create("clap")` raises until a checkpoint is given; register a configured reward instead:
+local directory or a hub id (laion-clap is not used). In a config, give the checkpoint through
+`reward.options`:
+
+    reward: {weights: {clap: 1.0}, options: {clap: {checkpoint: /models/clap-htsat-unfused}}}
+
+In code, register a configured reward under a name of its own:
 
     import functools
 
@@ -123,9 +127,9 @@ class ClapReward:
     ) -> None:
         if model is None and checkpoint is None:
             raise ValueError(
-                "reward 'clap' needs a CLAP checkpoint: pass checkpoint=<local directory or hub id> (or a "
-                "model and processor) as reward kwargs, e.g. register functools.partial(ClapReward, "
-                "checkpoint=...) or a small subclass under a new name; see rewards/clap.py"
+                "reward 'clap' needs a CLAP checkpoint: set reward.options={clap: {checkpoint: <local "
+                "directory or hub id>}} in the config, or in code pass checkpoint= (or a model and "
+                "processor); see rewards/clap.py"
             )
         source = "the given processor" if processor is not None else f"checkpoint '{checkpoint}'"
         if processor is None and checkpoint is None:

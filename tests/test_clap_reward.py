@@ -188,3 +188,18 @@ def test_resampler_keeps_frequency(orig: int, new: int, freq: float) -> None:
     # Away from the edges the amplitude is kept.
     middle = out[len(out) // 4 : 3 * len(out) // 4]
     assert abs(middle.abs().max().item() - 1.0) < 0.02
+
+
+def test_configured_from_a_config_file(checkpoint: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.media import MediaBatch
+    from omni_diffusion_rl.reward import WeightedReward
+
+    path = tmp_path / "reward.yaml"
+    path.write_text(
+        f"reward:\n  weights: {{clap: 1.0}}\n  options: {{clap: {{checkpoint: '{checkpoint}'}}}}\n"
+    )
+    cfg = load_config(path)
+    combined = WeightedReward.from_registry(cfg.reward.weights, cfg.reward.options)
+    total, parts = combined(MediaBatch(audio=_noise(2, 0.5), sample_rate=8000), ["a dog barks", "rain"])
+    assert torch.equal(total, parts["clap"]) and total.shape == (2,)

@@ -202,3 +202,17 @@ def test_unknown_reward_name_lists_the_registered_ones() -> None:
     assert "unknown reward 'colour_match'" in message
     for registered in ("color_match", "pitch_match", "timing_match", "av_sync"):
         assert registered in message
+
+
+def test_reward_options_reach_the_reward_and_must_name_a_used_reward(tmp_path: Path) -> None:
+    from omni_diffusion_rl.reward import WeightedReward
+
+    cfg = load_config(
+        None, ["reward.weights={color_match: 1.0}", "reward.options={color_match: {sigma: 0.5}}"]
+    )
+    combined = WeightedReward.from_registry(cfg.reward.weights, cfg.reward.options)
+    assert combined.components["color_match"].sigma == 0.5
+    with pytest.raises(ConfigError, match="reward.options.pitch_match"):
+        load_config(None, ["reward.weights={color_match: 1.0}", "reward.options={pitch_match: {}}"])
+    with pytest.raises(ConfigError, match="reward.options.color_match: expected a mapping"):
+        load_config(None, ["reward.options={color_match: 3}"])

@@ -59,7 +59,7 @@ class NFTTrainer:
         torch.manual_seed(cfg.train.seed)
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
-        self.reward = WeightedReward.from_registry(cfg.reward.weights)
+        self.reward = WeightedReward.from_registry(cfg.reward.weights, cfg.reward.options)
         self.policy, default_targets = build_policy(cfg.model)
         self.device = accelerator.device if accelerator is not None else torch.device("cpu")
         self.transformer = self.policy.transformer.to(self.device)
