@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from diffusers import SD3Transformer2DModel
 
 from omni_diffusion_rl.models.tiny_av import TinyAVTransformer
 
@@ -64,3 +65,21 @@ def step_records(run_dir: Path) -> list[dict]:
 
 def last_json_line(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def tiny_sd3() -> SD3Transformer2DModel:
+    """A random-init SD3 transformer small enough for CPU tests (latent [4, 8, 8])."""
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=12,
+        out_channels=4,
+        pos_embed_max_size=8,
+    )

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
-
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch

@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
+from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from diffusers import (  # noqa: E402
+import pytest
+import torch
+from diffusers import (
     AutoencoderKL,
     AutoencoderOobleck,
-    SD3Transformer2DModel,
     StableAudioDiTModel,
 )
 
-from omni_diffusion_rl.media import MediaBatch  # noqa: E402
-from omni_diffusion_rl.models.diffusers_adapter import DiffusersAudioPolicy as AudioPolicy  # noqa: E402
-from omni_diffusion_rl.models.diffusers_adapter import DiffusersImagePolicy as ImagePolicy  # noqa: E402
-from omni_diffusion_rl.models.diffusers_adapter import (  # noqa: E402
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.models.diffusers_adapter import DiffusersAudioPolicy as AudioPolicy
+from omni_diffusion_rl.models.diffusers_adapter import DiffusersImagePolicy as ImagePolicy
+from omni_diffusion_rl.models.diffusers_adapter import (
     HashedPromptEncoder,
     PromptEncoder,
     TransformersPromptEncoder,
 )
-from omni_diffusion_rl.models.lora import (  # noqa: E402
+from omni_diffusion_rl.models.lora import (
     OLD,
     TRAINED,
     adapter_parameters,
@@ -35,7 +30,9 @@ from omni_diffusion_rl.models.lora import (  # noqa: E402
     trainable_parameters,
     using_adapter,
 )
-from omni_diffusion_rl.models.policy import FlowPolicy  # noqa: E402
+from omni_diffusion_rl.models.policy import FlowPolicy
+
+from .helpers import tiny_sd3
 
 Policy = ImagePolicy | AudioPolicy
 PROMPTS = ["a red cat on a mat", "low drum beat"]
@@ -49,23 +46,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_sd3() -> SD3Transformer2DModel:
-    torch.manual_seed(0)
-    return SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=12,
-        out_channels=4,
-        pos_embed_max_size=8,
-    )
 
 
 def tiny_stable_audio() -> StableAudioDiTModel:

@@ -12,10 +12,7 @@ import pytest
 import torch
 from PIL import Image, ImageSequence
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("WANDB_MODE", "offline")
-
-from omni_diffusion_rl.media import (  # noqa: E402
+from omni_diffusion_rl.media import (
     SHEET_GAP,
     MediaBatch,
     atomic_write,

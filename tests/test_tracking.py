@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,11 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["WANDB_MODE"] = "offline"
-os.environ.setdefault("WANDB_SILENT", "true")
-
-from omni_diffusion_rl.tracking import (  # noqa: E402
+from omni_diffusion_rl.tracking import (
     METRICS_FILE,
     MetricsLogger,
     flatten_config,

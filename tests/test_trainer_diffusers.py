@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from diffusers import SD3Transformer2DModel
-
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.inference import load_policy
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.trainers.nft import NFTTrainer
+
+from .helpers import tiny_sd3
 
 
 @rewards.register("test_brightness", overwrite=True)
@@ -23,20 +22,7 @@ class Brightness:
 
 
 def test_nft_on_a_tiny_sd3_transformer(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=12,
-        out_channels=4,
-        pos_embed_max_size=8,
-    ).save_pretrained(tmp_path / "pipe" / "transformer")
+    tiny_sd3().save_pretrained(tmp_path / "pipe" / "transformer")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a bright sky\na dark room\n", encoding="utf-8")
     run = tmp_path / "run"
