@@ -55,9 +55,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    from .models.tiny_av import BUILTIN_WEIGHTS
     from .world.pretrain import pretrain_base_model
 
-    result = pretrain_base_model(args.output, steps=args.steps, label_noise=args.label_noise, seed=args.seed)
+    result = pretrain_base_model(
+        args.output or BUILTIN_WEIGHTS, steps=args.steps, label_noise=args.label_noise, seed=args.seed
+    )
     print(json.dumps(result))
     return 0
 
@@ -116,10 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "output", "") is None and args.command == "pretrain":
-        from .models.tiny_av import BUILTIN_WEIGHTS
-
-        args.output = BUILTIN_WEIGHTS
     from .checkpoint import CheckpointError
     from .prompts import PromptFileError
     from .registry import RegistryError

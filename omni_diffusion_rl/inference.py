@@ -9,7 +9,7 @@ import torch
 from .checkpoint import load_checkpoint
 from .config import ModelConfig
 from .media import MediaBatch
-from .models import build_policy, lora
+from .models import build_nft_policy, build_policy, lora
 from .models.policy import FlowPolicy
 from .rollout import generate
 
@@ -20,10 +20,7 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
         policy, _ = build_policy(ModelConfig(pretrained=pretrained))
         return policy
     tensors, _, state = load_checkpoint(checkpoint)
-    model_cfg = ModelConfig(**state["config"]["model"])
-    policy, default_targets = build_policy(model_cfg)
-    targets = model_cfg.lora_targets or default_targets
-    lora.add_nft_adapters(policy.transformer, model_cfg.lora_rank, model_cfg.lora_alpha, targets)
+    policy = build_nft_policy(ModelConfig(**state["config"]["model"]))
     lora.load_nft_adapter_tensors(policy.transformer, tensors)
     lora.set_active_adapter(policy.transformer, lora.TRAINED)
     policy.transformer.eval()

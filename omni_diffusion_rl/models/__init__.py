@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from ..config import ModelConfig
     from .policy import FlowPolicy
 
@@ -39,3 +41,15 @@ def build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
             cfg.pretrained, hidden_dim=config.joint_attention_dim, pooled_dim=config.pooled_projection_dim
         )
     return policy, list(policy.lora_target_modules)
+
+
+def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> FlowPolicy:
+    """The policy on `device`, base frozen, with the `default` and `old` LoRA adapters added."""
+    from . import lora
+
+    policy, default_targets = build_policy(cfg)
+    policy.transformer.to(device).requires_grad_(False)
+    lora.add_nft_adapters(
+        policy.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or default_targets
+    )
+    return policy

@@ -27,7 +27,7 @@ from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ExperimentConfig
 from ..media import save_previews
-from ..models import build_policy, lora
+from ..models import build_nft_policy, lora
 from ..prompts import load_prompts
 from ..reward import WeightedReward
 from ..rollout import Rollout, generate, score
@@ -60,12 +60,9 @@ class NFTTrainer:
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.reward = WeightedReward.from_registry(cfg.reward.weights, cfg.reward.options)
-        self.policy, default_targets = build_policy(cfg.model)
         self.device = accelerator.device if accelerator is not None else torch.device("cpu")
-        self.transformer = self.policy.transformer.to(self.device)
-        self.transformer.requires_grad_(False)
-        targets = cfg.model.lora_targets or default_targets
-        lora.add_nft_adapters(self.transformer, cfg.model.lora_rank, cfg.model.lora_alpha, targets)
+        self.policy = build_nft_policy(cfg.model, self.device)
+        self.transformer = self.policy.transformer
         self.params = lora.trainable_parameters(self.transformer)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.step = 0
@@ -390,6 +387,4 @@ def _truncate_metrics(path: Path, keep_until: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if line.strip() and json.loads(line).get("step", 0) <= keep_until
     ]
-    if keep_until == 0:
-        kept = []
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
