@@ -62,6 +62,11 @@ class SamplingConfig:
     num_steps: int = _spec(10, "sampling steps for training rollouts (also the training timestep grid)", ge=1)
     eval_num_steps: int = _spec(20, "sampling steps for evaluation and previews", ge=1)
     time_shift: float = _spec(1.0, "sigma shift s: t' = s t / (1 + (s - 1) t)", gt=0)
+    rollout_chunks: int = _spec(
+        1,
+        "split each step's rollout into chunks of prompt groups; a chunk is scored while the next generates",
+        ge=1,
+    )
 
 
 @dataclass
@@ -105,6 +110,26 @@ class RewardConfig:
     )
     options: dict[str, dict[str, Any]] = _spec(
         {}, "reward name -> keyword arguments for it, e.g. {clap: {checkpoint: /models/clap}}"
+    )
+    url: str = _spec(
+        "",
+        "reward server (odrl serve-reward), e.g. http://127.0.0.1:8400; rewards it serves are scored there",
+    )
+    token_env: str = _spec(
+        "ODRL_REWARD_TOKEN", "environment variable holding the reward server's bearer token"
+    )
+    timeout_s: float = _spec(120.0, "seconds before a reward request is abandoned and retried", gt=0)
+    request_retries: int = _spec(
+        4, "retries of a request the server did not answer (down, timeout, 5xx)", ge=0
+    )
+    retries: int = _spec(
+        1, "retries of a reward that raised or gave NaN, before its samples are dropped", ge=0
+    )
+    max_failed_fraction: float = _spec(
+        0.25,
+        "a step stops with an error when more than this share of its samples cannot be scored",
+        ge=0,
+        le=1,
     )
 
 
@@ -298,6 +323,10 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"reward.options.{name}: options for a reward that reward.weights does not use "
                 f"({', '.join(cfg.reward.weights)})"
             )
+    if cfg.reward.url:
+        if not cfg.reward.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.url: '{cfg.reward.url}' must start with http:// or https://")
+        return  # which names the server serves is asked at start-up
     from .registry import rewards
 
     registered = rewards.names()

@@ -191,9 +191,12 @@ def contact_sheet(video: torch.Tensor, labels: list[str] | None = None, scale: i
     return sheet
 
 
-def _reward_label(index: int, prompt: str, rewards: dict[str, list[float]]) -> str:
-    """Two-line label: the sample number and prompt, then each reward to three decimals."""
-    scores = "  ".join(f"{name}={value[index]:.3f}" for name, value in rewards.items())
+def _reward_label(index: int, prompt: str, rewards: dict[str, list[float | None]]) -> str:
+    """Two-line label: the sample number and prompt, then each reward to three decimals (None: failed)."""
+    scores = "  ".join(
+        f"{name}={'failed' if value[index] is None else format(value[index], '.3f')}"
+        for name, value in rewards.items()
+    )
     return f"{index:02d} {prompt}" + (f"\n{scores}" if scores else "")
 
 
@@ -201,7 +204,7 @@ def save_previews(
     out_dir: str | os.PathLike[str],
     media: MediaBatch,
     prompts: list[str],
-    rewards: dict[str, list[float]] | None = None,
+    rewards: dict[str, list[float | None]] | None = None,
 ) -> dict[str, str]:
     """Write a preview folder for a batch and return {file name: path} for every file written.
 
@@ -211,7 +214,7 @@ def save_previews(
     count = len(media)
     if len(prompts) != count:
         raise ValueError(f"got {len(prompts)} prompts for {count} samples")
-    scores: dict[str, list[float]] = {}
+    scores: dict[str, list[float | None]] = {}
     for name, values in (rewards or {}).items():
         values = [float(v) for v in values]
         if len(values) != count:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.policy import Condition, FlowPolicy, repeat_condition
-from .reward import WeightedReward
+from .models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
+from .reward import ScoreResult, WeightedReward
 from .sampling import sample_ode, time_grid
 
 
@@ -18,6 +18,29 @@ class Rollout:
     x0: torch.Tensor  # [N, *latent]
     cond: Condition
     grid: torch.Tensor  # [T + 1] sampler times, 1 -> 0
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, index: torch.Tensor) -> Rollout:
+        """The samples at `index` (a 1-D index tensor)."""
+        return Rollout(
+            prompts=[self.prompts[i] for i in index.tolist()],
+            group_ids=self.group_ids[index],
+            x0=self.x0[index.to(self.x0.device)],
+            cond=index_condition(self.cond, index.to(self.x0.device)),
+            grid=self.grid,
+        )
+
+    @staticmethod
+    def cat(parts: list[Rollout]) -> Rollout:
+        return Rollout(
+            prompts=[p for r in parts for p in r.prompts],
+            group_ids=torch.cat([r.group_ids for r in parts]),
+            x0=torch.cat([r.x0 for r in parts]),
+            cond=cat_conditions([r.cond for r in parts]),
+            grid=parts[0].grid,
+        )
 
 
 def generate(
@@ -49,7 +72,19 @@ def generate(
 
 
 @torch.no_grad()
-def score(
-    policy: FlowPolicy, reward: WeightedReward, rollout: Rollout
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def score(policy: FlowPolicy, reward: WeightedReward, rollout: Rollout) -> ScoreResult:
     return reward(policy.decode(rollout.x0), rollout.prompts)
+
+
+def cat_results(parts: list[ScoreResult]) -> ScoreResult:
+    """Score results of consecutive chunks as one (failure indices shifted to the joined batch)."""
+    failures, offset = {}, 0
+    for part in parts:
+        failures.update({offset + i: reason for i, reason in part.failures.items()})
+        offset += len(part.total)
+    names = parts[0].parts.keys()
+    return ScoreResult(
+        torch.cat([p.total for p in parts]),
+        {k: torch.cat([p.parts[k] for p in parts]) for k in names},
+        failures,
+    )

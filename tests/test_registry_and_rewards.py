@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import entry_points
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import omni_diffusion_rl.reward as reward_module
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import Registry, RegistryError
-from omni_diffusion_rl.reward import RewardError, WeightedReward, checked_scores
+from omni_diffusion_rl.reward import RewardError, RewardOutput, WeightedReward, checked_scores
 from omni_diffusion_rl.world import tiny_world as world
 
 TINY_REWARDS = ("av_sync", "color_match", "pitch_match", "timing_match")
@@ -113,18 +114,19 @@ def _audio_media(batch: int = 3) -> MediaBatch:
 def test_weighted_reward_normalises_weights_and_keeps_components() -> None:
     combined = WeightedReward({"a": _Constant(1.0), "b": _Constant(0.2)}, {"a": 3.0, "b": 1.0})
     assert combined.weights == pytest.approx({"a": 0.75, "b": 0.25})
-    total, parts = combined(_audio_media(), ["p"] * 3)
-    assert total.tolist() == pytest.approx([0.75 * 1.0 + 0.25 * 0.2] * 3)
-    assert set(parts) == {"a", "b"}
-    assert parts["a"].tolist() == [1.0] * 3
-    assert parts["b"].tolist() == pytest.approx([0.2] * 3)
+    result = combined(_audio_media(), ["p"] * 3)
+    assert result.total.tolist() == pytest.approx([0.75 * 1.0 + 0.25 * 0.2] * 3)
+    assert set(result.parts) == {"a", "b"}
+    assert result.parts["a"].tolist() == [1.0] * 3
+    assert result.parts["b"].tolist() == pytest.approx([0.2] * 3)
+    assert result.failures == {} and result.ok.all()
 
 
 def test_weighted_reward_zero_weight_component_is_still_scored() -> None:
     combined = WeightedReward({"a": _Constant(1.0), "b": _Constant(0.0)}, {"a": 1.0, "b": 0.0})
-    total, parts = combined(_audio_media(2), ["p", "q"])
-    assert total.tolist() == [1.0, 1.0]
-    assert parts["b"].tolist() == [0.0, 0.0]
+    result = combined(_audio_media(2), ["p", "q"])
+    assert result.total.tolist() == [1.0, 1.0]
+    assert result.parts["b"].tolist() == [0.0, 0.0]
 
 
 def test_weighted_reward_rejects_bad_setups() -> None:
@@ -135,6 +137,71 @@ def test_weighted_reward_rejects_bad_setups() -> None:
     combined = WeightedReward({"a": _Constant(1.0)}, {"a": 1.0})
     with pytest.raises(RewardError, match="2 prompts for 3"):
         combined(_audio_media(3), ["p", "q"])
+
+
+class _WithComponents:
+    def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        n = len(media)
+        return RewardOutput(torch.full((n,), 0.5), {"x": torch.arange(n).float(), "y": torch.ones(n)})
+
+
+class _Async:
+    async def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        await asyncio.sleep(0)
+        return torch.tensor([float(len(p)) for p in prompts])
+
+
+def test_components_and_async_rewards_are_combined() -> None:
+    combined = WeightedReward({"c": _WithComponents(), "n": _Async()}, {"c": 1.0, "n": 1.0})
+    result = combined(_audio_media(2), ["ab", "abcd"])
+    assert result.total.tolist() == pytest.approx([(0.5 + 2) / 2, (0.5 + 4) / 2])
+    assert result.parts["c/x"].tolist() == [0.0, 1.0] and result.parts["c/y"].tolist() == [1.0, 1.0]
+    assert result.parts["n"].tolist() == [2.0, 4.0]
+    assert combined.submit(_audio_media(2), ["ab", "abcd"]).result().total.tolist() == result.total.tolist()
+    combined.close()
+
+
+class _FailsOn:
+    """Raises (or gives NaN) whenever the batch holds a prompt in `bad`; counts its calls."""
+
+    def __init__(self, bad: set[str], how: str = "raise", times: int = 10**9) -> None:
+        self.bad, self.how, self.times, self.calls = bad, how, times, 0
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        self.calls += 1
+        hit = [p in self.bad for p in prompts]
+        if any(hit) and self.calls <= self.times:
+            if self.how == "raise":
+                raise OSError(f"cannot read {sorted(self.bad)}")
+            return torch.tensor([float("nan") if h else 1.0 for h in hit])
+        return torch.ones(len(prompts))
+
+
+def test_a_sample_that_keeps_failing_is_dropped_with_its_reason_not_scored_zero() -> None:
+    prompts = ["a", "b", "bad", "c", "d"]
+    for how, reason in [("raise", "OSError: cannot read ['bad']"), ("nan", "non-finite")]:
+        flaky = _FailsOn({"bad"}, how)
+        result = WeightedReward({"f": flaky, "one": _Constant(1.0)}, {"f": 1.0, "one": 1.0}, retries=2)(
+            _audio_media(5), prompts
+        )
+        assert list(result.failures) == [2] and reason in result.failures[2] and "f:" in result.failures[2]
+        assert result.ok.tolist() == [True, True, False, True, True]
+        assert torch.isnan(result.total[2]) and torch.isnan(result.parts["one"][2])
+        assert result.total[[0, 1, 3, 4]].tolist() == [1.0] * 4
+
+
+def test_a_transient_failure_is_retried_and_scores_everything() -> None:
+    for how in ("raise", "nan"):
+        flaky = _FailsOn({"b"}, how, times=1)
+        result = WeightedReward({"f": flaky}, {"f": 1.0}, retries=1)(_audio_media(3), ["a", "b", "c"])
+        assert result.failures == {} and result.total.tolist() == [1.0, 1.0, 1.0]
+        assert flaky.calls == 2
+
+
+def test_too_many_failed_samples_stop_with_the_reasons() -> None:
+    combined = WeightedReward({"f": _FailsOn({"x"})}, {"f": 1.0}, retries=0, max_failed_fraction=0.25)
+    with pytest.raises(RewardError, match=r"2 of 4 samples could not be scored.*OSError"):
+        combined(_audio_media(4), ["x", "x", "a", "b"])
 
 
 class _Broken:
@@ -175,7 +242,7 @@ def test_registered_broken_reward_is_an_error_naming_it(
     prompts = [world.ALL_SCENES[0].prompt] * 3
     with pytest.raises(RewardError) as info:
         combined(media, prompts)
-    assert "'broken_reward'" in str(info.value)
+    assert "broken_reward" in str(info.value)
     assert fragment in str(info.value)
 
 
@@ -280,7 +347,7 @@ def test_non_tiny_world_prompt_raises(name: str) -> None:
     with pytest.raises(ValueError, match="not a tiny-world prompt"):
         _reward(name).score(media, ["a photo of a cat"])
     combined = WeightedReward({name: _reward(name)}, {name: 1.0})
-    with pytest.raises(RewardError, match=f"'{name}'.*not a tiny-world prompt"):
+    with pytest.raises(RewardError, match=f"{name}: ValueError.*not a tiny-world prompt"):
         combined(media, ["a photo of a cat"])
 
 

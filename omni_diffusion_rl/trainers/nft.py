@@ -29,8 +29,9 @@ from ..config import ExperimentConfig
 from ..media import save_previews
 from ..models import build_nft_policy, lora
 from ..prompts import load_prompts
-from ..reward import WeightedReward
-from ..rollout import Rollout, generate, score
+from ..reward import ScoreResult, WeightedReward
+from ..rollout import Rollout, cat_results, generate, score
+from ..serving.wire import scores_to_json
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
@@ -59,7 +60,9 @@ class NFTTrainer:
         torch.manual_seed(cfg.train.seed)
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
-        self.reward = WeightedReward.from_registry(cfg.reward.weights, cfg.reward.options)
+        self.reward = WeightedReward.from_config(cfg.reward)
+        self.sample_counts: dict[str, int] = {}
+        self._t_generated = 0.0
         self.device = accelerator.device if accelerator is not None else torch.device("cpu")
         self.policy = build_nft_policy(cfg.model, self.device)
         self.transformer = self.policy.transformer
@@ -93,6 +96,7 @@ class NFTTrainer:
                 "data_position": self.step * self.cfg.data.prompts_per_step,
                 "model_fingerprint": self.model_fingerprint(),
                 "eval_before": self.eval_before,
+                "sample_counts": self.sample_counts,
                 "config": self.cfg.to_dict(),
             }
             path = save_checkpoint(self.output_dir / "checkpoints", self.step, tensors, objects, state)
@@ -115,6 +119,7 @@ class NFTTrainer:
         np.random.set_state(objects["numpy_rng"])
         self.step = int(state["step"])
         self.eval_before = state.get("eval_before")
+        self.sample_counts = dict(state.get("sample_counts", {}))
 
     # ------------------------------------------------------------------ data
     def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
@@ -162,17 +167,35 @@ class NFTTrainer:
         """One generator per prompt group: results do not depend on how groups spread over ranks."""
         return [step_generator(self.cfg.train.seed, step, g, stream) for g in group_ids]
 
-    def rollout(self, step: int) -> Rollout:
+    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
+        """Generate this rank's groups for `step` with the old adapter and score them.
+
+        With sampling.rollout_chunks > 1 the groups are generated chunk by chunk and each chunk is
+        scored on a background thread (or by a reward server) while the next one generates.
+        """
         prompts, group_ids = self.prompts_for_step(step)
         s = self.cfg.sampling
-        noise = torch.cat(
-            [
-                torch.randn((self.cfg.data.group_size, *self.policy.latent_shape), generator=g)
-                for g in self._group_generators(step, group_ids, "rollout")
-            ]
-        )
-        with lora.using_adapter(self.transformer, lora.OLD):
-            return generate(self.policy, prompts, group_ids, noise, s.num_steps, s.time_shift, s.solver)
+        k = self.cfg.data.group_size
+        generators = self._group_generators(step, group_ids, "rollout")
+        noise = torch.stack([torch.randn((k, *self.policy.latent_shape), generator=g) for g in generators])
+        chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(s.rollout_chunks)]
+        parts, pending = [], []
+        for chunk in chunks:
+            with lora.using_adapter(self.transformer, lora.OLD):
+                part = generate(
+                    self.policy,
+                    [prompts[i] for i in chunk],
+                    [group_ids[i] for i in chunk],
+                    noise[chunk].flatten(0, 1),
+                    s.num_steps,
+                    s.time_shift,
+                    s.solver,
+                )
+            with torch.no_grad():
+                pending.append(self.reward.submit(self.policy.decode(part.x0), part.prompts))
+            parts.append(part)
+        self._t_generated = time.perf_counter()
+        return Rollout.cat(parts), cat_results([f.result() for f in pending])
 
     def noised_inputs(
         self, rollout: Rollout, step: int
@@ -204,10 +227,24 @@ class NFTTrainer:
             )
         self.optimizer.step()
 
-    def train_on(self, rollout: Rollout, r: torch.Tensor, step: int) -> dict[str, float]:
-        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step."""
+    def train_on(
+        self, rollout: Rollout, r: torch.Tensor, step: int, keep: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step.
+
+        keep: [N] bool, the samples to train on (the others were dropped); the noise every sample
+        draws does not depend on which are dropped.
+        """
         a = self.cfg.algorithm
         inputs = self.noised_inputs(rollout, step)
+        weight = 1.0
+        if keep is not None and not bool(keep.all()):
+            index = keep.nonzero().flatten()
+            if len(index) == 0:  # nothing left here: a zero-weight pass keeps the collective ops in step
+                index, weight = torch.tensor([0]), 0.0
+            rollout, r = rollout.select(index), r[index]
+            dev = index.to(rollout.x0.device)
+            inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
         r = r.to(rollout.x0.device)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -223,7 +260,7 @@ class NFTTrainer:
             loss, metrics = nft_loss(
                 v_theta, v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
             )
-            (loss / len(inputs)).backward()
+            (loss * weight / len(inputs)).backward()
             for name, value in {"loss/total": loss.detach(), **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
         self.apply_gradients(sums)
@@ -235,33 +272,60 @@ class NFTTrainer:
     def train_step(self) -> dict[str, float]:
         step = self.step
         t0 = time.perf_counter()
-        rollout = self.rollout(step)
-        t1 = time.perf_counter()
-        rewards, parts = score(self.policy, self.reward, rollout)
+        rollout, scored = self.rollout(step)
         t2 = time.perf_counter()
-        all_rewards = self._gather(rewards)
+        all_rewards = self._gather(scored.total)
         all_groups = self._gather(rollout.group_ids)
+        all_ok = self._gather(scored.ok)
         a = self.cfg.algorithm
-        adv = group_advantages(all_rewards, all_groups, per_group_std=a.per_group_std)
-        local = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
+        keep_all = trainable_samples(all_ok, all_groups)
+        adv = torch.zeros(len(all_rewards))
+        if keep_all.any():
+            adv[keep_all] = group_advantages(
+                all_rewards[keep_all], all_groups[keep_all], per_group_std=a.per_group_std
+            )
+        local = slice(self.rank * len(rollout), (self.rank + 1) * len(rollout))
         r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
-        metrics = self._mean_over_ranks(self.train_on(rollout, r, step))
+        self._record_failures(step, rollout, scored, keep_all[local])
+        metrics = self._mean_over_ranks(self.train_on(rollout, r, step, keep_all[local]))
         t3 = time.perf_counter()
         self.step += 1
+        counts = {
+            "generated": len(all_ok),
+            "trained": int(keep_all.sum()),
+            "dropped/reward_failed": int((~all_ok).sum()),
+            "dropped/group_too_small": int((all_ok & ~keep_all).sum()),
+        }
+        for name, n in counts.items():
+            self.sample_counts[name] = self.sample_counts.get(name, 0) + n
+        kept_rewards = all_rewards[keep_all]
         metrics.update(
             {
-                "reward/mean": float(all_rewards.mean()),
-                "reward/std": float(all_rewards.std(correction=0)),
-                "r/mean": float(r.mean()),
-                "time/rollout_s": t1 - t0,
-                "time/reward_s": t2 - t1,
+                "reward/mean": float(kept_rewards.mean()) if len(kept_rewards) else float("nan"),
+                "reward/std": float(kept_rewards.std(correction=0)) if len(kept_rewards) else float("nan"),
+                "r/mean": float(r[keep_all[local]].mean()) if keep_all[local].any() else float("nan"),
+                "time/rollout_s": self._t_generated - t0,
+                "time/reward_wait_s": t2 - self._t_generated,
                 "time/train_s": t3 - t2,
                 "time/sec_per_prompt": (t3 - t0) / (self.cfg.data.prompts_per_step // self.world_size),
+                **{f"samples/{k}": float(v) for k, v in self.sample_counts.items()},
             }
         )
-        for name, s in parts.items():
-            metrics[f"reward/{name}"] = float(self._gather(s).mean())
+        for name, values in scored.parts.items():
+            gathered = self._gather(values)
+            metrics[f"reward/{name}"] = float(gathered[keep_all].mean()) if keep_all.any() else float("nan")
         return metrics
+
+    def _record_failures(self, step: int, rollout: Rollout, scored: ScoreResult, keep: torch.Tensor) -> None:
+        """Append every dropped sample of this rank, with its reason, to failed_samples.jsonl."""
+        lines = []
+        for i in (~keep).nonzero().flatten().tolist():
+            reason = scored.failures.get(i, "its prompt group has fewer than 2 scored samples")
+            record = {"step": step + 1, "rank": self.rank, "group": int(rollout.group_ids[i])}
+            lines.append(json.dumps({**record, "prompt": rollout.prompts[i], "reason": reason}))
+        if lines:
+            with open(self.output_dir / "failed_samples.jsonl", "a", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in lines))
 
     # ------------------------------------------------------------------ evaluation and previews
     @torch.no_grad()
@@ -282,9 +346,12 @@ class NFTTrainer:
             s.time_shift,
             s.solver,
         )
-        total, parts = score(self.policy, self.reward, rollout)
-        out = {"reward": float(self._gather(total).mean())}
-        out.update({name: float(self._gather(v).mean()) for name, v in parts.items()})
+        scored = score(self.policy, self.reward, rollout)
+        ok = self._gather(scored.ok)
+        out = {"reward": float(self._gather(scored.total)[ok].mean())}
+        out.update({name: float(self._gather(v)[ok].mean()) for name, v in scored.parts.items()})
+        if not ok.all():
+            out["unscored_samples"] = float((~ok).sum())
         return out
 
     @torch.no_grad()
@@ -301,11 +368,10 @@ class NFTTrainer:
             self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
         )
         media = self.policy.decode(rollout.x0)
-        total, parts = self.reward(media, prompts)
+        scored = self.reward(media, prompts)
         out = self.output_dir / "previews" / tag
-        save_previews(
-            out, media, prompts, {"reward": total.tolist(), **{k: v.tolist() for k, v in parts.items()}}
-        )
+        values = {"reward": scored.total, **scored.parts}
+        save_previews(out, media, prompts, {k: scores_to_json(v) for k, v in values.items()})
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -317,6 +383,7 @@ class NFTTrainer:
         metrics_path = self.output_dir / "metrics.jsonl"
         if self.is_main:
             _truncate_metrics(metrics_path, keep_until=self.step)
+            _truncate_metrics(self.output_dir / "failed_samples.jsonl", keep_until=self.step)
         logger = MetricsLogger(
             self.output_dir,
             self.accelerator,
@@ -353,6 +420,9 @@ class NFTTrainer:
                         plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save()
+        except BaseException:
+            self.reward.close()  # connections and the scoring thread; the error propagates
+            raise
         finally:
             bar.close()
         if not cfg.train.checkpoint_every or self.step % cfg.train.checkpoint_every:
@@ -372,6 +442,8 @@ class NFTTrainer:
             )
             logger.log({"eval/heldout_reward": after["reward"]}, step=self.step)
         logger.close()
+        self.reward.close()
+        summary["samples"] = dict(self.sample_counts)
         if self.is_main:
             plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
@@ -388,3 +460,11 @@ def _truncate_metrics(path: Path, keep_until: int) -> None:
         if line.strip() and json.loads(line).get("step", 0) <= keep_until
     ]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def trainable_samples(ok: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """[N] bool: scored samples whose prompt group kept at least 2 scored samples."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    scored_per_group = torch.zeros(int(inverse.max()) + 1 if len(inverse) else 0, dtype=torch.long)
+    scored_per_group.index_add_(0, inverse, ok.long())
+    return ok & (scored_per_group[inverse] >= 2)

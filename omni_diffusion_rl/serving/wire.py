@@ -1,0 +1,133 @@
+"""The reward server's wire format: a media batch as safetensors bytes, checked before any model sees it.
+
+A request body is a safetensors file (never a pickle) holding `video` [B, F, 3, H, W] and/or `audio`
+[B, C, S] as float16/bfloat16/float32, with string metadata `prompts` (a JSON list), `fps` and
+`sample_rate`. The answer is JSON: `{"scores": [...], "components": {name: [...]}}`, a non-finite score
+sent as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from ..media import MediaBatch
+
+CONTENT_TYPE = "application/vnd.safetensors"
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEADER_BYTES = 1 << 20
+
+
+class WireError(ValueError):
+    """A request that cannot be scored: the message says what is wrong (sent back with a 4xx)."""
+
+
+def encode_media(media: MediaBatch, prompts: list[str], dtype: torch.dtype = torch.float32) -> bytes:
+    """Serialise a media batch and its prompts into one safetensors payload."""
+    tensors = {}
+    if media.video is not None:
+        tensors["video"] = media.video.detach().to("cpu", dtype).contiguous()
+    if media.audio is not None:
+        tensors["audio"] = media.audio.detach().to("cpu", dtype).contiguous()
+    metadata = {
+        "prompts": json.dumps(prompts),
+        "fps": repr(float(media.fps)),
+        "sample_rate": str(media.sample_rate),
+    }
+    return save_tensors(tensors, metadata=metadata)
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    if len(body) < 8:
+        raise WireError("the body is not a safetensors payload (shorter than its 8-byte header length)")
+    (header_len,) = struct.unpack("<Q", body[:8])
+    if header_len > min(MAX_HEADER_BYTES, len(body) - 8):
+        raise WireError(f"the safetensors header claims {header_len} bytes; the body has {len(body) - 8}")
+    try:
+        header = json.loads(body[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"the safetensors header is not JSON: {e}") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise WireError("the payload has no metadata; it must carry 'prompts', 'fps' and 'sample_rate'")
+    return meta
+
+
+def _check_tensor(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+        raise WireError(f"'{name}' has dtype {str(t.dtype).removeprefix('torch.')}; send one of {allowed}")
+    if t.ndim != rank:
+        raise WireError(f"'{name}' must be {layout}; got shape {list(t.shape)}")
+    bad = ~torch.isfinite(t.flatten(1)).all(dim=1) if t.numel() else torch.zeros(0, dtype=torch.bool)
+    if bad.any():
+        raise WireError(f"'{name}' has NaN/inf values in samples {bad.nonzero().flatten().tolist()}")
+
+
+def decode_media(body: bytes) -> tuple[MediaBatch, list[str]]:
+    """The media batch and prompts in a request body, or a WireError naming what is wrong."""
+    meta = _metadata(body)
+    try:
+        tensors: dict[str, Any] = load_tensors(body)
+    except Exception as e:  # safetensors raises its own error type for malformed payloads
+        raise WireError(f"the body is not a valid safetensors payload: {e}") from e
+    unknown = set(tensors) - {"video", "audio"}
+    if unknown:
+        raise WireError(f"unexpected tensors {sorted(unknown)}; send 'video' and/or 'audio'")
+    if not tensors:
+        raise WireError("the payload holds no 'video' or 'audio' tensor")
+    if "video" in tensors:
+        _check_tensor("video", tensors["video"], 5, "[B, F, 3, H, W]")
+        if tensors["video"].shape[2] != 3:
+            raise WireError(
+                f"'video' must have 3 colour channels in dim 2; got shape {list(tensors['video'].shape)}"
+            )
+    if "audio" in tensors:
+        _check_tensor("audio", tensors["audio"], 3, "[B, C, S]")
+    sizes = {len(t) for t in tensors.values()}
+    if len(sizes) != 1:
+        raise WireError(f"'video' and 'audio' batch sizes differ: {sorted(sizes)}")
+    batch = sizes.pop()
+    if batch == 0:
+        raise WireError("the batch is empty (0 samples)")
+    try:
+        prompts = json.loads(meta.get("prompts", ""))
+        fps = float(meta.get("fps", "nan"))
+        sample_rate = int(meta.get("sample_rate", "0"))
+    except (ValueError, json.JSONDecodeError) as e:
+        raise WireError(
+            f"bad metadata ({e}); 'prompts' is a JSON list, 'fps' a number, 'sample_rate' an int"
+        ) from e
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise WireError("metadata 'prompts' must be a JSON list of strings")
+    if len(prompts) != batch:
+        raise WireError(f"{len(prompts)} prompts for a batch of {batch} samples")
+    if not (math.isfinite(fps) and fps > 0) or sample_rate <= 0:
+        raise WireError(f"fps ({fps}) and sample_rate ({sample_rate}) must be positive")
+    media = MediaBatch(
+        video=tensors["video"].float() if "video" in tensors else None,
+        audio=tensors["audio"].float() if "audio" in tensors else None,
+        fps=fps,
+        sample_rate=sample_rate,
+    )
+    return media, prompts
+
+
+def scores_to_json(values: torch.Tensor) -> list[float | None]:
+    """Scores as JSON numbers, NaN/inf as null (JSON has no NaN)."""
+    return [float(v) if math.isfinite(v) else None for v in values.double().tolist()]
+
+
+def scores_from_json(values: object, batch: int, what: str) -> torch.Tensor:
+    """A JSON list of numbers/nulls as a float tensor [batch], null as NaN."""
+    if not isinstance(values, list) or len(values) != batch:
+        raise ValueError(f"{what}: expected a list of {batch} scores; got {str(values)[:200]}")
+    if not all(v is None or isinstance(v, (int, float)) for v in values):
+        raise ValueError(f"{what}: scores must be numbers or null; got {str(values)[:200]}")
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)

@@ -1,0 +1,93 @@
+"""Samples a reward cannot score are dropped with a counted reason; scoring overlaps generation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.reward import RewardError
+from omni_diffusion_rl.trainers.nft import NFTTrainer, trainable_samples
+from omni_diffusion_rl.world import tiny_world as world
+
+from .helpers import fast_overrides, step_records, tiny_model_dir
+
+RED = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
+BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
+
+
+@rewards.register("test_fails_on_red", overwrite=True)
+class FailsOnRed:
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        if any("red" in p for p in prompts):
+            raise ValueError("no opinion on red things")
+        return torch.ones(len(prompts))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def test_trainable_samples_need_a_scored_partner_in_their_group() -> None:
+    ok = torch.tensor([True, True, True, False, False, False, True, True, True])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 3])
+    assert trainable_samples(ok, groups).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+
+
+def test_unscorable_samples_are_dropped_counted_and_logged(model_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{RED}\n{BLUE}\n")
+    run = tmp_path / "run"
+    overrides = fast_overrides(model_dir, run, 2) + [
+        f"data.prompts={prompts}",
+        "reward.weights={color_match: 1.0, test_fails_on_red: 1.0}",
+        "reward.max_failed_fraction=0.5",
+        "train.eval_at_start_and_end=false",
+    ]
+    summary = NFTTrainer(load_config(None, overrides)).fit()
+    counts = summary["samples"]
+    assert counts == {"generated": 8, "trained": 4, "dropped/reward_failed": 4, "dropped/group_too_small": 0}
+    records = [json.loads(line) for line in (run / "failed_samples.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and {r["prompt"] for r in records} == {RED}
+    assert all("test_fails_on_red: ValueError: no opinion on red things" in r["reason"] for r in records)
+    last = step_records(run)[-1]
+    assert last["samples/generated"] == last["samples/trained"] + last["samples/dropped/reward_failed"]
+    assert torch.isfinite(torch.tensor(last["reward/mean"])) and last["reward/test_fails_on_red"] == 1.0
+
+    only_red = tmp_path / "red.txt"
+    only_red.write_text(f"{RED}\n")
+    overrides[overrides.index(f"data.prompts={prompts}")] = f"data.prompts={only_red}"
+    with pytest.raises(RewardError, match="4 of 4 samples could not be scored"):
+        NFTTrainer(load_config(None, [*overrides, f"train.output_dir={tmp_path / 'red'}"])).fit()
+
+
+def test_scoring_while_the_next_chunk_generates_trains_the_same(model_dir: Path, tmp_path: Path) -> None:
+    runs = {}
+    for chunks in (1, 2):
+        run = tmp_path / f"chunks{chunks}"
+        overrides = fast_overrides(model_dir, run, 2) + [
+            "train.eval_at_start_and_end=false",
+            f"sampling.rollout_chunks={chunks}",
+        ]
+        NFTTrainer(load_config(None, overrides)).fit()
+        runs[chunks] = step_records(run)
+    for a, b in zip(runs[1], runs[2], strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
