@@ -11,7 +11,9 @@ $(BIN)/odrl:
 	# CPU build of torch first, unless a CUDA device is present (never torchvision/torchaudio).
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(BIN)/pip install -q "torch>=2.4"; else $(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,imagebind]"
+	# ImageBind's model code without its declared torchvision/torchaudio/CUDA dependencies.
+	$(BIN)/pip install -q --no-deps imagebind-unofficial==0.1.1 timm==1.0.31
 
 setup: $(BIN)/odrl
 
@@ -20,10 +22,11 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/odrl bench nft-step --output runs/bench/nft_step.json
+	HF_HUB_OFFLINE=1 $(BIN)/odrl bench reward-server --output runs/bench/reward_server.json
 
 pretrain: setup
 	$(BIN)/odrl pretrain

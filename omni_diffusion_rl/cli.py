@@ -66,10 +66,57 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "reward-server":
+        from .bench_reward_server import run_reward_server_bench
+
+        run_reward_server_bench(args.output or Path("runs/bench/reward_server.json"), rounds=args.repeats)
+        return 0
     from .bench import run_nft_step_bench
 
-    run_nft_step_bench(args.output, repeats=args.repeats, batch_size=args.batch_size)
+    output = args.output or Path("runs/bench/nft_step.json")
+    run_nft_step_bench(output, repeats=args.repeats, batch_size=args.batch_size)
     return 0
+
+
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    import importlib
+
+    from .registry import rewards
+    from .serving.server import ServeSettings, main_serve
+
+    for module in args.plugin or []:
+        importlib.import_module(module)
+    try:
+        options = json.loads(args.options) if args.options else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f'--options must be JSON, e.g. \'{{"clap": {{"checkpoint": "/m"}}}}\': {e}') from e
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ConfigError("--options must map reward names to keyword-argument objects")
+    unknown = sorted(set(options) - set(args.names))
+    if unknown:
+        raise ConfigError(f"--options names rewards that are not served: {unknown}")
+    token = os.environ.get(args.token_env) or None
+    settings = ServeSettings(
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        max_request_mb=args.max_request_mb,
+        token=token,
+    )
+    try:
+        settings.check()
+    except ValueError as e:
+        raise ConfigError(str(e).replace("ODRL_REWARD_TOKEN", args.token_env)) from e
+    served = {}
+    for name in args.names:
+        kwargs = dict(options.get(name, {}))
+        if args.checkpoint:
+            kwargs.setdefault("checkpoint", args.checkpoint)
+        if args.device:
+            kwargs.setdefault("device", args.device)
+        served[name] = rewards.create(name, **kwargs)
+    return main_serve(served, settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,9 +155,32 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--seed", type=int, default=0)
     pretrain.set_defaults(func=cmd_pretrain)
 
-    bench = sub.add_parser("bench", help="benchmarks: nft-step (NFT step vs plain flow-matching step)")
-    bench.add_argument("name", choices=("nft-step",))
-    bench.add_argument("--output", type=Path, default=Path("runs/bench/nft_step.json"))
+    serve = sub.add_parser(
+        "serve-reward",
+        help="serve registered rewards over HTTP (batched), for reward.url",
+        description="Serve registered rewards over HTTP: POST /score/NAME (safetensors media), GET /info, "
+        "GET /health. Prints a JSON 'ready' line with the URL once listening. Binding anything but "
+        "loopback needs a bearer token in the environment (--token-env).",
+    )
+    serve.add_argument("names", nargs="+", metavar="NAME", help="registered reward names to serve")
+    serve.add_argument("--checkpoint", help="checkpoint= for each served reward (e.g. a CLAP directory)")
+    serve.add_argument("--device", help="device= for each served reward (e.g. cuda:0)")
+    serve.add_argument("--options", help='JSON keyword arguments per reward: {"clap": {"max_seconds": 5}}')
+    serve.add_argument("--plugin", action="append", help="import this module first (it registers rewards)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8400, help="0 picks a free port (see the ready line)")
+    serve.add_argument("--max-batch", type=int, default=32, help="samples per model call")
+    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill, at most")
+    serve.add_argument("--max-request-mb", type=float, default=256.0, help="larger requests get 413")
+    serve.add_argument("--token-env", default="ODRL_REWARD_TOKEN", help="environment variable with the token")
+    serve.set_defaults(func=cmd_serve_reward)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead)",
+    )
+    bench.add_argument("name", choices=("nft-step", "reward-server"))
+    bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--batch-size", type=int, default=32)
     bench.set_defaults(func=cmd_bench)

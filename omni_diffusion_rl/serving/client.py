@@ -1,0 +1,263 @@
+"""A reward scored by a reward server: the same contract as a local reward, plus retries and timeouts.
+
+Requests run on one background event loop per client (kept alive so connections are reused). A batch
+is cut into requests that fit the server's size limit and sent concurrently. A request the server
+did not answer (down, timed out, 5xx) is retried with exponential backoff; after the last retry a
+RewardServerError names the server, the attempts and the last error. A 4xx about the batch itself
+(e.g. NaN audio) is not retried: it is raised as RequestRejected, which the weighted reward turns
+into dropped samples with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import threading
+import time
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import aiohttp
+import torch
+
+from ..media import MediaBatch
+from ..reward import RewardError, RewardOutput
+from .wire import CONTENT_TYPE, encode_media, scores_from_json
+
+T = TypeVar("T")
+
+
+class RewardServerError(RewardError):
+    """The reward server could not be used (unreachable after retries, unauthorised, broken reward)."""
+
+
+class RequestRejected(ValueError):
+    """The server refused this batch (4xx) and said why; retrying the same batch cannot help."""
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+_SESSIONS: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_sessions() -> None:
+    """Close connections left open at exit (a client not closed after an error)."""
+    loop = _LOOP
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+    sessions = [s for s in _SESSIONS if not s.closed]
+    if sessions:
+        done = asyncio.run_coroutine_threadsafe(asyncio.gather(*(s.close() for s in sessions)), loop)
+        done.result(timeout=5)
+
+
+def _client_loop() -> asyncio.AbstractEventLoop:
+    """One asyncio loop on a daemon thread per process, shared by all clients (for sync callers)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="reward-client", daemon=True).start()
+        return _LOOP
+
+
+class RemoteReward:
+    """Scores with reward `name` on the server at `url` (started with `odrl serve-reward`).
+
+    token: bearer token (default: the ODRL_REWARD_TOKEN environment variable, if set).
+    timeout_s: per request; retries: extra attempts after a failed request, waiting backoff_s * 2^k
+    (at most max_backoff_s) between them; max_concurrency: requests in flight per batch;
+    max_samples_per_request: cut batches into requests of at most this many samples (0: as the
+    server's size limit allows).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        max_concurrency: int = 8,
+        max_samples_per_request: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward server url '{url}' must start with http:// or https://")
+        if (
+            timeout_s <= 0
+            or retries < 0
+            or backoff_s < 0
+            or max_concurrency < 1
+            or max_samples_per_request < 0
+        ):
+            raise ValueError(
+                "timeout_s must be > 0, retries/backoff_s/max_samples_per_request >= 0, max_concurrency >= 1"
+            )
+        self.url = url.rstrip("/")
+        self.name = name
+        self.token = token if token is not None else os.environ.get("ODRL_REWARD_TOKEN") or None
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_concurrency = max_concurrency
+        self.max_samples_per_request = max_samples_per_request
+        self.dtype = dtype
+        self._info: dict[str, Any] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ sync API (the Reward contract)
+    def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        return self._run(self.score_async(media, prompts))
+
+    def info(self) -> dict[str, Any]:
+        """The server's /info (rewards served, limits, batching statistics)."""
+        return self._run(self._get_json("/info"))
+
+    def close(self) -> None:
+        """Close this client's connections (it reconnects if used again)."""
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            self._run(session.close())
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, _client_loop()).result()
+
+    # ------------------------------------------------------------------ async API
+    async def score_async(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        """Scores [B] (NaN where the server's reward gave a non-finite value) and components."""
+        if len(prompts) != len(media):
+            raise ValueError(f"{len(prompts)} prompts for {len(media)} media samples")
+        if self._info is None:
+            self._info = await self._get_json("/info")
+            if self.name not in self._info.get("rewards", []):
+                raise RewardServerError(
+                    f"the reward server at {self.url} does not serve '{self.name}'; it serves "
+                    f"{self._info.get('rewards')}"
+                )
+        chunk = self._samples_per_request(media)
+        limit = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(start: int) -> RewardOutput:
+            async with limit:
+                part = media.select(slice(start, start + chunk))
+                return await self._score_request(part, prompts[start : start + chunk])
+
+        parts = await asyncio.gather(*(one(s) for s in range(0, len(media), chunk)))
+        names = parts[0].components.keys()
+        return RewardOutput(
+            torch.cat([p.scores for p in parts]),
+            {k: torch.cat([p.components[k] for p in parts]) for k in names},
+        )
+
+    def _samples_per_request(self, media: MediaBatch) -> int:
+        """The most samples per request that fit the server's byte limit (with room for the header)."""
+        bytes_per_sample = sum(
+            t[0].numel() * self.dtype.itemsize for t in (media.video, media.audio) if t is not None and len(t)
+        )
+        limit = int(self._info.get("max_request_bytes", 0)) if self._info else 0
+        fit = max(1, (limit - 65536) // max(1, bytes_per_sample)) if limit else len(media)
+        wanted = self.max_samples_per_request or len(media)
+        return max(1, min(wanted, fit, len(media)))
+
+    async def _session_here(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(headers=headers)
+            _SESSIONS.add(self._session)
+        return self._session
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        async def attempt() -> dict[str, Any]:
+            session = await self._session_here()
+            async with session.get(
+                self.url + path, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as resp:
+                body = await resp.read()
+                self._raise_for_status(resp.status, body)
+                return _json(body)
+
+        return await self._with_retries(attempt, f"GET {path}")
+
+    async def _score_request(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        body = encode_media(media, prompts, self.dtype)
+
+        async def attempt() -> RewardOutput:
+            session = await self._session_here()
+            async with session.post(
+                f"{self.url}/score/{self.name}",
+                data=body,
+                headers={"Content-Type": CONTENT_TYPE},
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as resp:
+                answer = await resp.read()
+                self._raise_for_status(resp.status, answer)
+            data = _json(answer)
+            try:
+                what = f"reward '{self.name}' at {self.url}"
+                scores = scores_from_json(data.get("scores"), len(media), what)
+                components = {
+                    k: scores_from_json(v, len(media), f"{what}, component '{k}'")
+                    for k, v in dict(data.get("components") or {}).items()
+                }
+            except ValueError as e:
+                raise RewardServerError(f"malformed answer: {e}") from e
+            return RewardOutput(scores, components)
+
+        return await self._with_retries(attempt, f"POST /score/{self.name}")
+
+    def _raise_for_status(self, status: int, body: bytes) -> None:
+        if status == 200:
+            return
+        message = _json(body).get("error") if body[:1] == b"{" else body[:300].decode(errors="replace")
+        kind = _json(body).get("kind") if body[:1] == b"{" else None
+        where = f"reward server {self.url} ('{self.name}')"
+        if status in (401, 403, 404, 413) or kind == "reward_broken":
+            hint = " (set the token in ODRL_REWARD_TOKEN or reward.token_env)" if status in (401, 403) else ""
+            raise RewardServerError(f"{where} answered {status}: {message}{hint}")
+        if 400 <= status < 500:
+            raise RequestRejected(f"{where} answered {status}: {message}")
+        raise _Retryable(f"HTTP {status}: {message}")
+
+    async def _with_retries(self, attempt: Any, what: str) -> Any:
+        start = time.monotonic()
+        last = ""
+        for k in range(self.retries + 1):
+            try:
+                return await attempt()
+            except (RewardServerError, RequestRejected):
+                raise
+            except TimeoutError:
+                last = f"no answer within timeout_s={self.timeout_s:g} s"
+            except (aiohttp.ClientError, ConnectionError, _Retryable) as e:
+                last = f"{type(e).__name__}: {e}"
+            if k < self.retries:
+                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2**k))
+        raise RewardServerError(
+            f"reward '{self.name}': {what} to {self.url} failed {self.retries + 1} times over "
+            f"{time.monotonic() - start:.1f} s; last error: {last}. Is `odrl serve-reward {self.name}` "
+            "running there? (reward.request_retries and reward.timeout_s set the patience)"
+        )
+
+
+class _Retryable(Exception):
+    """A server-side failure worth another attempt (5xx)."""
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RewardServerError(
+            f"the reward server answered something that is not JSON: {body[:200]!r}"
+        ) from e
+    if not isinstance(data, dict):
+        raise RewardServerError(f"the reward server answered JSON that is not an object: {str(data)[:200]}")
+    return data

@@ -1,0 +1,93 @@
+"""Start `odrl serve-reward` as a child process and wait until it listens (benchmarks, tests, scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+
+class ServerProcess:
+    """A reward server child process; `url` is known once it printed its ready line. Use as a context."""
+
+    def __init__(
+        self,
+        names: list[str],
+        *extra_args: str,
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 120.0,
+        cwd: str | Path | None = None,
+    ) -> None:
+        command = [sys.executable, "-m", "omni_diffusion_rl.cli", "serve-reward", *names, "--port", str(port)]
+        self.command = [*command, *extra_args]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.ready_timeout_s = ready_timeout_s
+        self.cwd = cwd
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.output: list[str] = []
+
+    def start(self) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=self.cwd,
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(self.proc.stdout, lines, self.output), daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(
+                    f"reward server exited with {self.proc.wait()}:\n{''.join(self.output)[-3000:]}"
+                )
+            if line.startswith('{"event": "ready"'):
+                self.url = json.loads(line)["url"]
+                return self
+        self.stop()
+        raise TimeoutError(
+            f"reward server not ready within {self.ready_timeout_s} s:\n{''.join(self.output)[-3000:]}"
+        )
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _pump(stream: IO[str] | None, lines: queue.Queue[str | None], keep: list[str]) -> None:
+    if stream is None:
+        return
+    for line in stream:
+        keep.append(line)
+        lines.put(line)
+    lines.put(None)

@@ -1,0 +1,41 @@
+"""Rewards for the server tests, registered when a server is started with `--plugin tests.plugin_rewards`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.reward import RewardOutput
+
+
+@rewards.register("test_prompt_length", overwrite=True)
+class PromptLength:
+    """len(prompt) + mean audio, with the batch size it was called with as a component."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        audio = media.audio.flatten(1).mean(1) if media.audio is not None else torch.zeros(len(prompts))
+        scores = torch.tensor([float(len(p)) for p in prompts]) + audio
+        return RewardOutput(scores, {"batch": torch.full((len(prompts),), float(len(prompts)))})
+
+
+@rewards.register("test_slow", overwrite=True)
+class Slow:
+    """Sleeps ODRL_TEST_SLOW_S seconds per call."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        time.sleep(float(os.environ.get("ODRL_TEST_SLOW_S", "0")))
+        return torch.ones(len(prompts))
+
+
+@rewards.register("test_fails_on_bad", overwrite=True)
+class FailsOnBad:
+    """Raises when a prompt says 'bad'; 1.0 otherwise."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        if "bad" in prompts:
+            raise ValueError(f"cannot score prompt 'bad' (position {prompts.index('bad')})")
+        return torch.ones(len(prompts))

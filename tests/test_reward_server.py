@@ -1,0 +1,283 @@
+"""Reward servers as real child processes on 127.0.0.1: batching, wire checks, tokens, timeouts, faults."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as save_tensors
+
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.reward import WeightedReward
+from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
+from omni_diffusion_rl.serving.process import ServerProcess
+from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.world import tiny_world as world
+
+from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
+
+TINY = ["color_match", "pitch_match", "timing_match", "av_sync"]
+TESTS = ["test_prompt_length", "test_slow", "test_fails_on_bad"]
+PLUGIN = ("--plugin", "tests.plugin_rewards")
+
+
+def _server(*args: str, env: dict[str, str] | None = None, names: list[str] | None = None) -> ServerProcess:
+    return ServerProcess(names or TINY + TESTS, *PLUGIN, *args, env={**ENV, **(env or {})}, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerProcess:
+    # 256 KiB requests at most: tiny-world batches must be cut into several requests by the client.
+    with _server("--max-request-mb", "0.25", "--max-wait-ms", "50", env={"ODRL_TEST_SLOW_S": "3"}) as srv:
+        yield srv
+
+
+def _scene_media(n: int, seed: int = 0) -> tuple[MediaBatch, list[str]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts, latents = world.synthetic_batch(n, gen, label_noise=0.5)
+    video, amps = world.unpack_latent(latents)
+    media = MediaBatch(
+        video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
+    )
+    return media, prompts
+
+
+def _reward_cfg(url: str, *extra: str):  # noqa: ANN202 - a RewardConfig
+    weights = "reward.weights={" + ", ".join(f"{n}: 1.0" for n in TINY) + "}"
+    return load_config(None, [weights, f"reward.url={url}", *extra]).reward
+
+
+def _post(url: str, body: bytes, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/vnd.safetensors"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _payload(audio: torch.Tensor, prompts: list[str]) -> bytes:
+    meta = {"prompts": json.dumps(prompts), "fps": "8.0", "sample_rate": "8000"}
+    return save_tensors({"audio": audio}, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Same scores as in-process; batching
+
+
+def test_served_rewards_score_exactly_like_in_process_ones(server: ServerProcess) -> None:
+    media, prompts = _scene_media(24)
+    local = WeightedReward.from_registry(dict.fromkeys(TINY, 1.0))(media, prompts)
+    remote_reward = WeightedReward.from_config(_reward_cfg(server.url))
+    assert all(type(r).__name__ == "RemoteReward" for r in remote_reward.components.values())
+    remote = remote_reward(media, prompts)
+    assert torch.equal(remote.total, local.total)
+    assert all(torch.equal(remote.parts[n], local.parts[n]) for n in TINY)
+    stats = remote_reward.components["color_match"].info()["stats"]["color_match"]
+    assert stats["requests"] >= 3, (
+        "24 tiny-world clips (28 KB each) exceed 256 KiB: the client must cut them into requests"
+    )
+    remote_reward.close()
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(server: ServerProcess) -> None:
+    client = RemoteReward(server.url, "test_prompt_length")
+    before = client.info()["stats"]["test_prompt_length"]
+
+    def one(i: int) -> tuple[float, float]:
+        out = client.score(MediaBatch(audio=torch.full((1, 1, 8), 0.25)), ["x" * i])
+        return float(out.scores[0]), float(out.components["batch"][0])
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert [s for s, _ in results] == [i + 0.25 for i in range(16)]
+    assert max(b for _, b in results) > 1, "concurrent requests must share model calls"
+    after = client.info()["stats"]["test_prompt_length"]
+    assert after["requests"] - before["requests"] == 16
+    assert after["model_calls"] - before["model_calls"] < 16
+    client.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Malformed requests: 4xx with a message; the server keeps serving
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "fragment"),
+    [
+        ("wrong dtype", 400, "dtype int32"),
+        ("wrong rank", 400, "[B, C, S]"),
+        ("nan audio", 400, "NaN/inf values in samples [1]"),
+        ("empty batch", 400, "empty"),
+        ("prompt count", 400, "1 prompts for a batch of 2"),
+        ("not safetensors", 400, "safetensors"),
+        ("oversized", 413, "exceeds the server's limit"),
+        ("unknown reward", 404, "does not serve reward 'nope'"),
+    ],
+)
+def test_malformed_requests_get_4xx_with_a_message(
+    server: ServerProcess, case: str, status: int, fragment: str
+) -> None:
+    url = f"{server.url}/score/test_prompt_length"
+    good = torch.zeros(2, 1, 8)
+    body = {
+        "wrong dtype": lambda: _payload(good.to(torch.int32), ["a", "b"]),
+        "wrong rank": lambda: _payload(torch.zeros(2, 8), ["a", "b"]),
+        "nan audio": lambda: _payload(torch.tensor([[[0.0] * 8], [[float("nan")] * 8]]), ["a", "b"]),
+        "empty batch": lambda: _payload(torch.zeros(0, 1, 8), []),
+        "prompt count": lambda: _payload(good, ["a"]),
+        "not safetensors": lambda: b"\x00" * 64,
+        "oversized": lambda: _payload(torch.zeros(1, 1, 300_000), ["a"]),
+        "unknown reward": lambda: _payload(good, ["a", "b"]),
+    }[case]()
+    if case == "unknown reward":
+        url = f"{server.url}/score/nope"
+    code, answer = _post(url, body)
+    assert code == status, answer
+    assert fragment in answer["error"]
+    code, answer = _post(f"{server.url}/score/test_prompt_length", _payload(good, ["a", "bb"]))
+    assert code == 200 and answer["scores"] == [1.0, 2.0], "the server must go on serving"
+
+
+def test_a_sample_the_served_reward_cannot_score_is_dropped_with_the_servers_reason(
+    server: ServerProcess,
+) -> None:
+    remote = RemoteReward(server.url, "test_fails_on_bad")
+    combined = WeightedReward(
+        {"test_fails_on_bad": remote}, {"test_fails_on_bad": 1.0}, max_failed_fraction=0.5
+    )
+    result = combined(MediaBatch(audio=torch.zeros(4, 1, 8)), ["a", "bad", "c", "d"])
+    assert list(result.failures) == [1]
+    assert "422" in result.failures[1] and "cannot score prompt 'bad'" in result.failures[1]
+    assert result.total[[0, 2, 3]].tolist() == [1.0, 1.0, 1.0]
+    remote.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokens and binding
+
+
+def test_a_token_is_enforced_when_set() -> None:
+    with _server(names=["test_prompt_length"], env={"ODRL_REWARD_TOKEN": "s3cret"}) as srv:
+        body = _payload(torch.zeros(1, 1, 8), ["abc"])
+        assert _post(f"{srv.url}/score/test_prompt_length", body)[0] == 401
+        code, answer = _post(f"{srv.url}/score/test_prompt_length", body, token="wrong")
+        assert code == 401 and "wrong bearer token" in answer["error"]
+        assert _post(f"{srv.url}/score/test_prompt_length", body, token="s3cret") == (
+            200,
+            {"scores": [3.0], "components": {"batch": [1.0]}},
+        )
+        with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+        client = RemoteReward(srv.url, "test_prompt_length", token="", retries=0)
+        client.token = None
+        with pytest.raises(RewardServerError, match="401.*ODRL_REWARD_TOKEN"):
+            client.score(MediaBatch(audio=torch.zeros(1, 1, 8)), ["abc"])
+        client.close()
+        authorised = RemoteReward(srv.url, "test_prompt_length", token="s3cret")
+        assert authorised.score(MediaBatch(audio=torch.zeros(1, 1, 8)), ["abc"]).scores.tolist() == [3.0]
+        authorised.close()
+
+
+def test_binding_beyond_loopback_without_a_token_is_refused() -> None:
+    env = {k: v for k, v in ENV.items() if k != "ODRL_REWARD_TOKEN"}
+    done = subprocess.run(
+        odrl("serve-reward", "color_match", "--host", "0.0.0.0", "--port", "0"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "without a token" in done.stderr and "ODRL_REWARD_TOKEN" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timeouts and a server that dies
+
+
+def test_a_slow_server_hits_the_timeout_and_the_error_says_so(server: ServerProcess) -> None:
+    client = RemoteReward(server.url, "test_slow", timeout_s=0.4, retries=1, backoff_s=0.1)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match=r"failed 2 times.*no answer within timeout_s=0.4"):
+        client.score(MediaBatch(audio=torch.zeros(1, 1, 8)), ["a"])
+    assert time.monotonic() - start < 2.5, "the client must not wait for the slow server"
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def _served_run(model_dir: Path, out: Path, url: str, steps: int, *extra: str) -> NFTTrainer:
+    overrides = fast_overrides(model_dir, out, steps) + ["train.eval_at_start_and_end=false", *extra]
+    if url:
+        overrides += [f"reward.url={url}"]
+    trainer = NFTTrainer(load_config(None, overrides))
+    trainer.fit()
+    return trainer
+
+
+def _kill_after_first_step(srv: ServerProcess, run: Path, restart_after_s: float | None) -> threading.Thread:
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        metrics = run / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.02)
+        srv.kill()
+        if restart_after_s is not None:
+            time.sleep(restart_after_s)
+            srv.proc = None
+            srv.start()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_run_survives_its_reward_server_being_killed_and_restarted(model_dir: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "in_process"
+    _served_run(model_dir, reference, "", 4)
+    with _server(names=TINY) as srv:
+        port = srv.url.rsplit(":", 1)[1]
+        srv.command[srv.command.index("--port") + 1] = port  # come back on the same address
+        run = tmp_path / "served"
+        watcher = _kill_after_first_step(srv, run, restart_after_s=1.0)
+        _served_run(model_dir, run, srv.url, 4, "reward.request_retries=6")
+        watcher.join(timeout=60)
+        assert len([line for line in srv.output if '"event": "ready"' in line]) == 2, (
+            "the server was restarted"
+        )
+    served, local = step_records(run), step_records(reference)
+    assert len(served) == len(local) == 4
+    for a, b in zip(served, local, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+
+
+def test_a_run_whose_reward_server_stays_down_stops_with_a_clear_error(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with _server(names=TINY) as srv:
+        run = tmp_path / "served"
+        watcher = _kill_after_first_step(srv, run, restart_after_s=None)
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=r"failed 2 times.*Is `odrl serve-reward .*` running"):
+            _served_run(model_dir, run, srv.url, 50, "reward.request_retries=1")
+        assert time.monotonic() - start < 60
+        watcher.join(timeout=10)
+    assert not (run / "checkpoints" / "step_0000050").exists()
