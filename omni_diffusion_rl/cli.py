@@ -115,7 +115,13 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
             kwargs.setdefault("checkpoint", args.checkpoint)
         if args.device:
             kwargs.setdefault("device", args.device)
-        served[name] = rewards.create(name, **kwargs)
+        try:
+            served[name] = rewards.create(name, **kwargs)
+        except TypeError as e:
+            raise ConfigError(
+                f"reward '{name}' does not take {sorted(kwargs)} ({e}); give each reward its own keyword "
+                "arguments with --options"
+            ) from e
     return main_serve(served, settings)
 
 

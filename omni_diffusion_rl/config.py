@@ -120,7 +120,7 @@ class RewardConfig:
     )
     timeout_s: float = _spec(120.0, "seconds before a reward request is abandoned and retried", gt=0)
     request_retries: int = _spec(
-        4, "retries of a request the server did not answer (down, timeout, 5xx)", ge=0
+        6, "retries of a request the server did not answer (down, timeout, 5xx)", ge=0
     )
     retries: int = _spec(
         1, "retries of a reward that raised or gave NaN, before its samples are dropped", ge=0

@@ -52,3 +52,18 @@ def test_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
         assert ratio > 0 and math.isfinite(ratio)
     assert report["target_ratio_kl_off"] == 1.6
     assert isinstance(report["meets_target"], bool)
+
+
+def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
+    from omni_diffusion_rl.bench_reward_server import run_reward_server_bench
+
+    output = tmp_path / "reward_server.json"
+    result = run_reward_server_bench(output, rounds=1, clients=4, requests_per_client=2, overhead_repeats=2)
+    report = json.loads(output.read_text(encoding="utf-8"))
+    assert report == json.loads(json.dumps(result))
+    throughput, overhead = report["throughput"], report["overhead"]
+    assert throughput["clients"] == 4 and len(throughput["per_round"]) == 1
+    assert throughput["batched_samples_per_s"] > 0 and throughput["batch1_samples_per_s"] > 0
+    assert throughput["mean_batch_size"] >= 1
+    assert len(overhead["served_ms_each"]) == len(overhead["in_process_ms_each"]) == 2
+    assert overhead["added_ms"] == pytest.approx(overhead["served_ms"] - overhead["in_process_ms"], abs=0.02)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
 import json
+import os
 import subprocess
 import threading
 import time
@@ -17,6 +19,7 @@ from safetensors.torch import save as save_tensors
 
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import WeightedReward
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
@@ -25,6 +28,10 @@ from omni_diffusion_rl.world import tiny_world as world
 
 from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
 
+needs_imagebind = pytest.mark.skipif(
+    importlib.util.find_spec("imagebind") is None and not os.environ.get("ODRL_REQUIRE_IMAGEBIND"),
+    reason="imagebind-unofficial is not installed (see rewards/imagebind.py)",
+)
 TINY = ["color_match", "pitch_match", "timing_match", "av_sync"]
 TESTS = ["test_prompt_length", "test_slow", "test_fails_on_bad"]
 PLUGIN = ("--plugin", "tests.plugin_rewards")
@@ -108,6 +115,43 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(server: Serv
     assert after["requests"] - before["requests"] == 16
     assert after["model_calls"] - before["model_calls"] < 16
     client.close()
+
+
+@needs_imagebind
+def test_clap_and_imagebind_score_through_a_server_like_in_process(tmp_path: Path) -> None:
+    from rewards.imagebind import TINY_ARCHITECTURE, build_model
+    from rewards.tiny_models import CLAP_CORPUS, save_tiny_clap
+
+    torch.manual_seed(0)
+    torch.save(build_model(TINY_ARCHITECTURE).state_dict(), tmp_path / "imagebind.pth")
+    options = {
+        "clap": {"checkpoint": str(save_tiny_clap(tmp_path / "clap"))},
+        "imagebind": {
+            "checkpoint": str(tmp_path / "imagebind.pth"),
+            "architecture": TINY_ARCHITECTURE,
+            "mode": "all",
+        },
+    }
+    gen = torch.Generator().manual_seed(3)
+    media = MediaBatch(
+        video=torch.rand((2, 8, 3, 24, 24), generator=gen),
+        audio=0.3 * torch.randn((2, 1, 16_000), generator=gen),
+        fps=8.0,
+        sample_rate=16_000,
+    )
+    prompts = CLAP_CORPUS[:2]
+    local = {name: rewards.create(name, **kwargs).score(media, prompts) for name, kwargs in options.items()}
+    with _server("--options", json.dumps(options), names=["clap", "imagebind"]) as srv:
+        for name, expected in local.items():
+            client = RemoteReward(srv.url, name)
+            served = client.score(media, prompts)
+            client.close()
+            expected_scores = expected if isinstance(expected, torch.Tensor) else expected.scores
+            torch.testing.assert_close(served.scores, expected_scores, rtol=1e-5, atol=1e-6)
+            if name == "imagebind":
+                assert set(served.components) == {"audio_video", "text_audio", "text_video"}
+                for key, value in expected.components.items():
+                    torch.testing.assert_close(served.components[key], value, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------

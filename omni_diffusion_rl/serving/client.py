@@ -81,7 +81,7 @@ class RemoteReward:
         name: str,
         token: str | None = None,
         timeout_s: float = 120.0,
-        retries: int = 4,
+        retries: int = 6,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         max_concurrency: int = 8,
