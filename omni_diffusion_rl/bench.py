@@ -102,6 +102,7 @@ def make_trainer(
     trainer.params = params
     trainer.optimizer = optimizer
     trainer.step = 0
+    trainer._metric_names = []  # noqa: SLF001 - filled by train_on's first call
     return trainer
 
 

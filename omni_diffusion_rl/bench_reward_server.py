@@ -60,9 +60,11 @@ def run_reward_server_bench(
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = str(save_tiny_clap(Path(tmp) / "clap"))
-        batched = ServerProcess(["clap"], "--checkpoint", checkpoint, "--max-batch", "32").start()
-        single = ServerProcess(["clap"], "--checkpoint", checkpoint, "--max-batch", "1").start()
+        batched = ServerProcess(["clap"], "--checkpoint", checkpoint, "--max-batch", "32")
+        single = ServerProcess(["clap"], "--checkpoint", checkpoint, "--max-batch", "1")
         try:
+            batched.start()
+            single.start()
             fast, slow = RemoteReward(batched.url, "clap"), RemoteReward(single.url, "clap")
             for client in (fast, slow):  # warm-up: connections, first model calls
                 client.score(_clips(4, 0), CLAP_CORPUS[:4])

@@ -102,6 +102,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
         max_request_mb=args.max_request_mb,
+        max_in_flight=args.max_in_flight,
         token=token,
     )
     try:
@@ -119,8 +120,8 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
             served[name] = rewards.create(name, **kwargs)
         except TypeError as e:
             raise ConfigError(
-                f"reward '{name}' does not take {sorted(kwargs)} ({e}); give each reward its own keyword "
-                "arguments with --options"
+                f"reward '{name}' could not be created with {sorted(kwargs)} ({e}); give each reward its "
+                "own keyword arguments with --options"
             ) from e
     return main_serve(served, settings)
 
@@ -175,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--plugin", action="append", help="import this module first (it registers rewards)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8400, help="0 picks a free port (see the ready line)")
-    serve.add_argument("--max-batch", type=int, default=32, help="samples per model call")
+    serve.add_argument("--max-batch", type=int, default=32, help="samples per model call and per request")
     serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill, at most")
     serve.add_argument("--max-request-mb", type=float, default=256.0, help="larger requests get 413")
+    serve.add_argument("--max-in-flight", type=int, default=256, help="more concurrent requests get 503")
     serve.add_argument("--token-env", default="ODRL_REWARD_TOKEN", help="environment variable with the token")
     serve.set_defaults(func=cmd_serve_reward)
 

@@ -42,20 +42,40 @@ class Reward(Protocol):
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor | RewardOutput: ...
 
 
-def _run_coroutine(coro: Any) -> Any:
-    """Run a coroutine to completion from sync code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1) as pool:  # e.g. inside Jupyter: run it on a loop of its own thread
-        return pool.submit(asyncio.run, coro).result()
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_THREAD: threading.Thread | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """One long-lived asyncio loop on a daemon thread per process: async rewards and reward-server
+    clients run there, so objects they keep (sessions, clients) stay on one loop across calls."""
+    global _LOOP, _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            _LOOP = asyncio.new_event_loop()
+            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, name="odrl-async", daemon=True)
+            _LOOP_THREAD.start()
+        return _LOOP
+
+
+def run_on_background_loop(coro: Any) -> Any:
+    """Run a coroutine on the background loop and wait for it (from any thread but that loop's)."""
+    loop = background_loop()
+    if threading.current_thread() is _LOOP_THREAD:
+        coro.close()
+        raise RuntimeError("a reward called synchronously from the background loop itself would deadlock")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
 def call_reward(reward: Reward, media: MediaBatch, prompts: list[str]) -> object:
     """reward.score(media, prompts), awaited when it is an `async def`."""
     out = reward.score(media, prompts)
-    return _run_coroutine(out) if inspect.isawaitable(out) else out
+    return run_on_background_loop(_awaited(out)) if inspect.isawaitable(out) else out
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def checked_output(name: str, out: object, batch_size: int) -> RewardOutput:
@@ -73,8 +93,9 @@ def checked_output(name: str, out: object, batch_size: int) -> RewardOutput:
                 f"reward '{label}' returned shape {tuple(t.shape)} for a batch of {batch_size}; "
                 f"expected ({batch_size},)"
             )
-    as_float = {k: v.detach().float().cpu() for k, v in components.items()}
-    return RewardOutput(scores.detach().float().cpu(), as_float)
+    # Copies: failed samples are overwritten with NaN later, and the reward may keep its tensors.
+    as_float = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in components.items()}
+    return RewardOutput(scores.detach().to("cpu", torch.float32, copy=True), as_float)
 
 
 def checked_scores(name: str, scores: object, batch_size: int) -> torch.Tensor:
@@ -138,6 +159,7 @@ class WeightedReward:
         self.max_failed_fraction = max_failed_fraction
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._component_names: dict[str, set[str]] = {name: set() for name in components}
 
     @classmethod
     def from_registry(
@@ -157,7 +179,7 @@ class WeightedReward:
             from .serving.client import RemoteReward
 
             client_options = {
-                "token": os.environ.get(cfg.token_env) or None,
+                "token": os.environ.get(cfg.token_env, ""),  # unset: no token (never another variable's)
                 "timeout_s": cfg.timeout_s,
                 "retries": cfg.request_retries,
             }
@@ -177,10 +199,10 @@ class WeightedReward:
                 components[name] = RemoteReward(cfg.url, name, **client_options)
             else:
                 components[name] = reward_registry.create(name, **cfg.options.get(name, {}))
-        if served:
-            local = sorted(set(cfg.weights) - set(served))
-            logger.info(
-                "rewards scored by %s: %s; here: %s", cfg.url, sorted(set(cfg.weights) & set(served)), local
+        local = sorted(set(cfg.weights) - set(served))
+        if cfg.url and local:
+            logger.warning(
+                "reward.url=%s serves %s; %s will be scored in this process", cfg.url, served, local
             )
         return cls(components, cfg.weights, retries=cfg.retries, max_failed_fraction=cfg.max_failed_fraction)
 
@@ -236,8 +258,10 @@ class WeightedReward:
         return out, failures
 
     # ------------------------------------------------------------------ the batch
-    def __call__(self, media: MediaBatch, prompts: list[str]) -> ScoreResult:
-        """Every reward on the batch: combined scores, each component, and the samples that failed."""
+    def __call__(self, media: MediaBatch, prompts: list[str], check: bool = True) -> ScoreResult:
+        """Every reward on the batch: combined scores, each component, and the samples that failed.
+
+        check: apply max_failed_fraction to this batch (a trainer checks whole steps instead)."""
         if len(prompts) != len(media):
             raise RewardError(f"{len(prompts)} prompts for {len(media)} media samples")
         parts: dict[str, torch.Tensor] = {}
@@ -248,31 +272,44 @@ class WeightedReward:
             for i, reason in failed.items():
                 failures.setdefault(i, reason)
             parts[name] = out.scores
-            parts.update({f"{name}/{k}": v for k, v in out.components.items()})
+            seen = self._component_names[name]
+            seen.update(out.components)
+            nan = torch.full((len(media),), float("nan"))
+            parts.update({f"{name}/{k}": out.components.get(k, nan.clone()) for k in sorted(seen)})
             total += self.weights[name] * out.scores
         if failures:
             total[list(failures)] = float("nan")
             for v in parts.values():
                 v[list(failures)] = float("nan")
-        if len(failures) > self.max_failed_fraction * len(media):
-            reasons = sorted(set(failures.values()))
-            raise RewardError(
-                f"{len(failures)} of {len(media)} samples could not be scored (more than "
-                f"reward.max_failed_fraction={self.max_failed_fraction}): " + "; ".join(reasons[:5])
-            )
+        if check:
+            self.check_failures(len(failures), len(media), list(failures.values()))
         return ScoreResult(total, parts, failures)
 
+    def check_failures(self, failed: int, total: int, reasons: list[str]) -> None:
+        """RewardError when more than max_failed_fraction of `total` samples failed."""
+        if failed > self.max_failed_fraction * total:
+            raise RewardError(
+                f"{failed} of {total} samples could not be scored (more than reward.max_failed_fraction="
+                f"{self.max_failed_fraction}): " + "; ".join(sorted(set(reasons))[:5])
+            )
+
     def submit(self, media: MediaBatch, prompts: list[str]) -> Future[ScoreResult]:
-        """Score on a background thread (one batch at a time, in order) while the caller goes on."""
+        """Score on a background thread (one batch at a time, in order) while the caller goes on; the
+        failure threshold is left to the caller, which sees the whole step."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="reward")
-            return self._executor.submit(self.__call__, media, prompts)
+            return self._executor.submit(self._score_quietly, media, prompts)
+
+    def _score_quietly(self, media: MediaBatch, prompts: list[str]) -> ScoreResult:
+        with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach this one
+            return self(media, prompts, check=False)
 
     def close(self) -> None:
-        """Stop the background thread and close components that hold connections or processes."""
+        """Stop the background thread (queued batches are dropped) and close components that hold
+        connections or processes."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         for reward in self.components.values():
             close = getattr(reward, "close", None)

@@ -73,7 +73,7 @@ def generate(
 
 @torch.no_grad()
 def score(policy: FlowPolicy, reward: WeightedReward, rollout: Rollout) -> ScoreResult:
-    return reward(policy.decode(rollout.x0), rollout.prompts)
+    return reward(policy.decode(rollout.x0), rollout.prompts, check=False)
 
 
 def cat_results(parts: list[ScoreResult]) -> ScoreResult:
@@ -82,9 +82,13 @@ def cat_results(parts: list[ScoreResult]) -> ScoreResult:
     for part in parts:
         failures.update({offset + i: reason for i, reason in part.failures.items()})
         offset += len(part.total)
-    names = parts[0].parts.keys()
+    names = sorted({k for p in parts for k in p.parts})  # a chunk may lack a component another has
+
+    def column(p: ScoreResult, k: str) -> torch.Tensor:
+        return p.parts.get(k, torch.full((len(p.total),), float("nan")))
+
     return ScoreResult(
         torch.cat([p.total for p in parts]),
-        {k: torch.cat([p.parts[k] for p in parts]) for k in names},
+        {k: torch.cat([column(p, k) for p in parts]) for k in names},
         failures,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -91,3 +92,56 @@ def test_scoring_while_the_next_chunk_generates_trains_the_same(model_dir: Path,
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+
+
+def test_a_step_with_nothing_left_to_train_changes_nothing(model_dir: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.models import lora
+
+    only_red = tmp_path / "red.txt"
+    only_red.write_text(f"{RED}\n")
+    overrides = fast_overrides(model_dir, tmp_path / "run", 2) + [
+        f"data.prompts={only_red}",
+        "reward.weights={color_match: 1.0, test_fails_on_red: 1.0}",
+        "reward.max_failed_fraction=1.0",
+        "train.eval_at_start_and_end=false",
+    ]
+    trainer = NFTTrainer(load_config(None, overrides))
+    before = {k: v.clone() for k, v in lora.nft_adapter_tensors(trainer.transformer).items()}
+    summary = trainer.fit()
+    after = lora.nft_adapter_tensors(trainer.transformer)
+    assert all(torch.equal(before[k], after[k]) for k in before), "no sample trained: no update"
+    assert summary["samples"] == {
+        "generated": 8,
+        "trained": 0,
+        "dropped/reward_failed": 8,
+        "dropped/group_too_small": 0,
+    }
+    assert all(r["step_skipped"] == 1.0 for r in step_records(tmp_path / "run"))
+
+
+class _AsyncWithLoopState:
+    """An async reward that keeps a loop-bound object across calls (like an HTTP session)."""
+
+    def __init__(self) -> None:
+        self.lock: asyncio.Lock | None = None
+        self.calls = 0
+
+    async def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:  # fails on a second loop: "bound to a different event loop"
+            await asyncio.sleep(0)
+            self.calls += 1
+        return torch.full((len(prompts),), float(self.calls))
+
+
+def test_async_rewards_keep_their_loop_across_calls() -> None:
+    from omni_diffusion_rl.reward import WeightedReward
+
+    reward = _AsyncWithLoopState()
+    combined = WeightedReward({"a": reward}, {"a": 1.0}, retries=0)
+    media = MediaBatch(audio=torch.zeros(2, 1, 4))
+    for call in (1, 2, 3):
+        result = combined.submit(media, ["p", "q"]).result() if call == 2 else combined(media, ["p", "q"])
+        assert result.failures == {} and result.total.tolist() == [float(call)] * 2
+    combined.close()

@@ -44,7 +44,7 @@ def _server(*args: str, env: dict[str, str] | None = None, names: list[str] | No
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
     # 256 KiB requests at most: tiny-world batches must be cut into several requests by the client.
-    with _server("--max-request-mb", "0.25", "--max-wait-ms", "50", env={"ODRL_TEST_SLOW_S": "3"}) as srv:
+    with _server("--max-request-mb", "0.25", "--max-wait-ms", "50", env={"ODRL_TEST_SLOW_S": "2"}) as srv:
         yield srv
 
 
@@ -169,6 +169,7 @@ def test_clap_and_imagebind_score_through_a_server_like_in_process(tmp_path: Pat
         ("not safetensors", 400, "safetensors"),
         ("oversized", 413, "exceeds the server's limit"),
         ("unknown reward", 404, "does not serve reward 'nope'"),
+        ("over max batch", 413, "40 samples exceed the server's max batch of 32"),
     ],
 )
 def test_malformed_requests_get_4xx_with_a_message(
@@ -185,6 +186,7 @@ def test_malformed_requests_get_4xx_with_a_message(
         "not safetensors": lambda: b"\x00" * 64,
         "oversized": lambda: _payload(torch.zeros(1, 1, 300_000), ["a"]),
         "unknown reward": lambda: _payload(good, ["a", "b"]),
+        "over max batch": lambda: _payload(torch.zeros(40, 1, 8), ["a"] * 40),
     }[case]()
     if case == "unknown reward":
         url = f"{server.url}/score/nope"
@@ -257,7 +259,16 @@ def test_a_slow_server_hits_the_timeout_and_the_error_says_so(server: ServerProc
     start = time.monotonic()
     with pytest.raises(RewardServerError, match=r"failed 2 times.*no answer within timeout_s=0.4"):
         client.score(MediaBatch(audio=torch.zeros(1, 1, 8)), ["a"])
-    assert time.monotonic() - start < 2.5, "the client must not wait for the slow server"
+    assert time.monotonic() - start < 2.0, "the client must not wait for the slow server"
+    # The retry queued behind the first (slow) call; its client left, so the server must skip it.
+    deadline = time.monotonic() + 10
+    stats = client.info()["stats"]["test_slow"]
+    while time.monotonic() < deadline and stats["model_calls"] + stats["failed_requests"] < 1:
+        time.sleep(0.1)
+        stats = client.info()["stats"]["test_slow"]
+    time.sleep(2.5)  # past the first call's 2 s sleep: the abandoned retry would have started by now
+    stats = client.info()["stats"]["test_slow"]
+    assert stats["requests"] == 2 and stats["model_calls"] == 1, stats
     client.close()
 
 

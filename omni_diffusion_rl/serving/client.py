@@ -1,11 +1,11 @@
 """A reward scored by a reward server: the same contract as a local reward, plus retries and timeouts.
 
-Requests run on one background event loop per client (kept alive so connections are reused). A batch
-is cut into requests that fit the server's size limit and sent concurrently. A request the server
-did not answer (down, timed out, 5xx) is retried with exponential backoff; after the last retry a
-RewardServerError names the server, the attempts and the last error. A 4xx about the batch itself
-(e.g. NaN audio) is not retried: it is raised as RequestRejected, which the weighted reward turns
-into dropped samples with that reason.
+Requests run on the process's background event loop (kept alive so connections are reused). A batch
+is cut into requests that fit the server's size and batch limits and sent concurrently. A request
+the server did not answer (down, timed out, 408/429/5xx) is retried with exponential backoff; after
+the last retry a RewardServerError names the server, the attempts and the last error. Another 4xx
+about the batch itself (e.g. NaN audio) is not retried here: it is raised as RequestRejected, and
+the weighted reward's failure rules (retry, score each sample alone, drop with the reason) apply.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import atexit
 import json
 import os
-import threading
 import time
 import weakref
 from collections.abc import Coroutine
@@ -24,7 +23,7 @@ import aiohttp
 import torch
 
 from ..media import MediaBatch
-from ..reward import RewardError, RewardOutput
+from ..reward import RewardError, RewardOutput, background_loop, run_on_background_loop
 from .wire import CONTENT_TYPE, encode_media, scores_from_json
 
 T = TypeVar("T")
@@ -38,31 +37,23 @@ class RequestRejected(ValueError):
     """The server refused this batch (4xx) and said why; retrying the same batch cannot help."""
 
 
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
+RETRYABLE_STATUS = (408, 429)  # besides 5xx: a timeout or rate limit on the way, worth another try
+HEADER_ROOM = 64 * 1024  # safetensors header besides the prompts (tensor offsets, fps, sample rate)
+MAX_HEADER_BYTES = 1 << 20  # the server's limit on the safetensors header, which carries the prompts
 _SESSIONS: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()
 
 
 @atexit.register
 def _close_sessions() -> None:
     """Close connections left open at exit (a client not closed after an error)."""
-    loop = _LOOP
-    if loop is None or loop.is_closed() or not loop.is_running():
-        return
     sessions = [s for s in _SESSIONS if not s.closed]
-    if sessions:
-        done = asyncio.run_coroutine_threadsafe(asyncio.gather(*(s.close() for s in sessions)), loop)
-        done.result(timeout=5)
+    loop = background_loop()
+    if sessions and loop.is_running():
 
+        async def close_all() -> None:
+            await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
 
-def _client_loop() -> asyncio.AbstractEventLoop:
-    """One asyncio loop on a daemon thread per process, shared by all clients (for sync callers)."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP.is_closed():
-            _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="reward-client", daemon=True).start()
-        return _LOOP
+        asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=5)
 
 
 class RemoteReward:
@@ -128,7 +119,7 @@ class RemoteReward:
             self._run(session.close())
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, _client_loop()).result()
+        return run_on_background_loop(coro)
 
     # ------------------------------------------------------------------ async API
     async def score_async(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
@@ -142,7 +133,7 @@ class RemoteReward:
                     f"the reward server at {self.url} does not serve '{self.name}'; it serves "
                     f"{self._info.get('rewards')}"
                 )
-        chunk = self._samples_per_request(media)
+        chunk = self._samples_per_request(media, prompts)
         limit = asyncio.Semaphore(self.max_concurrency)
 
         async def one(start: int) -> RewardOutput:
@@ -150,22 +141,36 @@ class RemoteReward:
                 part = media.select(slice(start, start + chunk))
                 return await self._score_request(part, prompts[start : start + chunk])
 
-        parts = await asyncio.gather(*(one(s) for s in range(0, len(media), chunk)))
+        tasks = [asyncio.ensure_future(one(s)) for s in range(0, len(media), chunk)]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one request failed: do not leave the others running
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         names = parts[0].components.keys()
         return RewardOutput(
             torch.cat([p.scores for p in parts]),
             {k: torch.cat([p.components[k] for p in parts]) for k in names},
         )
 
-    def _samples_per_request(self, media: MediaBatch) -> int:
-        """The most samples per request that fit the server's byte limit (with room for the header)."""
-        bytes_per_sample = sum(
+    def _samples_per_request(self, media: MediaBatch, prompts: list[str]) -> int:
+        """The most samples per request within the server's byte limit, its header limit (the prompts
+        travel in the header) and its max batch."""
+        info = self._info or {}
+        tensor_bytes = sum(
             t[0].numel() * self.dtype.itemsize for t in (media.video, media.audio) if t is not None and len(t)
         )
-        limit = int(self._info.get("max_request_bytes", 0)) if self._info else 0
-        fit = max(1, (limit - 65536) // max(1, bytes_per_sample)) if limit else len(media)
-        wanted = self.max_samples_per_request or len(media)
-        return max(1, min(wanted, fit, len(media)))
+        prompt_bytes = max((len(json.dumps(p)) + 2 for p in prompts), default=1)
+        limits = [len(media), self.max_samples_per_request or len(media)]
+        limits.append(max(1, (MAX_HEADER_BYTES - HEADER_ROOM) // prompt_bytes))
+        if info.get("max_request_bytes"):
+            room = int(info["max_request_bytes"]) - HEADER_ROOM
+            limits.append(max(1, room // max(1, tensor_bytes + prompt_bytes)))
+        if info.get("max_batch"):
+            limits.append(int(info["max_batch"]))
+        return max(1, min(limits))
 
     async def _session_here(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -222,7 +227,7 @@ class RemoteReward:
         if status in (401, 403, 404, 413) or kind == "reward_broken":
             hint = " (set the token in ODRL_REWARD_TOKEN or reward.token_env)" if status in (401, 403) else ""
             raise RewardServerError(f"{where} answered {status}: {message}{hint}")
-        if 400 <= status < 500:
+        if 400 <= status < 500 and status not in RETRYABLE_STATUS:
             raise RequestRejected(f"{where} answered {status}: {message}")
         raise _Retryable(f"HTTP {status}: {message}")
 
@@ -234,7 +239,7 @@ class RemoteReward:
                 return await attempt()
             except (RewardServerError, RequestRejected):
                 raise
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
                 last = f"no answer within timeout_s={self.timeout_s:g} s"
             except (aiohttp.ClientError, ConnectionError, _Retryable) as e:
                 last = f"{type(e).__name__}: {e}"

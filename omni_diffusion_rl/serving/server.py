@@ -40,11 +40,12 @@ class ServeSettings:
     max_batch: int = 32  # samples per model call
     max_wait_ms: float = 5.0  # how long the oldest request may wait for others to join its batch
     max_request_mb: float = 256.0
+    max_in_flight: int = 256  # requests being read, queued or scored; more get 503 (clients retry)
     token: str | None = None
 
     def check(self) -> None:
-        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_request_mb <= 0:
-            raise ValueError("max_batch must be >= 1, max_wait_ms >= 0 and max_request_mb > 0")
+        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_request_mb <= 0 or self.max_in_flight < 1:
+            raise ValueError("max_batch and max_in_flight must be >= 1, max_wait_ms >= 0, max_request_mb > 0")
         if not self.token and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to serve on {self.host} without a token: anyone who reaches it could use it. "
@@ -148,20 +149,25 @@ class RewardBatcher:
                 self._arrival.clear()
                 try:
                     await asyncio.wait_for(self._arrival.wait(), remaining)
-                except TimeoutError:
+                except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
                     break
-            batch = [r for r in self._take_batch() if not r.future.done()]
-            if batch:
-                await self._score_batch(loop, batch)
+            batch = [r for r in self._take_batch() if not r.future.done()]  # done: the client left
+            try:
+                if batch:
+                    await self._score_batch(loop, batch)
+            except Exception as e:  # never let the batcher die: fail this batch, serve the next
+                logger.exception("reward '%s': batch of %d requests failed", self.name, len(batch))
+                for request in batch:
+                    _settle(request.future, error=e)
 
     async def _score_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
-        media = _merge([r.media for r in batch])
         prompts = [p for r in batch for p in r.prompts]
         try:
-            out = await loop.run_in_executor(self._worker, self._call, media, prompts)
+            out = await loop.run_in_executor(self._worker, self._call, [r.media for r in batch], prompts)
         except Exception as e:
             if len(batch) == 1:
                 self.stats.failed_requests += 1
+                logger.warning("reward '%s' failed on a request: %s: %s", self.name, type(e).__name__, e)
                 _settle(batch[0].future, error=e)
                 return
             for request in batch:  # find the request that fails; the others are answered
@@ -174,7 +180,8 @@ class RewardBatcher:
             part = RewardOutput(out.scores[rows], {k: v[rows] for k, v in out.components.items()})
             _settle(request.future, result=part)
 
-    def _call(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+    def _call(self, parts: list[MediaBatch], prompts: list[str]) -> RewardOutput:
+        media = _merge(parts)
         self.stats.model_calls += 1
         self.stats.samples += len(media)
         with torch.inference_mode():
@@ -218,6 +225,7 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
         name: RewardBatcher(name, reward, settings.max_batch, settings.max_wait_ms)
         for name, reward in rewards.items()
     }
+    in_flight = 0
 
     @web.middleware
     async def authorise(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -247,6 +255,16 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
         )
 
     async def score(request: web.Request) -> web.Response:
+        nonlocal in_flight
+        if in_flight >= settings.max_in_flight:
+            return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
+        in_flight += 1
+        try:
+            return await score_one(request)
+        finally:
+            in_flight -= 1
+
+    async def score_one(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in batchers:
             return _error(
@@ -258,10 +276,15 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _too_large(None, max_bytes)
-        try:
-            media, prompts = decode_media(body)
+        try:  # parsing and checks off the event loop: they touch every value of up to max_request_mb
+            media, prompts = await asyncio.get_running_loop().run_in_executor(None, decode_media, body)
         except WireError as e:
             return _error(400, str(e), "bad_request")
+        if len(media) > settings.max_batch:
+            message = (
+                f"{len(media)} samples exceed the server's max batch of {settings.max_batch}; send fewer"
+            )
+            return _error(413, message, "too_large")
         try:
             out = await batchers[name].score(media, prompts)
         except RewardError as e:
@@ -305,7 +328,8 @@ def _too_large(size: int | None, limit: int) -> web.Response:
 
 async def serve(rewards: dict[str, Reward], settings: ServeSettings, ready: Any = None) -> None:
     """Serve until cancelled; prints one JSON line `{"event": "ready", "url": ...}` once listening."""
-    runner = web.AppRunner(build_app(rewards, settings), access_log=None)
+    # handler_cancellation: a request whose client went away is cancelled, so the batcher skips it.
+    runner = web.AppRunner(build_app(rewards, settings), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()

@@ -47,7 +47,9 @@ def _metadata(body: bytes) -> dict[str, str]:
     if len(body) < 8:
         raise WireError("the body is not a safetensors payload (shorter than its 8-byte header length)")
     (header_len,) = struct.unpack("<Q", body[:8])
-    if header_len > min(MAX_HEADER_BYTES, len(body) - 8):
+    if header_len > MAX_HEADER_BYTES:
+        raise WireError(f"the safetensors header is {header_len} bytes; the limit is {MAX_HEADER_BYTES}")
+    if header_len > len(body) - 8:
         raise WireError(f"the safetensors header claims {header_len} bytes; the body has {len(body) - 8}")
     try:
         header = json.loads(body[8 : 8 + header_len])

@@ -29,7 +29,7 @@ from ..config import ExperimentConfig
 from ..media import save_previews
 from ..models import build_nft_policy, lora
 from ..prompts import load_prompts
-from ..reward import ScoreResult, WeightedReward
+from ..reward import RewardError, ScoreResult, WeightedReward
 from ..rollout import Rollout, cat_results, generate, score
 from ..serving.wire import scores_to_json
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
@@ -62,6 +62,7 @@ class NFTTrainer:
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.reward = WeightedReward.from_config(cfg.reward)
         self.sample_counts: dict[str, int] = {}
+        self._metric_names: list[str] = []
         self._t_generated = 0.0
         self.device = accelerator.device if accelerator is not None else torch.device("cpu")
         self.policy = build_nft_policy(cfg.model, self.device)
@@ -140,22 +141,50 @@ class NFTTrainer:
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.gather(t) if self.world_size > 1 else t
 
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Per-rank metrics (e.g. the local loss) averaged over all processes, for logging."""
+    def _weighted_mean_over_ranks(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
+        """sum_i w_i m_i / sum_i w_i over processes for the loss metrics (w_i: trained samples); a
+        process with none contributes nothing (its metrics may be empty)."""
+        names = self._loss_metric_names()
         if self.world_size == 1:
-            return metrics
-        names = sorted(metrics)
-        values = torch.tensor([metrics[n] for n in names], dtype=torch.float64)
+            return {n: metrics.get(n, float("nan")) for n in names}
+        values = torch.tensor([metrics.get(n, 0.0) * weight for n in names] + [weight], dtype=torch.float64)
         dist.all_reduce(values)
-        return {n: float(v) / self.world_size for n, v in zip(names, values, strict=True)}
+        total = float(values[-1])
+        return {
+            n: float(v) / total if total > 0 else float("nan")
+            for n, v in zip(names, values[:-1], strict=True)
+        }
 
-    def _average_gradients(self) -> None:
+    def _loss_metric_names(self) -> list[str]:
+        """The names nft_loss logs (plus loss/total), from a call on an empty batch."""
+        if self._metric_names:
+            return self._metric_names
+        a = self.cfg.algorithm
+        empty = torch.zeros(0, 1)
+        _, metrics = nft_loss(
+            empty,
+            empty,
+            empty,
+            empty,
+            torch.zeros(0),
+            torch.zeros(0),
+            a.beta,
+            a.adv_clip_max,
+            empty,
+            a.kl_coef,
+        )
+        self._metric_names = sorted(["loss/total", *metrics])
+        return self._metric_names
+
+    def _average_gradients(self, weight: float = 1.0) -> None:
+        """Gradients averaged over processes, each weighted by its trained samples (`weight`)."""
         if self.world_size == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.flatten() for g in grads])
+        flat = torch.cat([g.flatten() * weight for g in grads] + [torch.tensor([float(weight)])])
         dist.all_reduce(flat)
-        flat /= self.world_size
+        total, flat = flat[-1], flat[:-1]
+        flat /= total
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -218,9 +247,9 @@ class NFTTrainer:
             inputs.append((t, all_noise[j], (1 - t_b) * rollout.x0 + t_b * all_noise[j]))
         return inputs
 
-    def apply_gradients(self, metrics: dict[str, float]) -> None:
-        """Average gradients over processes, clip, take the optimizer step."""
-        self._average_gradients()
+    def apply_gradients(self, metrics: dict[str, float], weight: float = 1.0) -> None:
+        """Average gradients over processes (weighted by `weight`, this process's samples), clip, step."""
+        self._average_gradients(weight)
         if self.cfg.optim.grad_clip > 0:
             metrics["grad_norm"] = float(
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
@@ -233,22 +262,20 @@ class NFTTrainer:
         """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step.
 
         keep: [N] bool, the samples to train on (the others were dropped); the noise every sample
-        draws does not depend on which are dropped.
+        draws does not depend on which are dropped. A process left with none still joins the
+        gradient average, with weight 0; the caller skips the step when no process has any.
         """
         a = self.cfg.algorithm
         inputs = self.noised_inputs(rollout, step)
-        weight = 1.0
         if keep is not None and not bool(keep.all()):
             index = keep.nonzero().flatten()
-            if len(index) == 0:  # nothing left here: a zero-weight pass keeps the collective ops in step
-                index, weight = torch.tensor([0]), 0.0
             rollout, r = rollout.select(index), r[index]
             dev = index.to(rollout.x0.device)
             inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
         r = r.to(rollout.x0.device)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for t, _, x_t in inputs:
+        for t, _, x_t in inputs if len(rollout) else []:
             with torch.no_grad():
                 with lora.using_adapter(self.transformer, lora.OLD):
                     v_old = self.policy.velocity(x_t, t, rollout.cond)
@@ -260,23 +287,53 @@ class NFTTrainer:
             loss, metrics = nft_loss(
                 v_theta, v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
             )
-            (loss * weight / len(inputs)).backward()
+            (loss / len(inputs)).backward()
             for name, value in {"loss/total": loss.detach(), **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
-        self.apply_gradients(sums)
+        out = self._weighted_mean_over_ranks(sums, float(len(rollout)))
+        self.apply_gradients(out, weight=float(len(rollout)))
         decay = old_adapter_decay(a.decay_schedule, step)
         lora.soft_update_old(self.transformer, decay)
-        sums["old_decay"] = decay
-        return sums
+        out["old_decay"] = decay
+        return out
+
+    def _agree_on_failure(self, error: BaseException | None, what: str) -> None:
+        """Raise on every process when one failed (the others would wait for it in a collective)."""
+        failed = error is not None
+        if self.world_size > 1:
+            flag = torch.tensor([1.0 if failed else 0.0])
+            dist.all_reduce(flag)
+            failed = bool(flag.item() > 0)
+        if error is not None:
+            raise error
+        if failed:
+            raise RewardError(f"another process failed while {what}; its error is in its own output")
+
+    def _gather_parts(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each named score gathered over processes; a name some process lacks is NaN there."""
+        names = sorted(parts)
+        if self.world_size > 1:
+            everyone: list[list[str]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(everyone, names)
+            names = sorted({n for ns in everyone for n in ns})
+        size = len(next(iter(parts.values()))) if parts else 0
+        nan = torch.full((size,), float("nan"))
+        return {n: self._gather(parts.get(n, nan)) for n in names}
 
     def train_step(self) -> dict[str, float]:
         step = self.step
         t0 = time.perf_counter()
-        rollout, scored = self.rollout(step)
+        error = None
+        try:
+            rollout, scored = self.rollout(step)
+        except Exception as e:
+            error = e
+        self._agree_on_failure(error, f"generating or scoring step {step + 1}")
         t2 = time.perf_counter()
         all_rewards = self._gather(scored.total)
         all_groups = self._gather(rollout.group_ids)
         all_ok = self._gather(scored.ok)
+        self.reward.check_failures(int((~all_ok).sum()), len(all_ok), list(scored.failures.values()))
         a = self.cfg.algorithm
         keep_all = trainable_samples(all_ok, all_groups)
         adv = torch.zeros(len(all_rewards))
@@ -287,7 +344,10 @@ class NFTTrainer:
         local = slice(self.rank * len(rollout), (self.rank + 1) * len(rollout))
         r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
         self._record_failures(step, rollout, scored, keep_all[local])
-        metrics = self._mean_over_ranks(self.train_on(rollout, r, step, keep_all[local]))
+        if keep_all.any():
+            metrics = self.train_on(rollout, r, step, keep_all[local])
+        else:  # every process agrees (keep_all is gathered): nothing to learn from, no update at all
+            metrics = {"step_skipped": 1.0}
         t3 = time.perf_counter()
         self.step += 1
         counts = {
@@ -311,10 +371,14 @@ class NFTTrainer:
                 **{f"samples/{k}": float(v) for k, v in self.sample_counts.items()},
             }
         )
-        for name, values in scored.parts.items():
-            gathered = self._gather(values)
+        for name, gathered in self._gather_parts(scored.parts).items():
             metrics[f"reward/{name}"] = float(gathered[keep_all].mean()) if keep_all.any() else float("nan")
         return metrics
+
+    def failures_path(self) -> Path:
+        """This process's log of dropped samples (one file per process)."""
+        suffix = "" if self.rank == 0 else f".rank{self.rank}"
+        return self.output_dir / f"failed_samples{suffix}.jsonl"
 
     def _record_failures(self, step: int, rollout: Rollout, scored: ScoreResult, keep: torch.Tensor) -> None:
         """Append every dropped sample of this rank, with its reason, to failed_samples.jsonl."""
@@ -324,7 +388,7 @@ class NFTTrainer:
             record = {"step": step + 1, "rank": self.rank, "group": int(rollout.group_ids[i])}
             lines.append(json.dumps({**record, "prompt": rollout.prompts[i], "reason": reason}))
         if lines:
-            with open(self.output_dir / "failed_samples.jsonl", "a", encoding="utf-8") as f:
+            with open(self.failures_path(), "a", encoding="utf-8") as f:
                 f.write("".join(line + "\n" for line in lines))
 
     # ------------------------------------------------------------------ evaluation and previews
@@ -348,6 +412,10 @@ class NFTTrainer:
         )
         scored = score(self.policy, self.reward, rollout)
         ok = self._gather(scored.ok)
+        if not ok.any():
+            raise RewardError(
+                f"no held-out sample could be scored: {sorted(set(scored.failures.values()))[:5]}"
+            )
         out = {"reward": float(self._gather(scored.total)[ok].mean())}
         out.update({name: float(self._gather(v)[ok].mean()) for name, v in scored.parts.items()})
         if not ok.all():
@@ -368,7 +436,7 @@ class NFTTrainer:
             self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
         )
         media = self.policy.decode(rollout.x0)
-        scored = self.reward(media, prompts)
+        scored = self.reward(media, prompts, check=False)  # a failed preview sample is shown as failed
         out = self.output_dir / "previews" / tag
         values = {"reward": scored.total, **scored.parts}
         save_previews(out, media, prompts, {k: scores_to_json(v) for k, v in values.items()})
@@ -383,7 +451,7 @@ class NFTTrainer:
         metrics_path = self.output_dir / "metrics.jsonl"
         if self.is_main:
             _truncate_metrics(metrics_path, keep_until=self.step)
-            _truncate_metrics(self.output_dir / "failed_samples.jsonl", keep_until=self.step)
+        _truncate_metrics(self.failures_path(), keep_until=self.step)
         logger = MetricsLogger(
             self.output_dir,
             self.accelerator,
@@ -411,7 +479,7 @@ class NFTTrainer:
                 bar.update(1)
                 bar.set_postfix(
                     reward=f"{metrics['reward/mean']:.3f}",
-                    loss=f"{metrics['loss/total']:.3f}",
+                    loss=f"{metrics.get('loss/total', float('nan')):.3f}",
                     s_per_prompt=f"{metrics['time/sec_per_prompt']:.2f}",
                 )
                 if cfg.train.preview_every and self.step % cfg.train.preview_every == 0:
@@ -454,11 +522,14 @@ def _truncate_metrics(path: Path, keep_until: int) -> None:
     """Drop records logged after the checkpoint a run resumes from (they will be logged again)."""
     if not path.exists():
         return
-    kept = [
-        line
-        for line in path.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= keep_until
-    ]
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a crash mid-write
+            continue
+        if record.get("step", 0) <= keep_until:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
