@@ -39,3 +39,13 @@ class FailsOnBad:
         if "bad" in prompts:
             raise ValueError(f"cannot score prompt 'bad' (position {prompts.index('bad')})")
         return torch.ones(len(prompts))
+
+
+@rewards.register("test_fails_on_red", overwrite=True)
+class FailsOnRed:
+    """Raises when a prompt mentions red; 1.0 otherwise (a reward that cannot score some samples)."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        if any("red" in p for p in prompts):
+            raise ValueError("no opinion on red things")
+        return torch.ones(len(prompts))

@@ -11,23 +11,15 @@ import torch
 
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.media import MediaBatch
-from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import RewardError
 from omni_diffusion_rl.trainers.nft import NFTTrainer, trainable_samples
 from omni_diffusion_rl.world import tiny_world as world
 
+from . import plugin_rewards  # noqa: F401 - registers test_fails_on_red
 from .helpers import fast_overrides, step_records, tiny_model_dir
 
 RED = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
 BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
-
-
-@rewards.register("test_fails_on_red", overwrite=True)
-class FailsOnRed:
-    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
-        if any("red" in p for p in prompts):
-            raise ValueError("no opinion on red things")
-        return torch.ones(len(prompts))
 
 
 @pytest.fixture(scope="module")

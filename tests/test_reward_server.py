@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -336,3 +337,53 @@ def test_a_run_whose_reward_server_stays_down_stops_with_a_clear_error(
         assert time.monotonic() - start < 60
         watcher.join(timeout=10)
     assert not (run / "checkpoints" / "step_0000050").exists()
+
+
+def test_two_processes_with_a_process_left_without_samples_match_one(model_dir: Path, tmp_path: Path) -> None:
+    """One prompt group per process, one group unscorable: that process trains nothing, joins the
+    gradient average with weight 0, and the run equals a single process's."""
+    red = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
+    blue = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{red}\n{blue}\n")
+    with _server(names=["color_match", "test_fails_on_red"]) as srv:
+        extra = [
+            f"data.prompts={prompts}",
+            "reward.weights={color_match: 1.0, test_fails_on_red: 1.0}",
+            f"reward.url={srv.url}",
+            "reward.max_failed_fraction=0.5",
+            "train.eval_at_start_and_end=false",
+        ]
+        single = tmp_path / "single"
+        NFTTrainer(load_config(None, fast_overrides(model_dir, single, 2) + extra)).fit()
+        double = tmp_path / "double"
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+        launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        launch += ["--main_process_port", "29531", str(REPO / "recipes" / "train_nft.py")]
+        proc = subprocess.run(
+            [*launch, *fast_overrides(model_dir, double, 2), *extra],
+            cwd=REPO,
+            env={**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows_1, rows_2 = step_records(single), step_records(double)
+    assert len(rows_1) == len(rows_2) == 2
+    for a, b in zip(rows_1, rows_2, strict=True):
+        assert b["samples/trained"] + b["samples/dropped/reward_failed"] == b["samples/generated"]
+        for key in (
+            "reward/mean",
+            "samples/trained",
+            "samples/dropped/reward_failed",
+            "loss/total",
+            "grad_norm",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    logged = [
+        json.loads(line)
+        for path in double.glob("failed_samples*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert len(logged) == 4 and {r["prompt"] for r in logged} == {red}
