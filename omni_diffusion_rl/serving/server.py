@@ -86,10 +86,11 @@ class BatchStats:
     samples: int = 0
     model_calls: int = 0
     failed_requests: int = 0
+    model_seconds: float = 0.0  # inside the reward's score call (merging, preprocessing, model)
 
     def as_dict(self) -> dict[str, float]:
         mean = self.samples / self.model_calls if self.model_calls else 0.0
-        return {**self.__dict__, "mean_batch": round(mean, 3)}
+        return {**self.__dict__, "model_seconds": round(self.model_seconds, 4), "mean_batch": round(mean, 3)}
 
 
 class RewardBatcher:
@@ -181,11 +182,15 @@ class RewardBatcher:
             _settle(request.future, result=part)
 
     def _call(self, parts: list[MediaBatch], prompts: list[str]) -> RewardOutput:
+        start = time.perf_counter()
         media = _merge(parts)
         self.stats.model_calls += 1
         self.stats.samples += len(media)
-        with torch.inference_mode():
-            return checked_output(self.name, call_reward(self.reward, media, prompts), len(media))
+        try:
+            with torch.inference_mode():
+                return checked_output(self.name, call_reward(self.reward, media, prompts), len(media))
+        finally:
+            self.stats.model_seconds += time.perf_counter() - start
 
 
 def _settle(
