@@ -126,6 +126,35 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     return main_serve(served, settings)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .execution import costs as presets
+    from .execution.costs import CostModel, Workload
+    from .execution.simulate import format_report, simulate_settings
+
+    reported = None
+    if args.costs:
+        try:
+            spec = json.loads(Path(args.costs).read_text(encoding="utf-8"))
+            costs = CostModel(**spec["costs"])
+            workloads = {k: Workload(**v) for k, v in spec["workloads"].items()}
+            lengths = {k: float(v) for k, v in spec["lengths"].items()}
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"--costs {args.costs}: {type(e).__name__}: {e}. Expected JSON with 'costs' (CostModel "
+                "fields), 'workloads' ({'colocated': {...}, 'async': {...}} or {'all': {...}}; Workload "
+                "fields) and 'lengths' ({'short': 3, 'long': 40})"
+            ) from e
+    else:
+        costs, workloads = presets.SEED_4XH800_COSTS, presets.SEED_4XH800_WORKLOADS
+        lengths, reported = presets.SEED_4XH800_LENGTHS, presets.SEED_4XH800_REPORTED
+    report = simulate_settings(costs, workloads, lengths, steps=args.steps)
+    print(format_report(report, reported))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"source": args.costs or args.preset, "report": report}, indent=1))
+    print(f"wrote {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="odrl", description="Post-train diffusion generators with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-in-flight", type=int, default=256, help="more concurrent requests get 503")
     serve.add_argument("--token-env", default="ODRL_REWARD_TOKEN", help="environment variable with the token")
     serve.set_defaults(func=cmd_serve_reward)
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="predict seconds per trained prompt of colocated / separate / hybrid (virtual clock)",
+        description="Discrete-event simulation of the execution modes with the real buffer and scheduler "
+        "decisions and a cost model: the seed's 4 x H800 preset, or --costs FILE.json.",
+    )
+    simulate.add_argument("--preset", default="seed-4xh800", choices=("seed-4xh800",))
+    simulate.add_argument("--costs", help="JSON with 'costs', 'workloads' and 'lengths' instead of a preset")
+    simulate.add_argument("--steps", type=int, default=20, help="optimizer steps simulated per mode")
+    simulate.add_argument("--output", type=Path, default=Path("runs/simulate/report.json"))
+    simulate.set_defaults(func=cmd_simulate)
 
     bench = sub.add_parser(
         "bench",

@@ -1,0 +1,164 @@
+"""A versioned replay buffer: prompt groups tagged with the policy version that generated them.
+
+Rollout puts whole prompt groups in; training takes the oldest groups out, each at most once.
+A group whose version lags the trainer's by more than `max_staleness` is not trained: with
+`on_stale="drop"` it is dropped (counted), with `on_stale="wait"` rollout is held back instead
+(`may_generate` says no) so nothing ever goes stale. The buffer is bounded (`capacity` groups);
+`put` refuses to overfill it. Accounting always balances:
+
+    generated = trained + dropped (by reason) + in the buffer + taken but not yet trained
+
+Generic over the payload: the simulator stores nothing, the runtime stores rollouts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+STALE_POLICIES = ("drop", "wait")
+
+
+class BufferFull(RuntimeError):
+    """put() on a full buffer: rollout must wait (may_generate says so first)."""
+
+
+@dataclass
+class Group(Generic[T]):
+    """One prompt group: its samples, the policy version that made them, and when they arrived."""
+
+    group_id: int
+    version: int
+    size: int  # samples in the group
+    payload: T | None = None
+    arrived: float = 0.0
+
+
+@dataclass
+class BufferStats:
+    generated: int = 0  # samples put in
+    trained: int = 0  # samples taken and marked trained
+    dropped: Counter[str] = field(default_factory=Counter)  # samples dropped, by reason
+    taken: int = 0  # samples taken out (trained or still being trained)
+    staleness: Counter[int] = field(default_factory=Counter)  # samples trained, by version lag
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "generated": self.generated,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+            "in_training": self.taken - self.trained,
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+        }
+
+
+class ReplayBuffer(Generic[T]):
+    """Bounded FIFO of prompt groups with a staleness bound (see the module docstring)."""
+
+    def __init__(self, capacity: int, max_staleness: int = 1, on_stale: str = "drop") -> None:
+        if capacity < 1 or max_staleness < 0:
+            raise ValueError(f"capacity ({capacity}) must be >= 1 and max_staleness ({max_staleness}) >= 0")
+        if on_stale not in STALE_POLICIES:
+            raise ValueError(f"on_stale must be one of {STALE_POLICIES}; got {on_stale!r}")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        self.groups: deque[Group[T]] = deque()
+        self.stats = BufferStats()
+
+    # ------------------------------------------------------------------ state
+    def __len__(self) -> int:
+        """Prompt groups waiting to be trained."""
+        return len(self.groups)
+
+    @property
+    def samples(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    def is_stale(self, version: int, trainer_version: int) -> bool:
+        return trainer_version - version > self.max_staleness
+
+    def may_generate(
+        self, rollout_version: int, trainer_version: int, groups: int = 1, in_flight: int = 0
+    ) -> bool:
+        """Whether a rollout replica holding `rollout_version` weights may start `groups` more groups
+        (with `in_flight` groups already being generated elsewhere): the buffer will have room and,
+        under `wait`, what it makes is not already stale."""
+        if len(self.groups) + in_flight + groups > self.capacity:
+            return False
+        return self.on_stale == "drop" or not self.is_stale(rollout_version, trainer_version)
+
+    # ------------------------------------------------------------------ in and out
+    def put(self, group: Group[T]) -> None:
+        if len(self.groups) >= self.capacity:
+            raise BufferFull(f"the buffer holds {self.capacity} groups already; rollout must wait")
+        self.groups.append(group)
+        self.stats.generated += group.size
+
+    def drop_stale(self, trainer_version: int) -> int:
+        """Drop groups too old to train; returns the samples dropped."""
+        kept: deque[Group[T]] = deque()
+        dropped = 0
+        for g in self.groups:
+            if self.is_stale(g.version, trainer_version):
+                dropped += g.size
+            else:
+                kept.append(g)
+        self.groups = kept
+        if dropped:
+            self.stats.dropped["stale"] += dropped
+        return dropped
+
+    def take(self, groups: int, trainer_version: int) -> list[Group[T]] | None:
+        """The `groups` oldest trainable groups, or None (and nothing taken) when fewer are ready."""
+        self.drop_stale(trainer_version)
+        if len(self.groups) < groups:
+            return None
+        batch = [self.groups.popleft() for _ in range(groups)]
+        self.stats.taken += sum(g.size for g in batch)
+        return batch
+
+    def mark_trained(self, batch: list[Group[T]], trainer_version: int) -> None:
+        """Record that `batch` (from take) was trained by the trainer at `trainer_version`."""
+        for g in batch:
+            self.stats.trained += g.size
+            self.stats.staleness[trainer_version - g.version] += g.size
+
+    def drop(self, batch: list[Group[T]], reason: str) -> None:
+        """Samples taken but not trained (e.g. a failed reward), counted under `reason`."""
+        for g in batch:
+            self.stats.taken -= g.size
+            self.stats.dropped[reason] += g.size
+
+    def check_accounting(self) -> None:
+        """Raise if generated != trained + dropped + buffered + in training."""
+        s = self.stats
+        accounted = s.trained + sum(s.dropped.values()) + self.samples + (s.taken - s.trained)
+        if accounted != s.generated:
+            raise AssertionError(f"buffer accounting off: generated {s.generated} != accounted {accounted}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the waiting groups' metadata (payloads are regenerated, not saved)."""
+        return {
+            "stats": self.stats.as_dict() | {"taken": self.stats.taken},
+            "waiting": [(g.group_id, g.version, g.size) for g in self.groups],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], dropped_on_resume: str = "resume") -> None:
+        """Restore the counters; groups that were waiting are counted dropped (their payloads are gone)."""
+        s = state["stats"]
+        self.stats = BufferStats(
+            generated=int(s["generated"]),
+            trained=int(s["trained"]),
+            dropped=Counter({k: int(v) for k, v in s["dropped"].items()}),
+            taken=int(s["taken"]),
+            staleness=Counter({int(k): int(v) for k, v in s["staleness_histogram"].items()}),
+        )
+        lost = sum(size for _, _, size in state["waiting"]) + (self.stats.taken - self.stats.trained)
+        if lost:
+            self.stats.dropped[dropped_on_resume] += lost
+            self.stats.taken = self.stats.trained
+        self.groups.clear()

@@ -1,0 +1,1 @@
+"""Execution modes (colocated | separate | hybrid | auto): costs, scheduler decisions, simulator."""

@@ -1,0 +1,248 @@
+"""A discrete-event simulation of the execution modes on a virtual clock.
+
+The rollout and trainer pools take their decisions with the real buffer (`ReplayBuffer`) and the
+real scheduler functions (`scheduler.py`); only time is virtual, advanced by a `CostModel`. The
+result is what a run would report: seconds per trained prompt, idle fractions per pool and
+reason, the staleness histogram, buffer depth over time, switches and syncs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..buffer import Group, ReplayBuffer
+from . import scheduler
+from .costs import CostModel, Workload
+
+MODES = ("colocated", "separate", "hybrid")
+
+
+@dataclass
+class SimResult:
+    mode: str
+    seconds: float
+    trained_prompts: int
+    idle_s: dict[str, Counter[str]] = field(default_factory=dict)  # pool -> reason -> replica-seconds
+    pool_replicas: dict[str, int] = field(default_factory=dict)
+    buffer: dict[str, Any] = field(default_factory=dict)
+    depth: list[tuple[float, int]] = field(default_factory=list)  # (time, groups waiting)
+    switches: int = 0
+    syncs: int = 0
+
+    @property
+    def seconds_per_prompt(self) -> float:
+        return self.seconds / self.trained_prompts if self.trained_prompts else float("inf")
+
+    def idle_fraction(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for pool, reasons in self.idle_s.items():
+            total = self.pool_replicas[pool] * self.seconds
+            out[pool] = {r: round(s / total, 4) for r, s in sorted(reasons.items())} if total else {}
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "seconds": round(self.seconds, 3),
+            "trained_prompts": self.trained_prompts,
+            "seconds_per_prompt": round(self.seconds_per_prompt, 4),
+            "idle_fraction": self.idle_fraction(),
+            "buffer": self.buffer,
+            "switches": self.switches,
+            "weight_syncs": self.syncs,
+            "max_buffer_depth": max((d for _, d in self.depth), default=0),
+        }
+
+
+def simulate(mode: str, costs: CostModel, work: Workload, steps: int) -> SimResult:
+    """Run `steps` optimizer steps of `mode` on a virtual clock."""
+    if mode == "colocated":
+        return _colocated(costs, work, steps)
+    if mode in ("separate", "hybrid"):
+        return _Async(costs, work, lend=mode == "hybrid").run(steps)
+    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def predict_all(costs: CostModel, work: Workload, steps: int) -> dict[str, SimResult]:
+    return {mode: simulate(mode, costs, work, steps) for mode in MODES}
+
+
+def best_mode(costs: CostModel, work: Workload, steps: int = 20) -> tuple[str, dict[str, SimResult]]:
+    """auto: the mode the simulator predicts fastest (seconds per trained prompt) for these costs."""
+    results = predict_all(costs, work, steps)
+    return min(results, key=lambda m: results[m].seconds_per_prompt), results
+
+
+def _colocated(costs: CostModel, work: Workload, steps: int) -> SimResult:
+    """Every replica generates its share of the step's groups, then all train together."""
+    per_replica_groups = -(-work.prompts_per_step // work.replicas)  # the slowest replica's share
+    samples = per_replica_groups * work.group_size
+    step_s = costs.gen(samples) + costs.train(samples) + costs.colocated_phase_s
+    result = SimResult("colocated", steps * step_s, steps * work.prompts_per_step)
+    result.pool_replicas = {"all": work.replicas}
+    result.idle_s = {"all": Counter({"switching": work.replicas * steps * costs.colocated_phase_s})}
+    result.buffer = {"staleness_histogram": {"0": steps * work.prompts_per_step * work.group_size}}
+    return result
+
+
+class _Async:
+    """separate (and hybrid, with lending): rollout replicas feed the buffer, the trainer pool drains it."""
+
+    def __init__(self, costs: CostModel, work: Workload, lend: bool) -> None:
+        self.costs, self.work, self.lend = costs, work, lend
+        self.buffer: ReplayBuffer[None] = ReplayBuffer(work.capacity, work.max_staleness, work.on_stale)
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, int]] = []
+        self.order = itertools.count()
+        self.trainer_version = 0
+        self.published = 0
+        self.versions = [0] * work.rollout_replicas
+        self.in_flight = 0
+        self.start_version: dict[int, int] = {}  # rollout replica -> weights version of its current call
+        self.lent_version = 0
+        self.batch: list[Group[None]] = []
+        self.waiting: dict[int, tuple[float, str]] = {}  # rollout replica -> (since, reason)
+        self.trainer_waiting_since: float | None = None
+        self.idle = {"rollout": Counter(), "trainer": Counter()}
+        self.group_ids = itertools.count()
+        self.result = SimResult("hybrid" if lend else "separate", 0.0, 0)
+        self.rate = scheduler.rollout_rate(costs, work, work.rollout_replicas)
+
+    def at(self, delay: float, kind: str, who: int = 0) -> None:
+        heapq.heappush(self.events, (self.now + delay, next(self.order), kind, who))
+
+    def run(self, steps: int) -> SimResult:
+        for r in range(self.work.rollout_replicas):
+            self.at(0.0, "rollout_ready", r)
+        self.at(0.0, "trainer_ready")
+        self.steps_left = steps
+        while self.events and self.steps_left > 0:
+            self.now, _, kind, who = heapq.heappop(self.events)
+            getattr(self, kind)(who)
+        r = self.result
+        r.seconds = self.now
+        r.idle_s = self.idle
+        r.pool_replicas = {"rollout": self.work.rollout_replicas, "trainer": self.work.trainer_replicas}
+        r.buffer = self.buffer.stats.as_dict() | {"waiting_groups": len(self.buffer)}
+        return r
+
+    # ------------------------------------------------------------------ rollout pool
+    def rollout_ready(self, r: int) -> None:
+        if self.published > self.versions[r]:  # apply the newest weights between batches
+            self.versions[r] = self.published
+            self.idle["rollout"]["weight_sync"] += self.costs.sync_s
+            self.at(self.costs.sync_s, "rollout_ready", r)
+            return
+        g = self.work.groups_per_generation
+        if self.buffer.may_generate(self.versions[r], self.trainer_version, g, self.in_flight):
+            self.in_flight += g
+            self.at(self.costs.gen(g * self.work.group_size), "rollout_done", r)
+            self.start_version[r] = self.versions[r]
+        else:
+            full = len(self.buffer) + self.in_flight + g > self.buffer.capacity
+            self.waiting[r] = (self.now, "buffer_full" if full else "staleness_gate")
+
+    def rollout_done(self, r: int) -> None:
+        self.put_groups(self.work.groups_per_generation, self.start_version[r])
+        self.in_flight -= self.work.groups_per_generation
+        self.rollout_ready(r)
+
+    def put_groups(self, count: int, version: int) -> None:
+        for _ in range(count):
+            self.buffer.put(Group(next(self.group_ids), version, self.work.group_size, arrived=self.now))
+        self.result.depth.append((self.now, len(self.buffer)))
+        if self.trainer_waiting_since is not None:
+            self.idle["trainer"]["waiting_for_data"] += self.work.trainer_replicas * (
+                self.now - self.trainer_waiting_since
+            )
+            self.trainer_waiting_since = None
+            self.at(0.0, "trainer_ready")
+
+    def wake_rollout(self) -> None:
+        for r, (since, reason) in list(self.waiting.items()):
+            self.idle["rollout"][reason] += self.now - since
+            del self.waiting[r]
+            self.at(0.0, "rollout_ready", r)
+
+    # ------------------------------------------------------------------ trainer pool
+    def trainer_ready(self, _: int = 0) -> None:
+        batch = self.buffer.take(self.work.prompts_per_step, self.trainer_version)
+        if batch is not None:
+            self.batch = batch
+            self.result.depth.append((self.now, len(self.buffer)))
+            self.wake_rollout()  # room in the buffer
+            samples = -(-self.work.prompts_per_step // self.work.trainer_replicas) * self.work.group_size
+            self.at(self.costs.train(samples), "trainer_done")
+            return
+        g = self.work.groups_per_generation
+        lent = self.work.trainer_replicas * g
+        if (
+            self.lend
+            and self.buffer.may_generate(self.trainer_version, self.trainer_version, lent, self.in_flight)
+            and scheduler.should_lend(len(self.buffer), self.in_flight, self.costs, self.work, self.rate)
+        ):
+            self.result.switches += 2  # lend, then reclaim
+            self.idle["trainer"]["switching"] += self.work.trainer_replicas * 2 * self.costs.switch_s
+            self.in_flight += lent
+            self.lent_version = self.trainer_version
+            self.at(self.costs.switch_s + self.costs.gen(g * self.work.group_size), "lent_done")
+            return
+        self.trainer_waiting_since = self.now
+
+    def lent_done(self, _: int = 0) -> None:
+        lent = self.work.trainer_replicas * self.work.groups_per_generation
+        self.in_flight -= lent
+        self.put_groups(lent, self.lent_version)
+        self.at(self.costs.switch_s, "trainer_ready")  # reclaimed
+
+    def trainer_done(self, _: int = 0) -> None:
+        self.trainer_version += 1
+        self.buffer.mark_trained(self.batch, self.trainer_version - 1)
+        self.result.trained_prompts += len(self.batch)
+        self.steps_left -= 1
+        delay = 0.0
+        if scheduler.should_sync(self.trainer_version, self.work.sync_every):
+            self.published = self.trainer_version
+            self.result.syncs += 1
+            self.idle["trainer"]["weight_sync"] += self.work.trainer_replicas * self.costs.sync_s
+            delay = self.costs.sync_s
+        self.wake_rollout()  # the staleness gate may open
+        self.at(delay, "trainer_ready")
+
+
+def simulate_settings(
+    costs: CostModel,
+    workloads: dict[str, Workload],
+    lengths: dict[str, float],
+    steps: int = 20,
+) -> dict[str, Any]:
+    """Each mode at each length setting, and the mode auto would pick. `workloads` has a
+    "colocated" and an "async" (separate, hybrid) layout, or one "all" for both."""
+    report: dict[str, Any] = {}
+    for setting, length in lengths.items():
+        c = costs.with_length(length)
+        rows = {}
+        for mode in MODES:
+            work = workloads.get("colocated" if mode == "colocated" else "async", workloads.get("all"))
+            if work is None:
+                raise ValueError("workloads needs 'colocated' and 'async' layouts, or 'all'")
+            rows[mode] = simulate(mode, c, work, steps).as_dict()
+        best = min(rows, key=lambda m: rows[m]["seconds_per_prompt"])
+        report[setting] = {"length": length, "modes": rows, "auto_picks": best}
+    return report
+
+
+def format_report(report: dict[str, Any], reported: dict[str, dict[str, float]] | None = None) -> str:
+    """A table: seconds per trained prompt per mode and setting (and the published figures if any)."""
+    lines = [f"{'setting':<10}{'length':>8}  " + "".join(f"{m:>12}" for m in MODES) + f"{'auto picks':>14}"]
+    for setting, row in report.items():
+        cells = "".join(f"{row['modes'][m]['seconds_per_prompt']:>12.3f}" for m in MODES)
+        lines.append(f"{setting:<10}{row['length']:>8g}  {cells}{row['auto_picks']:>14}")
+        if reported and setting in reported:
+            published = "".join(f"{reported[setting].get(m, float('nan')):>12.3f}" for m in MODES)
+            lines.append(f"{'  reported':<18}  {published.replace('nan', '  -')}")
+    return "\n".join(lines)
