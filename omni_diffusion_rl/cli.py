@@ -132,6 +132,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .execution.simulate import format_report, simulate_settings
 
     reported = None
+    if args.measure:
+        from .execution.measure import costs_to_json, measure_costs
+
+        cfg = load_config(args.measure, list(args.overrides))
+        short, long = cfg.sampling.num_steps, args.long_steps or 4 * cfg.sampling.num_steps
+        # 2 processes will share this machine's cores: time one with its share of them
+        costs = measure_costs(cfg, short, long, threads=max(1, (os.cpu_count() or 2) // 2))
+        work = {
+            "replicas": 2,
+            "prompts_per_step": cfg.data.prompts_per_step,
+            "group_size": cfg.data.group_size,
+            "rollout_replicas": 1,
+        }
+        spec = {
+            "costs": costs_to_json(costs),
+            "workloads": {"all": work},
+            "lengths": {"short": short, "long": long},
+        }
+        costs_path = args.output.with_name(args.output.stem + "_costs.json")
+        costs_path.parent.mkdir(parents=True, exist_ok=True)
+        costs_path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
+        print(f"measured unit costs on this machine -> {costs_path} (reuse with --costs)")
+        args.costs = str(costs_path)
     if args.costs:
         try:
             spec = json.loads(Path(args.costs).read_text(encoding="utf-8"))
@@ -221,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--preset", default="seed-4xh800", choices=("seed-4xh800",))
     simulate.add_argument("--costs", help="JSON with 'costs', 'workloads' and 'lengths' instead of a preset")
     simulate.add_argument("--steps", type=int, default=20, help="optimizer steps simulated per mode")
+    simulate.add_argument(
+        "--measure",
+        metavar="CONFIG",
+        help="measure unit costs of this training config here (2 processes: 2+0 / 1+1)",
+    )
+    simulate.add_argument(
+        "--long-steps", type=int, help="sampling steps of the long setting (default 4x the config's)"
+    )
+    simulate.add_argument("overrides", nargs="*", help="section.key=value overrides for --measure")
     simulate.add_argument("--output", type=Path, default=Path("runs/simulate/report.json"))
     simulate.set_defaults(func=cmd_simulate)
 

@@ -119,3 +119,18 @@ def test_simulate_cli_prints_a_table_and_writes_json(tmp_path: Path) -> None:
         odrl("simulate", "--costs", str(spec)), env=ENV, cwd=REPO, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "Expected JSON with 'costs'" in bad.stderr
+
+
+def test_measured_costs_grow_with_length_and_feed_the_simulator(tmp_path: Path) -> None:
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.execution.measure import measure_costs
+
+    from .helpers import fast_overrides, tiny_model_dir
+
+    cfg = load_config(None, fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "run", 1))
+    costs = measure_costs(cfg, short_steps=2, long_steps=6, repeats=1, threads=1)
+    assert costs.gen(4) > 0 and costs.train(4) > 0 and costs.sync_s > 0
+    assert costs.with_length(6).gen(4) > costs.with_length(2).gen(4)
+    work = Workload(replicas=2, prompts_per_step=2, group_size=2, rollout_replicas=1)
+    mode, results = best_mode(costs, work, steps=5)
+    assert mode in results and all(r.trained_prompts == 10 for r in results.values())

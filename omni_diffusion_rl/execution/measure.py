@@ -1,0 +1,120 @@
+"""Measure a job's unit costs on this machine, for the simulator (and for auto mode's warm-up).
+
+Generation (generate + decode + rewards) and training (one real `NFTTrainer.train_on` step) are
+timed at 1 and 2 prompt groups and at a short and a long sampling-step count, and the linear cost
+model is fitted by least squares. The sync cost is the round trip of the rollout adapter through a
+safetensors payload (what a weight sync moves); switching is two adapter switches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from ..config import ExperimentConfig
+from ..models import lora
+from ..rollout import generate
+from .costs import CostModel
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative coefficients of y ~ rows (clamped at 0: a cost cannot be negative)."""
+    solution = torch.linalg.lstsq(
+        torch.tensor(rows, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    )
+    return [max(0.0, float(v)) for v in solution.solution.flatten()]
+
+
+def measure_costs(
+    cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: int = 3, threads: int | None = None
+) -> CostModel:
+    """Unit costs of `cfg`'s job on this machine (length unit: one sampling step), timed with
+    `threads` intra-op threads: what one of several processes sharing the machine gets."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return _measure(cfg, short_steps, long_steps, repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _measure(cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: int) -> CostModel:
+    from ..trainers.nft import NFTTrainer
+
+    trainer = NFTTrainer(cfg)
+    k = cfg.data.group_size
+    prompts = trainer.train_prompts[:2]
+    fraction = cfg.algorithm.timestep_fraction
+    gen_rows, gen_y, train_rows, train_y = [], [], [], []
+    for steps in (short_steps, long_steps):
+        for groups in (1, 2):
+            noise = torch.randn(
+                (groups * k, *trainer.policy.latent_shape), generator=torch.Generator().manual_seed(0)
+            )
+
+            def rollout(groups: int = groups, noise: torch.Tensor = noise, steps: int = steps):  # noqa: ANN202
+                with lora.using_adapter(trainer.transformer, lora.OLD), torch.no_grad():
+                    out = generate(
+                        trainer.policy,
+                        prompts[:groups],
+                        list(range(groups)),
+                        noise,
+                        steps,
+                        1.0,
+                        cfg.sampling.solver,
+                    )
+                    trainer.reward(trainer.policy.decode(out.x0), out.prompts, check=False)
+                return out
+
+            gen_rows.append([1.0, groups * k * steps])
+            gen_y.append(_median_time(rollout, repeats))
+            batch = rollout()
+            r = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
+            trained_steps = max(1, int(steps * fraction))
+            train_rows.append([1.0, groups * k, groups * k * trained_steps])
+            train_y.append(_median_time(lambda b=batch, r=r: trainer.train_on(b, r, 0), repeats))
+
+    def sync() -> None:  # the rollout adapter through a wire payload and into a model
+        payload = save_tensors(
+            {k: v.contiguous() for k, v in lora.adapter_state_dict(trainer.transformer, lora.OLD).items()}
+        )
+        lora.load_adapter_state_dict(trainer.transformer, lora.OLD, load_tensors(payload))
+
+    def switch() -> None:
+        lora.set_active_adapter(trainer.transformer, lora.OLD)
+        lora.set_active_adapter(trainer.transformer, lora.TRAINED)
+
+    gen_fixed, gen_unit = _least_squares(gen_rows, gen_y)
+    train_fixed, train_sample, train_unit = _least_squares(train_rows, train_y)
+    trainer.reward.close()
+    return CostModel(
+        gen_fixed_s=gen_fixed,
+        gen_per_unit_s=gen_unit,
+        length=float(short_steps),
+        train_fixed_s=train_fixed,
+        train_per_sample_s=train_sample,
+        sync_s=_median_time(sync, repeats),
+        # trained timesteps per sampling step: the model's length unit is the sampling step
+        train_per_unit_s=train_unit * fraction,
+        switch_s=_median_time(switch, repeats),
+    )
+
+
+def costs_to_json(costs: CostModel) -> dict[str, float]:
+    return {k: round(v, 6) for k, v in dataclasses.asdict(costs).items()}
