@@ -30,9 +30,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .trainers.nft import NFTTrainer
 
     accelerator = _make_accelerator(cfg.tracking.wandb)
-    trainer = NFTTrainer(cfg, accelerator)
-    summary = trainer.fit(resume=args.resume)
-    if accelerator.is_main_process:
+    if cfg.execution.mode == "separate":
+        from .execution.separate import run_separate
+
+        summary = run_separate(cfg, resume=args.resume)
+    else:
+        summary = NFTTrainer(cfg, accelerator).fit(resume=args.resume)
+    if accelerator.is_main_process and summary is not None:
         print(json.dumps(summary), flush=True)
     return 0
 

@@ -111,6 +111,9 @@ class RewardConfig:
     options: dict[str, dict[str, Any]] = _spec(
         {}, "reward name -> keyword arguments for it, e.g. {clap: {checkpoint: /models/clap}}"
     )
+    plugins: list[str] = _spec(
+        [], "modules to import first: they register rewards with @rewards.register (e.g. my_pkg.rewards)"
+    )
     url: str = _spec(
         "",
         "reward server (odrl serve-reward), e.g. http://127.0.0.1:8400; rewards it serves are scored there",
@@ -154,6 +157,29 @@ class TrackingConfig:
 
 
 @dataclass
+class ExecutionConfig:
+    mode: str = _spec(
+        "colocated",
+        "colocated: every process generates then all train; separate: rollout processes feed a trainer "
+        "through a versioned buffer (hybrid/auto: predicted by odrl simulate, runtime to come)",
+        choices=("colocated", "separate"),
+    )
+    rollout_replicas: int = _spec(1, "separate: processes that only generate (the last ranks)", ge=1)
+    sync_every: int = _spec(1, "separate: trainer steps between adapter syncs to rollout processes", ge=1)
+    max_staleness: int = _spec(1, "separate: trainer versions a sample may lag", ge=0)
+    on_stale: str = _spec(
+        "wait", "separate: wait (hold rollout back) or drop stale groups", choices=("wait", "drop")
+    )
+    buffer_groups: int = _spec(
+        0, "separate: replay buffer capacity in prompt groups (0: 2 steps' worth)", ge=0
+    )
+    data_timeout_s: float = _spec(
+        300.0, "separate: stop with an error when no rollout data came for this long", gt=0
+    )
+    sync_timeout_s: float = _spec(60.0, "separate: a weight sync not delivered within this is an error", gt=0)
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -163,6 +189,7 @@ class ExperimentConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -323,6 +350,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"reward.options.{name}: options for a reward that reward.weights does not use "
                 f"({', '.join(cfg.reward.weights)})"
             )
+    import_plugins(cfg.reward.plugins)
     if cfg.reward.url:
         if not cfg.reward.url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.url: '{cfg.reward.url}' must start with http:// or https://")
@@ -336,6 +364,20 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"reward.weights.{name}: unknown reward '{name}'; registered: {', '.join(registered)} "
                 "(register your own with @omni_diffusion_rl.registry.rewards.register or an entry point)"
             )
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import modules that register plug-ins; a module that cannot be imported is a ConfigError."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            raise ConfigError(
+                f"reward.plugins: cannot import '{module}' ({type(e).__name__}: {e}); it must be importable "
+                "from this environment (installed, or on PYTHONPATH)"
+            ) from e
 
 
 def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:

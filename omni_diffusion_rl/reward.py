@@ -173,6 +173,9 @@ class WeightedReward:
     @classmethod
     def from_config(cls, cfg: Any) -> WeightedReward:
         """From a RewardConfig: rewards the server at `cfg.url` serves are scored there, the rest here."""
+        from .config import import_plugins
+
+        import_plugins(cfg.plugins)
         served: list[str] = []
         client_options: dict[str, Any] = {}
         if cfg.url:

@@ -49,3 +49,16 @@ class FailsOnRed:
         if any("red" in p for p in prompts):
             raise ValueError("no opinion on red things")
         return torch.ones(len(prompts))
+
+
+@rewards.register("test_dies_after", overwrite=True)
+class DiesAfter:
+    """Ends its process (as a crash would) on call number ODRL_TEST_DIE_AFTER; 1.0 before that."""
+
+    calls = 0
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        DiesAfter.calls += 1
+        if DiesAfter.calls >= int(os.environ.get("ODRL_TEST_DIE_AFTER", "1000000000")):
+            os._exit(17)
+        return torch.ones(len(prompts))

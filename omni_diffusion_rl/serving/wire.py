@@ -43,7 +43,8 @@ def encode_media(media: MediaBatch, prompts: list[str], dtype: torch.dtype = tor
     return save_tensors(tensors, metadata=metadata)
 
 
-def _metadata(body: bytes) -> dict[str, str]:
+def read_metadata(body: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors payload (its JSON header), checked."""
     if len(body) < 8:
         raise WireError("the body is not a safetensors payload (shorter than its 8-byte header length)")
     (header_len,) = struct.unpack("<Q", body[:8])
@@ -74,7 +75,7 @@ def _check_tensor(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
 
 def decode_media(body: bytes) -> tuple[MediaBatch, list[str]]:
     """The media batch and prompts in a request body, or a WireError naming what is wrong."""
-    meta = _metadata(body)
+    meta = read_metadata(body)
     try:
         tensors: dict[str, Any] = load_tensors(body)
     except Exception as e:  # safetensors raises its own error type for malformed payloads

@@ -126,16 +126,19 @@ class NFTTrainer:
     def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
         """This rank's prompts (and their global group ids) for `step`; epochs are reshuffled."""
         per_step = self.cfg.data.prompts_per_step
-        n = len(self.train_prompts)
         positions = range(step * per_step, (step + 1) * per_step)
-        chosen = []
-        for pos in positions:
-            epoch, offset = divmod(pos, n)
-            order = torch.randperm(n, generator=step_generator(self.cfg.train.seed, epoch, 0, "prompts"))
-            chosen.append(int(order[offset]))
+        chosen = [self.prompt_at(pos) for pos in positions]
         local = per_step // self.world_size
         mine = range(self.rank * local, (self.rank + 1) * local)
-        return [self.train_prompts[chosen[i]] for i in mine], [step * per_step + i for i in mine]
+        return [chosen[i] for i in mine], [step * per_step + i for i in mine]
+
+    def prompt_at(self, position: int) -> str:
+        """The prompt at a position of the data stream: every epoch is a fresh permutation."""
+        epoch, offset = divmod(position, len(self.train_prompts))
+        order = torch.randperm(
+            len(self.train_prompts), generator=step_generator(self.cfg.train.seed, epoch, 0, "prompts")
+        )
+        return self.train_prompts[int(order[offset])]
 
     # ------------------------------------------------------------------ distributed helpers
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -329,6 +332,10 @@ class NFTTrainer:
         except Exception as e:
             error = e
         self._agree_on_failure(error, f"generating or scoring step {step + 1}")
+        return self.learn_from(step, rollout, scored, t0)
+
+    def learn_from(self, step: int, rollout: Rollout, scored: ScoreResult, t0: float) -> dict[str, float]:
+        """Advantages over the gathered step, drops, one optimizer step, accounting and metrics."""
         t2 = time.perf_counter()
         all_rewards = self._gather(scored.total)
         all_groups = self._gather(rollout.group_ids)

@@ -1,0 +1,91 @@
+"""separate mode for real: 2 processes under accelerate (1 trainer + 1 rollout) on gloo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def _launch(args: list[str], port: int, env: dict[str, str] | None = None, timeout: int = 300):  # noqa: ANN202
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--main_process_port", str(port), str(REPO / "recipes" / "train_nft.py"), *args]
+    env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_separate_trains_from_the_buffer_and_accounts_for_every_sample(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    proc = _launch(
+        [*fast_overrides(model_dir, run, 4), "execution.mode=separate", "execution.data_timeout_s=60"], 29551
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = last_json_line(proc.stdout)
+    ex = summary["execution"]
+    buf = ex["buffer"]
+    assert buf["trained"] == 4 * 2 * 2 == summary["samples"]["trained"]
+    assert buf["generated"] == buf["trained"] + sum(buf["dropped"].values()) + buf["in_training"]
+    assert max(int(k) for k in buf["staleness_histogram"]) <= 1, "the staleness bound holds"
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("buffer/depth" in r for r in rows)
+    assert summary["heldout_reward_after"] != summary["heldout_reward_before"], (
+        "the trainer learned something"
+    )
+    assert (run / "checkpoints" / "latest").exists()
+
+
+def test_a_dead_rollout_process_stops_the_run_without_hanging(model_dir: Path, tmp_path: Path) -> None:
+    args = fast_overrides(model_dir, tmp_path / "run", 50) + [
+        "execution.mode=separate",
+        "execution.data_timeout_s=20",
+        "train.eval_at_start_and_end=false",
+        "reward.plugins=[tests.plugin_rewards]",
+        "reward.weights={test_dies_after: 1.0}",
+    ]
+    start = time.monotonic()
+    proc = _launch(args, 29553, env={"ODRL_TEST_DIE_AFTER": "4", "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 90
+    output = proc.stdout + proc.stderr
+    assert "exitcode" in output and "17" in output, output[-3000:]
+
+
+def test_separate_needs_two_processes(model_dir: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        odrl("train", *fast_overrides(model_dir, tmp_path / "run", 1), "execution.mode=separate"),
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "needs at least 2 processes" in done.stderr
+
+
+def test_a_weight_sync_that_times_out_is_reported(model_dir: Path, tmp_path: Path) -> None:
+    args = fast_overrides(model_dir, tmp_path / "run", 5) + [
+        "execution.mode=separate",
+        "execution.on_stale=drop",  # the rollout process never waits for weights: it is busy when they come
+        "execution.sync_timeout_s=1",
+        "train.eval_at_start_and_end=false",
+        "reward.plugins=[tests.plugin_rewards]",
+        "reward.weights={test_slow: 1.0}",
+    ]
+    start = time.monotonic()
+    proc = _launch(args, 29555, env={"ODRL_TEST_SLOW_S": "4", "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode != 0
+    assert "weight sync to rollout rank 1 timed out after 1 s" in proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60
