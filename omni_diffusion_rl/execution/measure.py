@@ -1,9 +1,11 @@
 """Measure a job's unit costs on this machine, for the simulator (and for auto mode's warm-up).
 
 Generation (generate + decode + rewards) and training (one real `NFTTrainer.train_on` step) are
-timed at 1 and 2 prompt groups and at a short and a long sampling-step count, and the linear cost
-model is fitted by least squares. The sync cost is the round trip of the rollout adapter through a
-safetensors payload (what a weight sync moves); switching is two adapter switches.
+timed at the batch sizes the modes use (generation: 1 group per call, as a rollout process makes
+them, and a colocated process's share of a step; training: that share and a whole step) and at a
+short and a long sampling-step count; the linear cost model is fitted by least squares. The sync
+cost is the round trip of the rollout adapter through a safetensors payload (what a weight sync
+moves); switching is two adapter switches.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -42,52 +45,44 @@ def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
 
 
 def measure_costs(
-    cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: int = 3, threads: int | None = None
+    cfg: ExperimentConfig,
+    short_steps: int,
+    long_steps: int,
+    repeats: int = 3,
+    threads: int | None = None,
+    replicas: int = 2,
 ) -> CostModel:
     """Unit costs of `cfg`'s job on this machine (length unit: one sampling step), timed with
     `threads` intra-op threads: what one of several processes sharing the machine gets."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _measure(cfg, short_steps, long_steps, repeats)
+        return _measure(cfg, short_steps, long_steps, repeats, replicas)
     finally:
         torch.set_num_threads(previous)
 
 
-def _measure(cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: int) -> CostModel:
+def _measure(
+    cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: int, replicas: int
+) -> CostModel:
     from ..trainers.nft import NFTTrainer
 
     trainer = NFTTrainer(cfg)
     k = cfg.data.group_size
-    prompts = trainer.train_prompts[:2]
+    p = cfg.data.prompts_per_step
+    share = max(1, -(-p // replicas))  # a colocated process's groups per step
+    prompts = [trainer.prompt_at(i) for i in range(p)]
     fraction = cfg.algorithm.timestep_fraction
     gen_rows, gen_y, train_rows, train_y = [], [], [], []
     for steps in (short_steps, long_steps):
-        for groups in (1, 2):
-            noise = torch.randn(
-                (groups * k, *trainer.policy.latent_shape), generator=torch.Generator().manual_seed(0)
-            )
-
-            def rollout(groups: int = groups, noise: torch.Tensor = noise, steps: int = steps):  # noqa: ANN202
-                with lora.using_adapter(trainer.transformer, lora.OLD), torch.no_grad():
-                    out = generate(
-                        trainer.policy,
-                        prompts[:groups],
-                        list(range(groups)),
-                        noise,
-                        steps,
-                        1.0,
-                        cfg.sampling.solver,
-                    )
-                    trainer.reward(trainer.policy.decode(out.x0), out.prompts, check=False)
-                return out
-
-            gen_rows.append([1.0, groups * k * steps])
+        for gen_groups, train_groups in ((1, share), (share, p)):
+            rollout = _rollout_fn(trainer, prompts, gen_groups, steps, cfg.sampling.solver)
+            gen_rows.append([1.0, gen_groups * k * steps])
             gen_y.append(_median_time(rollout, repeats))
-            batch = rollout()
+            batch = _rollout_fn(trainer, prompts, train_groups, steps, cfg.sampling.solver)()
             r = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
             trained_steps = max(1, int(steps * fraction))
-            train_rows.append([1.0, groups * k, groups * k * trained_steps])
+            train_rows.append([1.0, train_groups * k, train_groups * k * trained_steps])
             train_y.append(_median_time(lambda b=batch, r=r: trainer.train_on(b, r, 0), repeats))
 
     def sync() -> None:  # the rollout adapter through a wire payload and into a model
@@ -114,6 +109,22 @@ def _measure(cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: 
         train_per_unit_s=train_unit * fraction,
         switch_s=_median_time(switch, repeats),
     )
+
+
+def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solver: str) -> Callable[[], Any]:
+    """A call that generates, decodes and scores `groups` prompt groups with the rollout adapter."""
+    k = trainer.cfg.data.group_size
+    noise = torch.randn(
+        (groups * k, *trainer.policy.latent_shape), generator=torch.Generator().manual_seed(0)
+    )
+
+    def rollout() -> Any:
+        with lora.using_adapter(trainer.transformer, lora.OLD), torch.no_grad():
+            out = generate(trainer.policy, prompts[:groups], list(range(groups)), noise, steps, 1.0, solver)
+            trainer.reward(trainer.policy.decode(out.x0), out.prompts, check=False)
+        return out
+
+    return rollout
 
 
 def costs_to_json(costs: CostModel) -> dict[str, float]:
