@@ -1,9 +1,10 @@
 """A versioned replay buffer: prompt groups tagged with the policy version that generated them.
 
 Rollout puts whole prompt groups in; training takes the oldest groups out, each at most once.
-A group whose version lags the trainer's by more than `max_staleness` is not trained: with
-`on_stale="drop"` it is dropped (counted), with `on_stale="wait"` rollout is held back instead
-(`may_generate` says no) so nothing ever goes stale. The buffer is bounded (`capacity` groups);
+A group whose version lags the trainer's by more than `max_staleness` is not trained: it is
+dropped when taken (counted as stale). With `on_stale="wait"` rollout is also held back
+(`may_generate` says no) while what it would make is already stale, so that few groups go stale
+(one that goes stale while being generated is still dropped). The buffer is bounded (`capacity` groups);
 `put` refuses to overfill it. Accounting always balances:
 
     generated = trained + dropped (by reason) + in the buffer + taken but not yet trained
@@ -19,6 +20,11 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 STALE_POLICIES = ("drop", "wait")
+
+
+def buffer_capacity(buffer_groups: int, prompts_per_step: int) -> int:
+    """The configured capacity in prompt groups, or 2 steps' worth when it is 0."""
+    return buffer_groups or 2 * prompts_per_step
 
 
 class BufferFull(RuntimeError):
@@ -121,16 +127,45 @@ class ReplayBuffer(Generic[T]):
         return batch
 
     def mark_trained(self, batch: list[Group[T]], trainer_version: int) -> None:
-        """Record that `batch` (from take) was trained by the trainer at `trainer_version`."""
+        """Record that every sample of `batch` (from take) was trained at `trainer_version`."""
         for g in batch:
-            self.stats.trained += g.size
-            self.stats.staleness[trainer_version - g.version] += g.size
+            self.settle(g, trainer_version, g.size, {})
+
+    def settle(self, group: Group[T], trainer_version: int, trained: int, dropped: dict[str, int]) -> None:
+        """Record a taken group: `trained` of its samples trained at `trainer_version`, the rest dropped
+        by reason (e.g. a reward that failed on them)."""
+        if trained + sum(dropped.values()) != group.size:
+            raise ValueError(f"group {group.group_id}: {trained} trained + {dropped} dropped != {group.size}")
+        self.stats.trained += trained
+        self.stats.taken -= sum(dropped.values())
+        self.stats.staleness[trainer_version - group.version] += trained
+        for reason, n in dropped.items():
+            if n:
+                self.stats.dropped[reason] += n
+
+    def discard(self, size: int, reason: str) -> None:
+        """Samples that arrived but will not enter the buffer (e.g. after the run ended)."""
+        self.stats.generated += size
+        self.stats.dropped[reason] += size
+
+    def drop_waiting(self, reason: str) -> int:
+        """Drop every waiting group (e.g. at the end of a run); returns the samples dropped."""
+        size = self.samples
+        self.groups.clear()
+        if size:
+            self.stats.dropped[reason] += size
+        return size
 
     def drop(self, batch: list[Group[T]], reason: str) -> None:
         """Samples taken but not trained (e.g. a failed reward), counted under `reason`."""
         for g in batch:
             self.stats.taken -= g.size
             self.stats.dropped[reason] += g.size
+
+    def report(self) -> dict[str, Any]:
+        """The counters in samples, with the samples waiting, after checking that they balance."""
+        self.check_accounting()
+        return self.stats.as_dict() | {"waiting": self.samples}
 
     def check_accounting(self) -> None:
         """Raise if generated != trained + dropped + buffered + in training."""
@@ -143,7 +178,7 @@ class ReplayBuffer(Generic[T]):
     def state_dict(self) -> dict[str, Any]:
         """Counters and the waiting groups' metadata (payloads are regenerated, not saved)."""
         return {
-            "stats": self.stats.as_dict() | {"taken": self.stats.taken},
+            "stats": self.stats.as_dict() | {"taken": self.stats.taken, "waiting": self.samples},
             "waiting": [(g.group_id, g.version, g.size) for g in self.groups],
         }
 

@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.execution.mode == "separate":
         from .execution.separate import run_separate
 
-        summary = run_separate(cfg, resume=args.resume)
+        summary = run_separate(cfg, resume=args.resume, device=accelerator.device)
     else:
         summary = NFTTrainer(cfg, accelerator).fit(resume=args.resume)
     if accelerator.is_main_process and summary is not None:

@@ -350,6 +350,20 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"reward.options.{name}: options for a reward that reward.weights does not use "
                 f"({', '.join(cfg.reward.weights)})"
             )
+    if cfg.execution.mode == "separate":
+        from .buffer import buffer_capacity
+        from .execution.costs import check_async_layout
+
+        ex = cfg.execution
+        try:
+            check_async_layout(
+                ex.sync_every,
+                ex.max_staleness,
+                buffer_capacity(ex.buffer_groups, cfg.data.prompts_per_step),
+                cfg.data.prompts_per_step,
+            )
+        except ValueError as e:
+            raise ConfigError(f"execution: {e}") from e
     import_plugins(cfg.reward.plugins)
     if cfg.reward.url:
         if not cfg.reward.url.startswith(("http://", "https://")):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..buffer import buffer_capacity
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -62,8 +64,16 @@ class Workload:
                 f"rollout_replicas must be between 1 and replicas - 1 ({self.replicas - 1}); "
                 f"got {self.rollout_replicas}"
             )
-        if self.prompts_per_step < 1 or self.group_size < 1 or self.groups_per_generation < 1:
-            raise ValueError("prompts_per_step, group_size and groups_per_generation must be >= 1")
+        if (
+            self.prompts_per_step < 1
+            or self.group_size < 1
+            or self.groups_per_generation < 1
+            or self.sync_every < 1
+        ):
+            raise ValueError(
+                "prompts_per_step, group_size, groups_per_generation and sync_every must be >= 1"
+            )
+        check_async_layout(self.sync_every, self.max_staleness, self.capacity, self.prompts_per_step)
 
     @property
     def trainer_replicas(self) -> int:
@@ -71,7 +81,21 @@ class Workload:
 
     @property
     def capacity(self) -> int:
-        return self.buffer_groups or 2 * self.prompts_per_step
+        return buffer_capacity(self.buffer_groups, self.prompts_per_step)
+
+
+def check_async_layout(sync_every: int, max_staleness: int, capacity: int, prompts_per_step: int) -> None:
+    """Layouts under which separate/hybrid cannot make progress are refused."""
+    if sync_every > max_staleness + 1:
+        raise ValueError(
+            f"sync_every={sync_every} > max_staleness + 1 = {max_staleness + 1}: between two weight syncs "
+            "everything the rollout makes would be stale; sync more often or allow more staleness"
+        )
+    if capacity < prompts_per_step:
+        raise ValueError(
+            f"the buffer holds {capacity} prompt groups, fewer than a step's {prompts_per_step}: "
+            "no step could start"
+        )
 
 
 # The seed's 4 x H800 comparison (MiniCPM-o 4.5 GSPO audio-visual QA; colocated 4+0 at batch 128 vs

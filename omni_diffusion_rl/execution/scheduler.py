@@ -1,5 +1,6 @@
-"""Scheduling decisions as pure functions of state: the simulator (virtual clock) and the runtime
-(real clock) ask the same questions and get the same answers."""
+"""Scheduling decisions as pure functions of state, for the simulator (virtual clock) and the
+runtime (real clock): the sync schedule and the staleness gate are shared today; the hybrid
+lending rule runs in the simulator until hybrid mode's runtime exists."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ def rollout_rate(costs: CostModel, work: Workload, replicas: int) -> RolloutRate
 def should_sync(trainer_step: int, sync_every: int) -> bool:
     """Send weights to rollout replicas after trainer step `trainer_step` (1-based)?"""
     return trainer_step % sync_every == 0
+
+
+def may_make_group(
+    group_position: int, rollout_version: int, max_staleness: int, prompts_per_step: int
+) -> bool:
+    """The `wait` staleness gate: the group at `group_position` of the data stream is trained at about
+    version position // prompts_per_step (groups are taken oldest first), so a rollout process holding
+    `rollout_version` may make it only while that lag stays within `max_staleness`."""
+    return group_position < (rollout_version + max_staleness + 1) * prompts_per_step
 
 
 def expected_wait_s(buffered_groups: int, needed_groups: int, rate: RolloutRate) -> float:

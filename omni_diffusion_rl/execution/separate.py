@@ -5,13 +5,14 @@ Under `accelerate launch` (or torchrun) rank 0 trains and the last `execution.ro
 ranks generate. Messages are safetensors bytes over dedicated gloo groups (transport.py). Rollout
 process i makes prompt groups i, i + R, i + 2R, ... of the data stream, each with noise keyed by
 its group id, and scores them itself. The trainer's staleness bound is applied when it takes a
-step's groups (stale ones are dropped and counted); with `on_stale=wait` a rollout process also
-holds back after a step's worth of groups on one weights version, so that few go stale.
+step's groups (stale ones are dropped and counted); with `on_stale=wait` a rollout process holding
+weights version v also holds back group g while g >= (v + max_staleness + 1) * prompts_per_step,
+i.e. while it would be trained more than max_staleness versions later (scheduler.may_make_group).
 """
 
 from __future__ import annotations
 
-import math
+import queue
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..buffer import Group, ReplayBuffer
+from ..buffer import Group, ReplayBuffer, buffer_capacity
 from ..config import ConfigError, ExperimentConfig
 from ..models import lora
 from ..reward import ScoreResult
@@ -43,8 +44,10 @@ def check_layout(cfg: ExperimentConfig, world_size: int) -> None:
         )
 
 
-def run_separate(cfg: ExperimentConfig, resume: str | None = None) -> dict[str, Any] | None:
-    """Run this process's role; the trainer (rank 0) returns the run summary."""
+def run_separate(
+    cfg: ExperimentConfig, resume: str | None = None, device: torch.device | None = None
+) -> dict[str, Any] | None:
+    """Run this process's role on `device`; the trainer (rank 0) returns the run summary."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     check_layout(cfg, world)
     rank = dist.get_rank()
@@ -55,49 +58,72 @@ def run_separate(cfg: ExperimentConfig, resume: str | None = None) -> dict[str, 
     data_group = dist.new_group(list(range(world)), backend="gloo")
     weights_group = dist.new_group(list(range(world)), backend="gloo")
     if rank == 0:
-        trainer = SeparateTrainer(cfg, data_group, weights_group, rollout_ranks=list(range(1, world)))
+        trainer = SeparateTrainer(cfg, data_group, weights_group, list(range(1, world)), device)
         return trainer.fit()
-    RolloutWorker(cfg, rank - 1, world - 1, data_group, weights_group).run()
+    RolloutWorker(cfg, rank - 1, world - 1, data_group, weights_group, device).run()
     return None
 
 
 class RolloutWorker:
-    """Generates and scores groups with the last synced rollout adapter until told to stop."""
+    """Generates and scores groups with the last synced rollout adapter until told to stop.
 
-    def __init__(self, cfg: ExperimentConfig, index: int, replicas: int, data_group: Any, weights_group: Any):
+    A thread receives weight messages as soon as the trainer sends them (so a sync never waits for
+    the group being generated) and the loop applies the newest between groups.
+    """
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        index: int,
+        replicas: int,
+        data_group: Any,
+        weights_group: Any,
+        device: torch.device,
+    ) -> None:
         self.cfg, self.index, self.replicas = cfg, index, replicas
         self.data_group, self.weights_group = data_group, weights_group
-        self.builder = NFTTrainer(cfg)  # the policy, reward and data stream of a single process
+        self.builder = NFTTrainer(cfg, device=device)  # the policy, reward and data stream of one process
         self.version = 0
-        self.made_on_version = 0
-        p = cfg.data.prompts_per_step
-        per_version = max(cfg.execution.max_staleness, 1) * cfg.execution.sync_every * p
-        self.quota = math.ceil(per_version / replicas)
+        self.inbox: queue.Queue[tuple[dict[str, torch.Tensor], int, bool]] = queue.Queue()
+
+    def _receive_weights(self) -> None:
+        while True:
+            data, _ = transport.recv_bytes(0, self.weights_group, transport.WEIGHTS_TAG)
+            message = transport.unpack_weights(data)
+            self.inbox.put(message)
+            if message[2]:  # stop
+                return
+
+    def _apply(self, message: tuple[dict[str, torch.Tensor], int, bool]) -> bool:
+        """Load newer weights; False on the stop message."""
+        tensors, version, stop = message
+        if stop:
+            return False
+        lora.load_adapter_state_dict(self.builder.transformer, lora.OLD, tensors)
+        self.version = version
+        return True
 
     def run(self) -> None:
-        pending, header = transport.post_header(0, self.weights_group, transport.WEIGHTS_TAG)
+        threading.Thread(target=self._receive_weights, name="weights-receiver", daemon=True).start()
+        ex, p = self.cfg.execution, self.cfg.data.prompts_per_step
         group_id = self.index
         try:
             while True:
-                held_back = self.cfg.execution.on_stale == "wait" and self.made_on_version >= self.quota
-                if held_back or pending.is_completed():
-                    pending.wait()
-                    data = transport.finish_recv(header, 0, self.weights_group, transport.WEIGHTS_TAG)
-                    tensors, version, stop = transport.unpack_weights(data)
-                    if stop:
+                try:
+                    while True:  # apply whatever arrived, newest last
+                        if not self._apply(self.inbox.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+                if ex.on_stale == "wait" and not scheduler.may_make_group(
+                    group_id, self.version, ex.max_staleness, p
+                ):
+                    if not self._apply(self.inbox.get()):  # held back until newer weights (or stop)
                         return
-                    lora.load_adapter_state_dict(self.builder.transformer, lora.OLD, tensors)
-                    self.version, self.made_on_version = version, 0
-                    pending, header = transport.post_header(0, self.weights_group, transport.WEIGHTS_TAG)
                     continue
                 rollout, scored = self.make_group(group_id)
-                transport.send_bytes(
-                    transport.pack_group(rollout, scored, self.version),
-                    0,
-                    self.data_group,
-                    transport.DATA_TAG,
-                )
-                self.made_on_version += 1
+                payload = transport.pack_group(rollout, scored, self.version)
+                transport.send_bytes(payload, 0, self.data_group, transport.DATA_TAG)
                 group_id += self.replicas
         finally:
             transport.send_bytes(b"", 0, self.data_group, transport.DATA_TAG)  # done marker
@@ -120,13 +146,21 @@ class RolloutWorker:
 class SeparateTrainer(NFTTrainer):
     """The colocated trainer's step, fed from the replay buffer instead of its own rollout."""
 
-    def __init__(self, cfg: ExperimentConfig, data_group: Any, weights_group: Any, rollout_ranks: list[int]):
-        super().__init__(cfg)
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        data_group: Any,
+        weights_group: Any,
+        rollout_ranks: list[int],
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(cfg, device=device)
         ex = cfg.execution
-        capacity = ex.buffer_groups or 2 * cfg.data.prompts_per_step
+        capacity = buffer_capacity(ex.buffer_groups, cfg.data.prompts_per_step)
         self.buffer: ReplayBuffer[tuple[Rollout, ScoreResult]] = ReplayBuffer(
             capacity, ex.max_staleness, "drop"
         )
+        self.loop_start: float | None = None  # the first step's start (start-up and evaluation excluded)
         self.data_group, self.weights_group = data_group, weights_group
         self.rollout_ranks = rollout_ranks
         self.version = 0
@@ -149,8 +183,7 @@ class SeparateTrainer(NFTTrainer):
                     while len(self.buffer) >= self.buffer.capacity and not self.stopping:
                         self.ready.wait(timeout=1.0)
                     if self.stopping:  # the run is over: account for what still arrives
-                        self.buffer.stats.generated += len(rollout)
-                        self.buffer.stats.dropped["run_ended"] += len(rollout)
+                        self.buffer.discard(len(rollout), "run_ended")
                         continue
                     group = Group(
                         int(rollout.group_ids[0]), version, len(rollout), (rollout, scored), time.time()
@@ -166,6 +199,8 @@ class SeparateTrainer(NFTTrainer):
         """The step's oldest trainable groups from the buffer (waiting for them, within data_timeout_s)."""
         timeout = self.cfg.execution.data_timeout_s
         start = time.perf_counter()
+        if self.loop_start is None:
+            self.loop_start = start
         with self.ready:
             while True:
                 if self.receiver_error is not None:
@@ -176,6 +211,8 @@ class SeparateTrainer(NFTTrainer):
                 if batch is not None:
                     self.ready.notify_all()
                     break
+                if self.finished == len(self.rollout_ranks):
+                    raise RuntimeError("every rollout process has stopped before the run ended")
                 waited = time.perf_counter() - start
                 if waited > timeout:
                     raise TimeoutError(
@@ -192,14 +229,21 @@ class SeparateTrainer(NFTTrainer):
 
     def train_step(self) -> dict[str, float]:
         metrics = super().train_step()
-        with self.ready:
-            self.buffer.mark_trained(self.batch, self.version)
+        with self.ready:  # each group: its trained samples, and those learn_from dropped, by reason
+            start = 0
+            for group in self.batch:
+                rows = slice(start, start + group.size)
+                start = rows.stop
+                ok, keep = self.last_ok[rows], self.last_keep[rows]
+                dropped = {"reward_failed": int((~ok).sum()), "group_too_small": int((ok & ~keep).sum())}
+                self.buffer.settle(group, self.version, int(keep.sum()), dropped)
         self.version += 1
         if scheduler.should_sync(self.version, self.cfg.execution.sync_every):
             start = time.perf_counter()
             self._send_weights(stop=False)
             self.idle["weight_sync"] += time.perf_counter() - start
         lags = self.buffer.stats.staleness
+        self.last_step_end = time.perf_counter()
         metrics.update(
             {
                 "buffer/depth": float(self.depths[-1]),
@@ -229,7 +273,7 @@ class SeparateTrainer(NFTTrainer):
         self.stopping = False
         receiver = threading.Thread(target=self._receive, name="rollout-receiver", daemon=True)
         receiver.start()
-        start = time.perf_counter()
+        self.last_step_end = time.perf_counter()
         try:
             summary = super().fit(resume)
         except BaseException:
@@ -237,13 +281,14 @@ class SeparateTrainer(NFTTrainer):
             raise
         self._stop_rollout(receiver, quietly=False)
         with self.ready:
-            self.buffer.drop(self._leftover(), "run_ended")
-        stats = self.buffer.stats.as_dict()
+            self.buffer.drop_waiting("run_ended")
+            stats = self.buffer.report()
+        trained_prompts = self.buffer.stats.trained / self.cfg.data.group_size
         summary["execution"] = {
             "mode": "separate",
             "rollout_replicas": len(self.rollout_ranks),
             "seconds_per_trained_prompt": round(
-                (time.perf_counter() - start) / max(1, self.step * self.cfg.data.prompts_per_step), 4
+                (self.last_step_end - (self.loop_start or 0)) / max(1, trained_prompts), 4
             ),
             "buffer": stats,
             "idle_s": {k: round(v, 3) for k, v in self.idle.items()},
@@ -263,10 +308,8 @@ class SeparateTrainer(NFTTrainer):
             print(f"odrl: could not stop the rollout processes cleanly: {e}", file=sys.stderr)
             return
         receiver.join(timeout=self.cfg.execution.data_timeout_s)
-
-    def _leftover(self) -> list[Group[tuple[Rollout, ScoreResult]]]:
-        """Groups still waiting at the end: taken out so the accounting lists them as dropped."""
-        left = list(self.buffer.groups)
-        self.buffer.groups.clear()
-        self.buffer.stats.taken += sum(g.size for g in left)
-        return left
+        if receiver.is_alive():
+            print(
+                "odrl: a rollout process did not confirm the stop; the accounting may miss its last groups",
+                file=sys.stderr,
+            )

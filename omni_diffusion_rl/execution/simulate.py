@@ -1,7 +1,7 @@
 """A discrete-event simulation of the execution modes on a virtual clock.
 
-The rollout and trainer pools take their decisions with the real buffer (`ReplayBuffer`) and the
-real scheduler functions (`scheduler.py`); only time is virtual, advanced by a `CostModel`. The
+The rollout and trainer pools take their decisions with the runtime's buffer (`ReplayBuffer`) and
+scheduler functions (`scheduler.py`); only time is virtual, advanced by a `CostModel`. The
 result is what a run would report: seconds per trained prompt, idle fractions per pool and
 reason, the staleness histogram, buffer depth over time, switches and syncs.
 """
@@ -120,14 +120,22 @@ class _Async:
             self.at(0.0, "rollout_ready", r)
         self.at(0.0, "trainer_ready")
         self.steps_left = steps
-        while self.events and self.steps_left > 0:
+        while self.steps_left > 0:
+            if not self.events:  # nothing can happen any more: this layout cannot make progress
+                raise RuntimeError(
+                    f"the simulated {self.result.mode} run stalled at {self.now:.1f} s, {self.steps_left} "
+                    f"steps left, {len(self.buffer)} groups waiting: check sync_every, max_staleness and "
+                    "the buffer size"
+                )
             self.now, _, kind, who = heapq.heappop(self.events)
             getattr(self, kind)(who)
+        for since, reason in self.waiting.values():  # rollout replicas still held back at the end
+            self.idle["rollout"][reason] += self.now - since
         r = self.result
         r.seconds = self.now
         r.idle_s = self.idle
         r.pool_replicas = {"rollout": self.work.rollout_replicas, "trainer": self.work.trainer_replicas}
-        r.buffer = self.buffer.stats.as_dict() | {"waiting_groups": len(self.buffer)}
+        r.buffer = self.buffer.report()
         return r
 
     # ------------------------------------------------------------------ rollout pool

@@ -44,7 +44,9 @@ def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Gener
 
 
 class NFTTrainer:
-    def __init__(self, cfg: ExperimentConfig, accelerator: Any | None = None) -> None:
+    def __init__(
+        self, cfg: ExperimentConfig, accelerator: Any | None = None, device: torch.device | None = None
+    ) -> None:
         self.cfg = cfg
         self.accelerator = accelerator
         self.rank = accelerator.process_index if accelerator else 0
@@ -64,7 +66,7 @@ class NFTTrainer:
         self.sample_counts: dict[str, int] = {}
         self._metric_names: list[str] = []
         self._t_generated = 0.0
-        self.device = accelerator.device if accelerator is not None else torch.device("cpu")
+        self.device = accelerator.device if accelerator is not None else (device or torch.device("cpu"))
         self.policy = build_nft_policy(cfg.model, self.device)
         self.transformer = self.policy.transformer
         self.params = lora.trainable_parameters(self.transformer)
@@ -343,6 +345,7 @@ class NFTTrainer:
         self.reward.check_failures(int((~all_ok).sum()), len(all_ok), list(scored.failures.values()))
         a = self.cfg.algorithm
         keep_all = trainable_samples(all_ok, all_groups)
+        self.last_ok, self.last_keep = all_ok, keep_all  # which samples of the step were scored, trained
         adv = torch.zeros(len(all_rewards))
         if keep_all.any():
             adv[keep_all] = group_advantages(
