@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench lint pretrain clean
+.PHONY: setup demo test bench bench-modes lint pretrain clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: setup
 bench: setup
 	$(BIN)/odrl bench nft-step --output runs/bench/nft_step.json
 	HF_HUB_OFFLINE=1 $(BIN)/odrl bench reward-server --output runs/bench/reward_server.json
+
+bench-modes: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl bench modes --output runs/bench/modes.json
 
 pretrain: setup
 	$(BIN)/odrl pretrain

@@ -70,6 +70,13 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "modes":
+        from .bench_modes import run_modes_bench
+
+        run_modes_bench(
+            args.output or Path("runs/bench/modes.json"), args.config, args.overrides, steps=args.steps
+        )
+        return 0
     if args.name == "reward-server":
         from .bench_reward_server import run_reward_server_bench
 
@@ -262,9 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead)",
+        help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead), "
+        "modes (colocated vs separate with 2 processes, against the simulator)",
     )
-    bench.add_argument("name", choices=("nft-step", "reward-server"))
+    bench.add_argument("name", choices=("nft-step", "reward-server", "modes"))
+    bench.add_argument(
+        "--config", default="recipes/configs/tiny_t2av_nft.yaml", help="modes: training config"
+    )
+    bench.add_argument("--steps", type=int, default=6, help="modes: optimizer steps per run")
+    bench.add_argument("overrides", nargs="*", help="modes: section.key=value overrides")
     bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--batch-size", type=int, default=32)
