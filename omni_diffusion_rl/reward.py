@@ -98,18 +98,6 @@ def checked_output(name: str, out: object, batch_size: int) -> RewardOutput:
     return RewardOutput(scores.detach().to("cpu", torch.float32, copy=True), as_float)
 
 
-def checked_scores(name: str, scores: object, batch_size: int) -> torch.Tensor:
-    """The scores as a float tensor [B], or a RewardError naming what is wrong (incl. NaN/inf)."""
-    out = checked_output(name, scores, batch_size).scores
-    bad = ~torch.isfinite(out)
-    if bad.any():
-        raise RewardError(
-            f"reward '{name}' returned non-finite scores (NaN/inf) for samples "
-            f"{bad.nonzero().flatten().tolist()}"
-        )
-    return out
-
-
 @dataclass
 class ScoreResult:
     """Scores of one batch: `total` [B] and `parts` (each reward and its components) [B], NaN where a

@@ -11,7 +11,7 @@ import torch
 import omni_diffusion_rl.reward as reward_module
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import Registry, RegistryError
-from omni_diffusion_rl.reward import RewardError, RewardOutput, WeightedReward, checked_scores
+from omni_diffusion_rl.reward import RewardError, RewardOutput, WeightedReward, checked_output
 from omni_diffusion_rl.world import tiny_world as world
 
 TINY_REWARDS = ("av_sync", "color_match", "pitch_match", "timing_match")
@@ -255,11 +255,11 @@ def test_reward_error_from_a_component_passes_through_unchanged() -> None:
         WeightedReward({"strict": Strict()}, {"strict": 1.0})(_audio_media(1), ["p"])
 
 
-def test_checked_scores_converts_to_float_cpu() -> None:
-    out = checked_scores("x", torch.tensor([1, 0], dtype=torch.int64), 2)
+def test_checked_output_converts_to_float_cpu() -> None:
+    out = checked_output("x", torch.tensor([1, 0], dtype=torch.int64), 2).scores
     assert out.dtype == torch.float32 and out.tolist() == [1.0, 0.0]
     with pytest.raises(RewardError, match=r"'x'.*expected \(3,\)"):
-        checked_scores("x", torch.zeros(2), 3)
+        checked_output("x", torch.zeros(2), 3)
 
 
 # ---------------------------------------------------------------------------------------------------------

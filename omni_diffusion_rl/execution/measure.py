@@ -22,7 +22,7 @@ from safetensors.torch import save as save_tensors
 
 from ..config import ExperimentConfig
 from ..models import lora
-from ..rollout import generate
+from ..rollout import score
 from .costs import CostModel
 
 
@@ -119,9 +119,8 @@ def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solve
     )
 
     def rollout() -> Any:
-        with lora.using_adapter(trainer.transformer, lora.OLD), torch.no_grad():
-            out = generate(trainer.policy, prompts[:groups], list(range(groups)), noise, steps, 1.0, solver)
-            trainer.reward(trainer.policy.decode(out.x0), out.prompts, check=False)
+        out = trainer.generate_with_rollout_adapter(prompts[:groups], list(range(groups)), noise, steps)
+        score(trainer.policy, trainer.reward, out)
         return out
 
     return rollout

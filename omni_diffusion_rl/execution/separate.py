@@ -25,7 +25,7 @@ from ..buffer import Group, ReplayBuffer, buffer_capacity
 from ..config import ConfigError, ExperimentConfig
 from ..models import lora
 from ..reward import ScoreResult
-from ..rollout import Rollout, cat_results, generate
+from ..rollout import Rollout, cat_results, score
 from ..trainers.nft import NFTTrainer, step_generator
 from . import scheduler, transport
 
@@ -130,17 +130,13 @@ class RolloutWorker:
             self.builder.reward.close()
 
     def make_group(self, group_id: int) -> tuple[Rollout, ScoreResult]:
-        s, k = self.cfg.sampling, self.cfg.data.group_size
         b = self.builder
         gen = step_generator(self.cfg.train.seed, 0, group_id, "rollout")
-        noise = torch.randn((k, *b.policy.latent_shape), generator=gen)
-        with lora.using_adapter(b.transformer, lora.OLD):
-            rollout = generate(
-                b.policy, [b.prompt_at(group_id)], [group_id], noise, s.num_steps, s.time_shift, s.solver
-            )
-        with torch.no_grad():
-            scored = b.reward(b.policy.decode(rollout.x0), rollout.prompts, check=False)
-        return rollout, scored
+        noise = torch.randn((self.cfg.data.group_size, *b.policy.latent_shape), generator=gen)
+        rollout = b.generate_with_rollout_adapter(
+            [b.prompt_at(group_id)], [group_id], noise, self.cfg.sampling.num_steps
+        )
+        return rollout, score(b.policy, b.reward, rollout)
 
 
 class SeparateTrainer(NFTTrainer):

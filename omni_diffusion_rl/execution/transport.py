@@ -45,26 +45,16 @@ def send_bytes(data: bytes, dst: int, group: Any, tag: int, timeout_s: float | N
             raise TimeoutError(f"rank {dst} did not take a message within {timeout_s:g} s")
 
 
-def post_header(src: int, group: Any, tag: int) -> tuple[Any, torch.Tensor]:
-    """Start receiving a message header from `src`; poll the work with is_completed()."""
-    header = torch.zeros(1, dtype=torch.int64)
-    return dist.irecv(header, src=src, group=group, tag=tag), header
-
-
 def recv_bytes(src: int | None, group: Any, tag: int) -> tuple[bytes, int]:
     """A whole message and the rank it came from (blocking; from any rank when src is None)."""
     header = torch.zeros(1, dtype=torch.int64)
     sender = dist.recv(header, src=src, group=group, tag=tag)
-    return finish_recv(header, sender, group, tag), sender
-
-
-def finish_recv(header: torch.Tensor, sender: int, group: Any, tag: int) -> bytes:
     size = int(header.item())
     if size == 0:
-        return b""
+        return b"", sender
     body = torch.empty(size, dtype=torch.uint8)
-    dist.recv(body, src=sender, group=group, tag=tag)
-    return body.numpy().tobytes()
+    dist.recv(body, src=sender, group=group, tag=tag)  # the body comes from the header's sender
+    return body.numpy().tobytes(), sender
 
 
 def pack_group(rollout: Rollout, scored: ScoreResult, version: int) -> bytes:

@@ -215,21 +215,25 @@ class NFTTrainer:
         chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(s.rollout_chunks)]
         parts, pending = [], []
         for chunk in chunks:
-            with lora.using_adapter(self.transformer, lora.OLD):
-                part = generate(
-                    self.policy,
-                    [prompts[i] for i in chunk],
-                    [group_ids[i] for i in chunk],
-                    noise[chunk].flatten(0, 1),
-                    s.num_steps,
-                    s.time_shift,
-                    s.solver,
-                )
+            part = self.generate_with_rollout_adapter(
+                [prompts[i] for i in chunk],
+                [group_ids[i] for i in chunk],
+                noise[chunk].flatten(0, 1),
+                s.num_steps,
+            )
             with torch.no_grad():
                 pending.append(self.reward.submit(self.policy.decode(part.x0), part.prompts))
             parts.append(part)
         self._t_generated = time.perf_counter()
         return Rollout.cat(parts), cat_results([f.result() for f in pending])
+
+    def generate_with_rollout_adapter(
+        self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
+    ) -> Rollout:
+        """len(noise) / len(prompts) samples per prompt from the `old` (rollout) adapter."""
+        s = self.cfg.sampling
+        with lora.using_adapter(self.transformer, lora.OLD):
+            return generate(self.policy, prompts, group_ids, noise, num_steps, s.time_shift, s.solver)
 
     def noised_inputs(
         self, rollout: Rollout, step: int
