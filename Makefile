@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench bench-modes lint pretrain clean
+.PHONY: setup demo test bench bench-modes bench-learning lint pretrain clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: setup
 
 bench-modes: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl bench modes --output runs/bench/modes.json
+
+bench-learning: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl bench learning --output runs/bench/learning.json
 
 pretrain: setup
 	$(BIN)/odrl pretrain

@@ -1,29 +1,36 @@
 """Benchmark: execution modes on this machine with 2 processes, against the simulator's prediction.
 
-For a short and a long generation setting (sampling steps), colocated 2+0 and separate 1+1 each
-train the same number of steps (so the same number of prompts) under `accelerate launch`; the
-report gives the seconds per trained prompt of each real run next to what the simulator predicts
-from unit costs measured here first (`execution/measure.py`), and the prediction error. Hybrid and
-auto are predicted only until their runtime exists. Prints a table, writes JSON and a bar chart.
+For each generation setting (by default 10 sampling steps, and 40 with the same 6 trained timesteps
+per sample, so that generation grows 4x and training does not), every mode (auto, colocated 2+0,
+separate 1+1, hybrid 1+1 with lending) trains the same number of steps, so the same number of
+prompts, under `accelerate launch`; the modes take turns, `repeats` rounds, and the median is
+reported. The unit costs auto measures inside the two running processes during its warm-up give
+the simulator's prediction for every mode, reported next to each real run with the error. Real
+seconds per trained prompt are steady-state: the training loop after its first step (start-up,
+auto's warm-up, the async buffer's first fill and saving excluded; the warm-up and the whole-loop
+figure are reported too). Prints a table, writes JSON and a bar chart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import load_config
-from .execution.costs import Workload
-from .execution.measure import costs_to_json, measure_costs
-from .execution.simulate import MODES, simulate
+from .execution.simulate import MODES
 
-RUN_MODES = ("colocated", "separate")
+RUN_MODES = ("auto", "colocated", "separate", "hybrid")
 QUIET = ["train.eval_at_start_and_end=false", "train.preview_every=0", "train.checkpoint_every=0"]
 QUIET += ["train.progress=false", "tracking.wandb=false"]
+SETTINGS = {
+    "short": ["sampling.num_steps=10", "algorithm.timestep_fraction=0.6"],
+    "long": ["sampling.num_steps=40", "algorithm.timestep_fraction=0.15"],
+}
 
 
 def _launch(config: str | None, overrides: list[str], port: int) -> dict[str, Any]:
@@ -40,86 +47,95 @@ def _launch(config: str | None, overrides: list[str], port: int) -> dict[str, An
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def _seconds_per_prompt(mode: str, summary: dict[str, Any], prompts: int) -> float:
-    if mode == "separate":
-        return float(summary["execution"]["seconds_per_trained_prompt"])
-    return float(summary["seconds"]) / prompts
+def _steady(summary: dict[str, Any]) -> float:
+    """Steady seconds per trained prompt (the whole loop's when the run had a single step)."""
+    return float(summary.get("steady_seconds_per_trained_prompt", summary["seconds_per_trained_prompt"]))
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
 
 
 def run_modes_bench(
     output: Path,
     config: str | None = "recipes/configs/tiny_t2av_nft.yaml",
     overrides: list[str] | None = None,
-    steps: int = 6,
-    long_factor: int = 4,
+    steps: int = 8,
+    settings: dict[str, list[str]] | None = None,
+    repeats: int = 2,
 ) -> dict[str, Any]:
     overrides = list(overrides or [])
-    cfg = load_config(config, overrides)
-    short = cfg.sampling.num_steps
-    lengths = {"short": short, "long": short * long_factor}
-    threads = max(1, (os.cpu_count() or 2) // 2)
-    costs = measure_costs(cfg, short, lengths["long"], threads=threads)
-    work = Workload(
-        replicas=2,
-        prompts_per_step=cfg.data.prompts_per_step,
-        group_size=cfg.data.group_size,
-        rollout_replicas=1,
-        sync_every=cfg.execution.sync_every,
-        max_staleness=cfg.execution.max_staleness,
-        on_stale=cfg.execution.on_stale,
-        buffer_groups=cfg.execution.buffer_groups,
-    )
-    prompts = steps * cfg.data.prompts_per_step
+    settings = settings or SETTINGS
     rows: dict[str, Any] = {}
     port = 29600
-    for setting, length in lengths.items():
-        predicted = {m: simulate(m, costs.with_length(length), work, steps).seconds_per_prompt for m in MODES}
-        real = {}
-        for mode in RUN_MODES:
-            port += 1
-            run_dir = output.parent / f"modes_{setting}_{mode}"
-            args = [*overrides, *QUIET, f"train.steps={steps}", f"sampling.num_steps={length}"]
-            args += [f"execution.mode={mode}", f"train.output_dir={run_dir}"]
-            real[mode] = _seconds_per_prompt(mode, _launch(config, args, port), prompts)
+    for setting, setting_overrides in settings.items():
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in RUN_MODES}
+        for round_index in range(repeats):
+            for mode in RUN_MODES:
+                port += 1
+                run_dir = output.parent / f"modes_{setting}_{mode}_{round_index}"
+                args = [*overrides, *setting_overrides, *QUIET, f"train.steps={steps}"]
+                args += [f"train.output_dir={run_dir}", f"execution.mode={mode}"]
+                runs[mode].append(_launch(config, args, port))
+        real = {m: _median([_steady(r) for r in runs[m]]) for m in RUN_MODES}
+        whole = {m: _median([r["seconds_per_trained_prompt"] for r in runs[m]]) for m in RUN_MODES}
+        autos = [r["auto"] for r in runs["auto"]]
+        predicted = {m: round(_median([a["predicted_s_per_prompt"][m] for a in autos]), 4) for m in MODES}
+        fixed = {m: real[m] for m in MODES}
+        best = min(fixed, key=fixed.get)
         rows[setting] = {
-            "sampling_steps": length,
+            "overrides": setting_overrides,
             "real_s_per_prompt": {m: round(v, 4) for m, v in real.items()},
-            "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
-            "prediction_error": {m: round(predicted[m] / real[m] - 1, 4) for m in real},
-            "fastest_real": min(real, key=real.get),
-            "auto_would_pick": min(predicted, key=predicted.get),
+            "real_s_per_prompt_each_round": {m: [_steady(r) for r in runs[m]] for m in RUN_MODES},
+            "whole_loop_s_per_prompt": {m: round(v, 4) for m, v in whole.items()},
+            "predicted_s_per_prompt": predicted,
+            "prediction_error": {m: round(predicted[m] / real[m] - 1, 4) for m in MODES},
+            "fastest_fixed_mode": best,
+            "auto_picked": [a["picked"] for a in autos],
+            "auto_vs_best": round(real["auto"] / fixed[best] - 1, 4),
+            "auto_warmup_s": [a["warmup_s"] for a in autos],
+            "hybrid_vs_separate": round(real["hybrid"] / real["separate"] - 1, 4),
+            "hybrid_lends": [r["execution"]["hybrid"]["lends"] for r in runs["hybrid"]],
+            "idle_fraction": {m: runs[m][0]["execution"]["idle_fraction"] for m in ("separate", "hybrid")},
+            "measured_costs": autos[0]["measured_costs"],
         }
-    result = {
-        "processes": 2,
-        "steps_per_run": steps,
-        "prompts_per_run": prompts,
-        "measured_costs": costs_to_json(costs),
-        "settings": rows,
-    }
-    print(format_table(result))
+    result = {"processes": 2, "steps_per_run": steps, "rounds": repeats, "settings": rows}
+    publish(result, output, format_table(result), _plot)
+    return result
+
+
+def publish(
+    result: dict[str, Any], output: Path, table: str, plot: Callable[[dict[str, Any], Path], None]
+) -> None:
+    """Print the table, write the JSON to `output` and the plot next to it (.png)."""
+    print(table)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    _plot(result, output.with_suffix(".png"))
+    plot(result, output.with_suffix(".png"))
     print(f"wrote {output} and {output.with_suffix('.png')}")
-    return result
 
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"execution modes, 2 processes, {result['prompts_per_run']} trained prompts per run (s per prompt)",
-        f"{'setting':<8}{'steps':>6}  {'mode':<10}{'real':>8}{'predicted':>11}{'error':>8}",
+        f"execution modes, 2 processes, {result['steps_per_run']} steps per run, median of "
+        f"{result['rounds']} rounds (steady seconds per trained prompt; whole loop incl. the first step)",
+        f"{'setting':<9}{'mode':<11}{'real':>8}{'predicted':>11}{'error':>8}{'whole':>8}",
     ]
     for setting, row in result["settings"].items():
-        for mode in MODES:
-            real = row["real_s_per_prompt"].get(mode)
-            pred = row["predicted_s_per_prompt"][mode]
+        for mode in RUN_MODES:
+            real = row["real_s_per_prompt"][mode]
+            pred = row["predicted_s_per_prompt"].get(mode)
             err = row["prediction_error"].get(mode)
-            real_text = f"{real:>8.3f}" if real is not None else f"{'-':>8}"
+            pred_text = f"{pred:>11.3f}" if pred is not None else f"{'-':>11}"
             err_text = f"{err:>+8.0%}" if err is not None else f"{'-':>8}"
-            lines.append(
-                f"{setting:<8}{row['sampling_steps']:>6}  {mode:<10}{real_text}{pred:>11.3f}{err_text}"
-            )
-        lines.append(f"  fastest: {row['fastest_real']}; auto would pick: {row['auto_would_pick']}")
+            whole = row["whole_loop_s_per_prompt"][mode]
+            lines.append(f"{setting:<9}{mode:<11}{real:>8.3f}{pred_text}{err_text}{whole:>8.3f}")
+        warmup = "/".join(f"{w:.1f}" for w in row["auto_warmup_s"])
+        lines.append(
+            f"  fastest fixed: {row['fastest_fixed_mode']}; auto picked {'/'.join(row['auto_picked'])} "
+            f"({row['auto_vs_best']:+.1%} vs fastest, warm-up {warmup} s); "
+            f"hybrid vs separate {row['hybrid_vs_separate']:+.1%} (lends {row['hybrid_lends']})"
+        )
     return "\n".join(lines)
 
 
@@ -133,13 +149,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.2), squeeze=False)
     for ax, setting in zip(axes[0], settings, strict=True):
         row = result["settings"][setting]
-        xs = range(len(MODES))
-        ax.bar([x - 0.2 for x in xs], [row["real_s_per_prompt"].get(m, 0) for m in MODES], 0.4, label="real")
-        ax.bar(
-            [x + 0.2 for x in xs], [row["predicted_s_per_prompt"][m] for m in MODES], 0.4, label="predicted"
-        )
-        ax.set_xticks(list(xs), MODES)
-        ax.set_title(f"{setting} ({row['sampling_steps']} sampling steps)")
+        xs = range(len(RUN_MODES))
+        ax.bar([x - 0.2 for x in xs], [row["real_s_per_prompt"][m] for m in RUN_MODES], 0.4, label="real")
+        predicted = [row["predicted_s_per_prompt"].get(m, 0.0) for m in RUN_MODES]
+        ax.bar([x + 0.2 for x in xs], predicted, 0.4, label="predicted")
+        ax.set_xticks(list(xs), RUN_MODES)
+        ax.set_title(setting)
         ax.set_ylabel("seconds per trained prompt")
     axes[0][0].legend()
     fig.tight_layout()

@@ -2,10 +2,10 @@
 
 Rollout puts whole prompt groups in; training takes the oldest groups out, each at most once.
 A group whose version lags the trainer's by more than `max_staleness` is not trained: it is
-dropped when taken (counted as stale). With `on_stale="wait"` rollout is also held back
-(`may_generate` says no) while what it would make is already stale, so that few groups go stale
-(one that goes stale while being generated is still dropped). The buffer is bounded (`capacity` groups);
-`put` refuses to overfill it. Accounting always balances:
+dropped when taken (counted as stale). Under `execution.on_stale=wait` rollout is also held back
+while what it would make would be trained too late (`execution.scheduler.may_make_group`), so that
+few groups go stale (one that goes stale anyway is still dropped). The buffer is bounded (`capacity` groups);
+`put` refuses to overfill it (except for a trainer's own lent group). Accounting always balances:
 
     generated = trained + dropped (by reason) + in the buffer + taken but not yet trained
 
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
-STALE_POLICIES = ("drop", "wait")
 
 
 def buffer_capacity(buffer_groups: int, prompts_per_step: int) -> int:
@@ -28,7 +27,7 @@ def buffer_capacity(buffer_groups: int, prompts_per_step: int) -> int:
 
 
 class BufferFull(RuntimeError):
-    """put() on a full buffer: rollout must wait (may_generate says so first)."""
+    """put() on a full buffer: rollout must wait (has_room says so first)."""
 
 
 @dataclass
@@ -63,16 +62,14 @@ class BufferStats:
 class ReplayBuffer(Generic[T]):
     """Bounded FIFO of prompt groups with a staleness bound (see the module docstring)."""
 
-    def __init__(self, capacity: int, max_staleness: int = 1, on_stale: str = "drop") -> None:
+    def __init__(self, capacity: int, max_staleness: int = 1) -> None:
         if capacity < 1 or max_staleness < 0:
             raise ValueError(f"capacity ({capacity}) must be >= 1 and max_staleness ({max_staleness}) >= 0")
-        if on_stale not in STALE_POLICIES:
-            raise ValueError(f"on_stale must be one of {STALE_POLICIES}; got {on_stale!r}")
         self.capacity = capacity
         self.max_staleness = max_staleness
-        self.on_stale = on_stale
         self.groups: deque[Group[T]] = deque()
         self.stats = BufferStats()
+        self.last_stale: list[Group[T]] = []  # what the last take() or drop_stale() dropped
 
     # ------------------------------------------------------------------ state
     def __len__(self) -> int:
@@ -86,36 +83,30 @@ class ReplayBuffer(Generic[T]):
     def is_stale(self, version: int, trainer_version: int) -> bool:
         return trainer_version - version > self.max_staleness
 
-    def may_generate(
-        self, rollout_version: int, trainer_version: int, groups: int = 1, in_flight: int = 0
-    ) -> bool:
-        """Whether a rollout replica holding `rollout_version` weights may start `groups` more groups
-        (with `in_flight` groups already being generated elsewhere): the buffer will have room and,
-        under `wait`, what it makes is not already stale."""
-        if len(self.groups) + in_flight + groups > self.capacity:
-            return False
-        return self.on_stale == "drop" or not self.is_stale(rollout_version, trainer_version)
+    def has_room(self, groups: int = 1, in_flight: int = 0) -> bool:
+        """Whether `groups` more groups fit once the `in_flight` ones being generated have arrived."""
+        return len(self.groups) + in_flight + groups <= self.capacity
 
     # ------------------------------------------------------------------ in and out
-    def put(self, group: Group[T]) -> None:
-        if len(self.groups) >= self.capacity:
+    def put(self, group: Group[T], overfill: bool = False) -> None:
+        """Append a group; `overfill` lets a trainer's own lent group in past the capacity (it trains
+        the buffer's groups next, so the excess is bounded by what it lends)."""
+        if len(self.groups) >= self.capacity and not overfill:
             raise BufferFull(f"the buffer holds {self.capacity} groups already; rollout must wait")
         self.groups.append(group)
         self.stats.generated += group.size
 
-    def drop_stale(self, trainer_version: int) -> int:
-        """Drop groups too old to train; returns the samples dropped."""
+    def drop_stale(self, trainer_version: int) -> list[Group[T]]:
+        """Drop groups too old to train (counted as `stale`); returns them (also kept in `last_stale`)."""
         kept: deque[Group[T]] = deque()
-        dropped = 0
+        stale: list[Group[T]] = []
         for g in self.groups:
-            if self.is_stale(g.version, trainer_version):
-                dropped += g.size
-            else:
-                kept.append(g)
+            (stale if self.is_stale(g.version, trainer_version) else kept).append(g)
         self.groups = kept
-        if dropped:
-            self.stats.dropped["stale"] += dropped
-        return dropped
+        if stale:
+            self.stats.dropped["stale"] += sum(g.size for g in stale)
+        self.last_stale = stale
+        return stale
 
     def take(self, groups: int, trainer_version: int) -> list[Group[T]] | None:
         """The `groups` oldest trainable groups, or None (and nothing taken) when fewer are ready."""

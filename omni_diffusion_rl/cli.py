@@ -30,12 +30,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .trainers.nft import NFTTrainer
 
     accelerator = _make_accelerator(cfg.tracking.wandb)
-    if cfg.execution.mode == "separate":
+    extra = {}
+    if cfg.execution.mode == "auto":
+        from .execution.auto import choose_mode
+
+        cfg, extra["auto"] = choose_mode(cfg, accelerator.num_processes, accelerator.device)
+    if cfg.execution.mode in ("separate", "hybrid"):
         from .execution.separate import run_separate
 
-        summary = run_separate(cfg, resume=args.resume, device=accelerator.device)
+        summary = run_separate(cfg, resume=args.resume, device=accelerator.device, summary_extra=extra)
     else:
-        summary = NFTTrainer(cfg, accelerator).fit(resume=args.resume)
+        trainer = NFTTrainer(cfg, accelerator)
+        trainer.summary_extra.update(extra)
+        summary = trainer.fit(resume=args.resume)
     if accelerator.is_main_process and summary is not None:
         print(json.dumps(summary), flush=True)
     return 0
@@ -70,12 +77,17 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    steps = {} if args.steps is None else {"steps": args.steps}  # each bench has its own default
     if args.name == "modes":
         from .bench_modes import run_modes_bench
 
-        run_modes_bench(
-            args.output or Path("runs/bench/modes.json"), args.config, args.overrides, steps=args.steps
-        )
+        run_modes_bench(args.output or Path("runs/bench/modes.json"), args.config, args.overrides, **steps)
+        return 0
+    if args.name == "learning":
+        from .bench_learning import run_learning_bench
+
+        output = args.output or Path("runs/bench/learning.json")
+        run_learning_bench(output, args.config, args.overrides, modes=args.modes, seeds=args.seeds, **steps)
         return 0
     if args.name == "reward-server":
         from .bench_reward_server import run_reward_server_bench
@@ -189,6 +201,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated names, e.g. colocated,separate")
+    return names
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _names(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2 ({e})") from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="odrl", description="Post-train diffusion generators with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -270,14 +296,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead), "
-        "modes (colocated vs separate with 2 processes, against the simulator)",
+        "modes (auto, colocated, separate, hybrid with 2 processes, against the simulator), "
+        "learning (held-out reward per execution mode over seeds, against colocated)",
     )
-    bench.add_argument("name", choices=("nft-step", "reward-server", "modes"))
+    bench.add_argument("name", choices=("nft-step", "reward-server", "modes", "learning"))
     bench.add_argument(
-        "--config", default="recipes/configs/tiny_t2av_nft.yaml", help="modes: training config"
+        "--config", default="recipes/configs/tiny_t2av_nft.yaml", help="modes, learning: training config"
     )
-    bench.add_argument("--steps", type=int, default=6, help="modes: optimizer steps per run")
-    bench.add_argument("overrides", nargs="*", help="modes: section.key=value overrides")
+    bench.add_argument(
+        "--steps", type=int, help="modes, learning: optimizer steps per run (default: modes 8, learning 20)"
+    )
+    bench.add_argument("overrides", nargs="*", help="modes, learning: section.key=value overrides")
+    bench.add_argument(
+        "--modes",
+        type=_names,
+        default=("colocated", "separate", "hybrid"),
+        help="learning: comma-separated execution modes (colocated is the reference)",
+    )
+    bench.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
     bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--batch-size", type=int, default=32)

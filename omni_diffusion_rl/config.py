@@ -161,8 +161,10 @@ class ExecutionConfig:
     mode: str = _spec(
         "colocated",
         "colocated: every process generates then all train; separate: rollout processes feed a trainer "
-        "through a versioned buffer (hybrid/auto: predicted by odrl simulate, runtime to come)",
-        choices=("colocated", "separate"),
+        "through a versioned buffer; hybrid: separate, and the trainer generates too while rollout "
+        "cannot keep up; auto: measure the costs in the running processes, predict each mode with "
+        "the simulator, run the fastest",
+        choices=("colocated", "separate", "hybrid", "auto"),
     )
     rollout_replicas: int = _spec(1, "separate: processes that only generate (the last ranks)", ge=1)
     sync_every: int = _spec(1, "separate: trainer steps between adapter syncs to rollout processes", ge=1)
@@ -177,6 +179,13 @@ class ExecutionConfig:
         300.0, "separate: stop with an error when no rollout data came for this long", gt=0
     )
     sync_timeout_s: float = _spec(60.0, "separate: a weight sync not delivered within this is an error", gt=0)
+    lend_threshold: float = _spec(
+        1.0,
+        "hybrid: the trainer may generate while the buffer holds less than this share of a step (and "
+        "the expected wait covers the lent call)",
+        ge=0,
+    )
+    auto_repeats: int = _spec(1, "auto: timed repeats of each warm-up measurement", ge=1)
 
 
 @dataclass
@@ -350,7 +359,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"reward.options.{name}: options for a reward that reward.weights does not use "
                 f"({', '.join(cfg.reward.weights)})"
             )
-    if cfg.execution.mode == "separate":
+    if cfg.execution.mode in ("separate", "hybrid", "auto"):
         from .buffer import buffer_capacity
         from .execution.costs import check_async_layout
 

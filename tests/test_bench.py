@@ -69,19 +69,23 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
     assert overhead["added_ms"] == pytest.approx(overhead["served_ms"] - overhead["in_process_ms"], abs=0.02)
 
 
-def test_modes_bench_runs_both_modes_and_reports_predictions(tmp_path: Path) -> None:
-    from omni_diffusion_rl.bench_modes import run_modes_bench
+def test_modes_bench_runs_every_mode_and_reports_predictions(tmp_path: Path) -> None:
+    from omni_diffusion_rl.bench_modes import RUN_MODES, run_modes_bench
 
     from .helpers import fast_overrides, tiny_model_dir
 
     overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "unused", 1)
     output = tmp_path / "bench" / "modes.json"
-    result = run_modes_bench(output, None, overrides, steps=2, long_factor=2)
+    settings = {"short": ["sampling.num_steps=2"]}
+    result = run_modes_bench(output, None, overrides, steps=2, settings=settings, repeats=1)
     report = json.loads(output.read_text(encoding="utf-8"))
     assert report == json.loads(json.dumps(result)) and output.with_suffix(".png").is_file()
-    assert set(report["settings"]) == {"short", "long"}
-    for row in report["settings"].values():
-        assert set(row["real_s_per_prompt"]) == {"colocated", "separate"}
-        assert all(v > 0 for v in row["real_s_per_prompt"].values())
-        assert set(row["predicted_s_per_prompt"]) == {"colocated", "separate", "hybrid"}
-        assert all(math.isfinite(v) for v in row["prediction_error"].values())
+    row = report["settings"]["short"]
+    assert set(row["real_s_per_prompt"]) == set(RUN_MODES) == {"auto", "colocated", "separate", "hybrid"}
+    assert all(v > 0 for v in row["real_s_per_prompt"].values())
+    assert set(row["predicted_s_per_prompt"]) == {"colocated", "separate", "hybrid"}
+    assert all(math.isfinite(v) for v in row["prediction_error"].values())
+    assert row["auto_picked"][0] in row["predicted_s_per_prompt"] and row["auto_warmup_s"][0] > 0
+    assert row["fastest_fixed_mode"] == min(
+        ("colocated", "separate", "hybrid"), key=row["real_s_per_prompt"].get
+    )

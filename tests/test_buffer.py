@@ -38,7 +38,7 @@ def test_oldest_first_each_group_once_and_accounting_balances() -> None:
 
 
 def test_stale_groups_are_dropped_and_counted() -> None:
-    buffer: ReplayBuffer[None] = ReplayBuffer(capacity=8, max_staleness=1, on_stale="drop")
+    buffer: ReplayBuffer[None] = ReplayBuffer(capacity=8, max_staleness=1)
     _put(buffer, version=0, count=2)
     _put(buffer, version=2, count=1, start=2)
     assert buffer.take(1, trainer_version=3) is not None
@@ -46,16 +46,13 @@ def test_stale_groups_are_dropped_and_counted() -> None:
     buffer.check_accounting()
 
 
-def test_wait_policy_holds_rollout_back_instead_of_dropping() -> None:
-    buffer: ReplayBuffer[None] = ReplayBuffer(capacity=2, max_staleness=1, on_stale="wait")
-    assert buffer.may_generate(rollout_version=3, trainer_version=4)
-    assert not buffer.may_generate(rollout_version=2, trainer_version=4), "would be stale"
-    drop = ReplayBuffer(capacity=2, max_staleness=1, on_stale="drop")
-    assert drop.may_generate(rollout_version=2, trainer_version=4)
+def test_room_counts_groups_in_flight() -> None:
+    buffer: ReplayBuffer[None] = ReplayBuffer(capacity=2, max_staleness=1)
+    assert buffer.has_room(2) and not buffer.has_room(3)
     _put(buffer, version=4, count=1)
-    assert not buffer.may_generate(4, 4, groups=1, in_flight=1), "room is counted with groups in flight"
+    assert not buffer.has_room(1, in_flight=1), "room is counted with groups in flight"
     _put(buffer, version=4, count=1, start=1)
-    assert not buffer.may_generate(4, 4)
+    assert not buffer.has_room()
     with pytest.raises(BufferFull):
         _put(buffer, version=4, count=1, start=2)
 
@@ -73,7 +70,7 @@ def test_resume_counts_lost_groups_as_dropped() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="on_stale"):
-        ReplayBuffer(4, on_stale="keep")
+    with pytest.raises(ValueError, match="max_staleness"):
+        ReplayBuffer(4, max_staleness=-1)
     with pytest.raises(ValueError, match="capacity"):
         ReplayBuffer(0)

@@ -122,3 +122,63 @@ def test_a_send_nobody_takes_times_out_instead_of_hanging(tmp_path: Path) -> Non
         _refuse_to_receive, args=(str(tmp_path / "init"), str(result)), nprocs=2, start_method="spawn"
     )
     assert result.read_text() == "TimeoutError: rank 1 did not take a message within 1 s"
+
+
+SLOW_ROLLOUT = ["sampling.num_steps=30", "algorithm.timestep_fraction=0.05"]  # generation >> training
+
+
+def _balances(buf: dict) -> bool:
+    return buf["generated"] == (
+        buf["trained"] + sum(buf["dropped"].values()) + buf["in_training"] + buf["waiting"]
+    )
+
+
+def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up(model_dir: Path, tmp_path: Path) -> None:
+    args = fast_overrides(model_dir, tmp_path / "run", 6) + SLOW_ROLLOUT
+    args += ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
+    proc = _launch(args, 29557, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ex = last_json_line(proc.stdout)["execution"]
+    assert ex["mode"] == "hybrid" and _balances(ex["buffer"]) and ex["buffer"]["trained"] == 6 * 2 * 2
+    hybrid = ex["hybrid"]
+    assert hybrid["lends"] > 0 and hybrid["switches"] == 2 * hybrid["lends"]
+    assert 0 < hybrid["lent_groups_trained"] <= hybrid["lends"]
+    first = hybrid["lends_logged"][0]
+    assert first["lent_s"] > 0 and first["switch_s"] >= 0 and first["buffer_groups"] < 2
+    assert max(int(k) for k in ex["buffer"]["staleness_histogram"]) <= 1
+    assert set(ex["idle_fraction"]["rollout"]) == {"staleness_gate", "buffer_full", "weight_sync"}
+    assert set(ex["idle_fraction"]["trainer"]) == {"waiting_for_data", "weight_sync", "switching"}
+
+
+def test_separate_resumes_with_balanced_accounting(model_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    base = fast_overrides(model_dir, run, 2) + ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
+    first = _launch([*base, *SLOW_ROLLOUT], 29559, timeout=180)
+    assert first.returncode == 0, first.stderr[-4000:]
+    lent_before = last_json_line(first.stdout)["execution"]["hybrid"]["lends"]
+    resumed = _launch(
+        [*base, *SLOW_ROLLOUT, "train.steps=4", "--resume", str(run / "checkpoints")], 29561, timeout=180
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    summary = last_json_line(resumed.stdout)
+    buf = summary["execution"]["buffer"]
+    assert _balances(buf), buf
+    assert buf["trained"] == 4 * 2 * 2 == summary["samples"]["trained"], "both runs' samples are counted"
+    assert summary["execution"]["hybrid"]["lends"] >= lent_before, "the lent stream continues"
+    assert [r["step"] for r in step_records(run)] == [1, 2, 3, 4]
+
+
+def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_path: Path) -> None:
+    args = fast_overrides(model_dir, tmp_path / "run", 2)
+    args += ["execution.mode=auto", "train.eval_at_start_and_end=false"]
+    proc = _launch(args, 29563, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = last_json_line(proc.stdout)
+    auto = summary["auto"]
+    predicted = auto["predicted_s_per_prompt"]
+    assert set(predicted) == {"colocated", "separate", "hybrid"} and all(v > 0 for v in predicted.values())
+    assert auto["picked"] == min(predicted, key=predicted.get)
+    assert auto["warmup_s"] > 0 and auto["measured_costs"]["gen_per_unit_s"] > 0
+    if auto["picked"] != "colocated":
+        assert summary["execution"]["mode"] == auto["picked"]
+    assert summary["samples"]["trained"] == 2 * 2 * 2

@@ -55,7 +55,7 @@ class Workload:
     on_stale: str = "wait"  # drop | wait
     buffer_groups: int = 0  # buffer capacity in groups (0: 2 steps' worth)
     lend_threshold: float = (
-        0.4  # hybrid: consider lending when the buffer holds less than this share of a step
+        1.0  # hybrid: consider lending while the buffer holds less than this share of a step
     )
 
     def __post_init__(self) -> None:
@@ -73,6 +73,8 @@ class Workload:
             raise ValueError(
                 "prompts_per_step, group_size, groups_per_generation and sync_every must be >= 1"
             )
+        if self.on_stale not in ("drop", "wait"):
+            raise ValueError(f"on_stale must be 'drop' or 'wait'; got {self.on_stale!r}")
         check_async_layout(self.sync_every, self.max_staleness, self.capacity, self.prompts_per_step)
 
     @property

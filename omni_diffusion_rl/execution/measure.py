@@ -1,9 +1,9 @@
 """Measure a job's unit costs on this machine, for the simulator (and for auto mode's warm-up).
 
-Generation (generate + decode + rewards) and training (one real `NFTTrainer.train_on` step) are
-timed at the batch sizes the modes use (generation: 1 group per call, as a rollout process makes
-them, and a colocated process's share of a step; training: that share and a whole step) and at a
-short and a long sampling-step count; the linear cost model is fitted by least squares. The sync
+Generation (generate + decode + rewards) and training (one real `NFTTrainer.train_on` step on what
+was generated) are timed at 1 prompt group (what a rollout process makes per call) and at a
+colocated process's share of a step, at a short and a long sampling-step count (or one); the
+linear cost model is fitted by least squares and extrapolates to a whole step on one trainer. The sync
 cost is the round trip of the rollout adapter through a safetensors payload (what a weight sync
 moves); switching is two adapter switches.
 """
@@ -26,14 +26,15 @@ from ..rollout import score
 from .costs import CostModel
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median seconds of `repeats` calls after a warm-up call, and the last call's result."""
+    out = fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        out = fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), out
 
 
 def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -51,39 +52,45 @@ def measure_costs(
     repeats: int = 3,
     threads: int | None = None,
     replicas: int = 2,
+    device: torch.device | None = None,
 ) -> CostModel:
     """Unit costs of `cfg`'s job on this machine (length unit: one sampling step), timed with
     `threads` intra-op threads: what one of several processes sharing the machine gets."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _measure(cfg, short_steps, long_steps, repeats, replicas)
+        return _measure(cfg, short_steps, long_steps, repeats, replicas, device)
     finally:
         torch.set_num_threads(previous)
 
 
 def _measure(
-    cfg: ExperimentConfig, short_steps: int, long_steps: int, repeats: int, replicas: int
+    cfg: ExperimentConfig,
+    short_steps: int,
+    long_steps: int,
+    repeats: int,
+    replicas: int,
+    device: torch.device | None,
 ) -> CostModel:
     from ..trainers.nft import NFTTrainer
 
-    trainer = NFTTrainer(cfg)
+    trainer = NFTTrainer(cfg, device=device)
     k = cfg.data.group_size
     p = cfg.data.prompts_per_step
     share = max(1, -(-p // replicas))  # a colocated process's groups per step
-    prompts = [trainer.prompt_at(i) for i in range(p)]
+    prompts = [trainer.prompt_at(i) for i in range(max(p, 2))]
     fraction = cfg.algorithm.timestep_fraction
     gen_rows, gen_y, train_rows, train_y = [], [], [], []
-    for steps in (short_steps, long_steps):
-        for gen_groups, train_groups in ((1, share), (share, p)):
-            rollout = _rollout_fn(trainer, prompts, gen_groups, steps, cfg.sampling.solver)
-            gen_rows.append([1.0, gen_groups * k * steps])
-            gen_y.append(_median_time(rollout, repeats))
-            batch = _rollout_fn(trainer, prompts, train_groups, steps, cfg.sampling.solver)()
+    for steps in sorted({short_steps, long_steps}):  # one length is enough to predict at that length
+        for groups in sorted({1, share, 2 if share == 1 else share}):
+            rollout = _rollout_fn(trainer, prompts, groups, steps, cfg.sampling.solver)
+            seconds, batch = _median_time(rollout, repeats)
+            gen_rows.append([1.0, groups * k * steps])
+            gen_y.append(seconds)
             r = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
             trained_steps = max(1, int(steps * fraction))
-            train_rows.append([1.0, train_groups * k, train_groups * k * trained_steps])
-            train_y.append(_median_time(lambda b=batch, r=r: trainer.train_on(b, r, 0), repeats))
+            train_rows.append([1.0, groups * k, groups * k * trained_steps])
+            train_y.append(_median_time(lambda b=batch, r=r: trainer.train_on(b, r, 0), repeats)[0])
 
     def sync() -> None:  # the rollout adapter through a wire payload and into a model
         payload = save_tensors(
@@ -104,10 +111,10 @@ def _measure(
         length=float(short_steps),
         train_fixed_s=train_fixed,
         train_per_sample_s=train_sample,
-        sync_s=_median_time(sync, repeats),
+        sync_s=_median_time(sync, repeats)[0],
         # trained timesteps per sampling step: the model's length unit is the sampling step
         train_per_unit_s=train_unit * fraction,
-        switch_s=_median_time(switch, repeats),
+        switch_s=_median_time(switch, repeats)[0],
     )
 
 

@@ -1,12 +1,16 @@
-"""Scheduling decisions as pure functions of state, for the simulator (virtual clock) and the
-runtime (real clock): the sync schedule and the staleness gate are shared today; the hybrid
-lending rule runs in the simulator until hybrid mode's runtime exists."""
+"""Scheduling decisions as pure functions of state, shared by the simulator (virtual clock) and the
+runtime (real clock): the sync schedule, the staleness gate on the data stream, and hybrid's
+lending rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .costs import CostModel, Workload
+
+# Prompt groups a trainer generates itself (hybrid lending) come from this far part of the data
+# stream, so their group ids (and noise keys) never meet the rollout processes' ids.
+LENT_STREAM_START = 10**12
 
 
 @dataclass(frozen=True)
@@ -28,12 +32,24 @@ def should_sync(trainer_step: int, sync_every: int) -> bool:
 
 
 def may_make_group(
-    group_position: int, rollout_version: int, max_staleness: int, prompts_per_step: int
+    group_position: int,
+    rollout_version: int,
+    max_staleness: int,
+    prompts_per_step: int,
+    stream_offset: int = 0,
 ) -> bool:
-    """The `wait` staleness gate: the group at `group_position` of the data stream is trained at about
-    version position // prompts_per_step (groups are taken oldest first), so a rollout process holding
-    `rollout_version` may make it only while that lag stays within `max_staleness`."""
-    return group_position < (rollout_version + max_staleness + 1) * prompts_per_step
+    """The `wait` staleness gate. Groups are trained oldest first, p per step, so the group at
+    `group_position` of the rollout stream is trained at about version
+    (position - stream_offset) // p, where stream_offset is the net count of stream positions the
+    trainer will never train (groups dropped as stale, lost on a resume) minus the groups it trained
+    from outside the stream (hybrid lending). A rollout process holding `rollout_version` may make the
+    group only while that lag stays within `max_staleness`."""
+    return group_position - stream_offset < (rollout_version + max_staleness + 1) * prompts_per_step
+
+
+def stream_offset(skipped_groups: int, lent_groups_trained: int) -> int:
+    """The `stream_offset` of may_make_group from the trainer's counters."""
+    return skipped_groups - lent_groups_trained
 
 
 def expected_wait_s(buffered_groups: int, needed_groups: int, rate: RolloutRate) -> float:
@@ -43,15 +59,27 @@ def expected_wait_s(buffered_groups: int, needed_groups: int, rate: RolloutRate)
 
 
 def should_lend(
-    buffered_groups: int, in_flight_groups: int, costs: CostModel, work: Workload, rate: RolloutRate
+    buffered_groups: int,
+    in_flight_groups: int,
+    prompts_per_step: int,
+    lend_threshold: float,
+    lent_call_s: float,
+    rate: RolloutRate,
+    train_step_s: float | None,
 ) -> bool:
     """Hybrid: lend the idle trainer replicas to rollout for one generation call?
 
-    Only when the buffer is low (below `lend_threshold` of a step) and the trainer would wait
-    (counting the groups being generated) at least as long as the lent call plus switching there and
-    back: then lending costs no training time and adds the lent replicas' groups to the next steps.
+    Only when rollout cannot keep up with training (at `rate` it makes fewer than a step's groups
+    in the last measured training step, `train_step_s`; unknown before the first step), the buffer
+    is low (below `lend_threshold` of a step) and the trainer would wait (counting the groups being
+    generated) at least as long as the lent call, switching there and back included
+    (`lent_call_s`): then lending costs no training time and adds the lent replicas' groups to the
+    next steps. (When rollout keeps up, lent groups would only push the rollout stream's groups
+    past the staleness bound.) Reclaiming is the same rule read the other way: the trainer lends
+    one call at a time and trains as soon as a step's groups are there.
     """
-    if buffered_groups >= work.lend_threshold * work.prompts_per_step:
+    if train_step_s is None or rate.groups_per_s * train_step_s >= prompts_per_step:
         return False
-    lent_call = costs.gen(work.groups_per_generation * work.group_size) + 2 * costs.switch_s
-    return expected_wait_s(buffered_groups + in_flight_groups, work.prompts_per_step, rate) >= lent_call
+    if buffered_groups >= lend_threshold * prompts_per_step:
+        return False
+    return expected_wait_s(buffered_groups + in_flight_groups, prompts_per_step, rate) >= lent_call_s

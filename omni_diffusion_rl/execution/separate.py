@@ -1,18 +1,18 @@
-"""separate: rollout processes generate and score prompt groups continuously; one trainer process
-takes them from a versioned replay buffer and sends its rollout adapter back every k steps.
+"""separate and hybrid: rollout processes generate and score prompt groups continuously; one trainer
+process takes them from a versioned replay buffer and sends its rollout adapter back every k steps.
 
-Under `accelerate launch` (or torchrun) rank 0 trains and the last `execution.rollout_replicas`
-ranks generate. Messages are safetensors bytes over dedicated gloo groups (transport.py). Rollout
-process i makes prompt groups i, i + R, i + 2R, ... of the data stream, each with noise keyed by
-its group id, and scores them itself. The trainer's staleness bound is applied when it takes a
-step's groups (stale ones are dropped and counted); with `on_stale=wait` a rollout process holding
-weights version v also holds back group g while g >= (v + max_staleness + 1) * prompts_per_step,
-i.e. while it would be trained more than max_staleness versions later (scheduler.may_make_group).
+Under `accelerate launch` (or torchrun) rank 0 trains and the other ranks are rollout processes
+(rollout_worker.py). Messages are safetensors bytes over dedicated gloo groups (transport.py). The
+trainer's staleness bound is applied when it takes a step's groups (stale ones are dropped and
+counted). hybrid adds lending: when the buffer runs low and rollout cannot keep up
+(scheduler.should_lend), the trainer generates a group itself with its current weights, then trains
+as soon as a step's groups are there; every lend is counted and timed (the first 200 listed).
+Checkpoints carry the buffer's accounting and the stream position, so a resumed run's accounting
+still balances.
 """
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 import time
@@ -25,118 +25,47 @@ from ..buffer import Group, ReplayBuffer, buffer_capacity
 from ..config import ConfigError, ExperimentConfig
 from ..models import lora
 from ..reward import ScoreResult
-from ..rollout import Rollout, cat_results, score
-from ..trainers.nft import NFTTrainer, step_generator
+from ..rollout import Rollout, cat_results
+from ..trainers.nft import NFTTrainer
 from . import scheduler, transport
+from .rollout_worker import RolloutWorker, make_group
+
+MAX_SWITCH_RECORDS = 200  # lends listed one by one in the summary (all are counted)
 
 
 def check_layout(cfg: ExperimentConfig, world_size: int) -> None:
     ex = cfg.execution
     if world_size < 2:
         raise ConfigError(
-            "execution.mode=separate needs at least 2 processes (accelerate launch --num_processes N, "
+            f"execution.mode={ex.mode} needs at least 2 processes (accelerate launch --num_processes N, "
             "or torchrun --nproc_per_node N): rank 0 trains, the others generate"
         )
     if ex.rollout_replicas != world_size - 1:
         raise ConfigError(
-            f"execution.rollout_replicas={ex.rollout_replicas}: separate mode runs one trainer process for "
-            f"now, so with {world_size} processes it must be {world_size - 1}"
+            f"execution.rollout_replicas={ex.rollout_replicas}: {ex.mode} mode runs one trainer process "
+            f"for now, so with {world_size} processes it must be {world_size - 1}"
         )
 
 
 def run_separate(
-    cfg: ExperimentConfig, resume: str | None = None, device: torch.device | None = None
+    cfg: ExperimentConfig,
+    resume: str | None = None,
+    device: torch.device | None = None,
+    summary_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """Run this process's role on `device`; the trainer (rank 0) returns the run summary."""
+    """Run this process's role on `device`; the trainer (rank 0) returns the run summary (with
+    `summary_extra` in it)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     check_layout(cfg, world)
     rank = dist.get_rank()
-    if resume:
-        raise ConfigError(
-            "--resume is not supported with execution.mode=separate yet; resume a colocated run"
-        )
     data_group = dist.new_group(list(range(world)), backend="gloo")
     weights_group = dist.new_group(list(range(world)), backend="gloo")
     if rank == 0:
         trainer = SeparateTrainer(cfg, data_group, weights_group, list(range(1, world)), device)
-        return trainer.fit()
+        trainer.summary_extra.update(summary_extra or {})
+        return trainer.fit(resume)
     RolloutWorker(cfg, rank - 1, world - 1, data_group, weights_group, device).run()
     return None
-
-
-class RolloutWorker:
-    """Generates and scores groups with the last synced rollout adapter until told to stop.
-
-    A thread receives weight messages as soon as the trainer sends them (so a sync never waits for
-    the group being generated) and the loop applies the newest between groups.
-    """
-
-    def __init__(
-        self,
-        cfg: ExperimentConfig,
-        index: int,
-        replicas: int,
-        data_group: Any,
-        weights_group: Any,
-        device: torch.device,
-    ) -> None:
-        self.cfg, self.index, self.replicas = cfg, index, replicas
-        self.data_group, self.weights_group = data_group, weights_group
-        self.builder = NFTTrainer(cfg, device=device)  # the policy, reward and data stream of one process
-        self.version = 0
-        self.inbox: queue.Queue[tuple[dict[str, torch.Tensor], int, bool]] = queue.Queue()
-
-    def _receive_weights(self) -> None:
-        while True:
-            data, _ = transport.recv_bytes(0, self.weights_group, transport.WEIGHTS_TAG)
-            message = transport.unpack_weights(data)
-            self.inbox.put(message)
-            if message[2]:  # stop
-                return
-
-    def _apply(self, message: tuple[dict[str, torch.Tensor], int, bool]) -> bool:
-        """Load newer weights; False on the stop message."""
-        tensors, version, stop = message
-        if stop:
-            return False
-        lora.load_adapter_state_dict(self.builder.transformer, lora.OLD, tensors)
-        self.version = version
-        return True
-
-    def run(self) -> None:
-        threading.Thread(target=self._receive_weights, name="weights-receiver", daemon=True).start()
-        ex, p = self.cfg.execution, self.cfg.data.prompts_per_step
-        group_id = self.index
-        try:
-            while True:
-                try:
-                    while True:  # apply whatever arrived, newest last
-                        if not self._apply(self.inbox.get_nowait()):
-                            return
-                except queue.Empty:
-                    pass
-                if ex.on_stale == "wait" and not scheduler.may_make_group(
-                    group_id, self.version, ex.max_staleness, p
-                ):
-                    if not self._apply(self.inbox.get()):  # held back until newer weights (or stop)
-                        return
-                    continue
-                rollout, scored = self.make_group(group_id)
-                payload = transport.pack_group(rollout, scored, self.version)
-                transport.send_bytes(payload, 0, self.data_group, transport.DATA_TAG)
-                group_id += self.replicas
-        finally:
-            transport.send_bytes(b"", 0, self.data_group, transport.DATA_TAG)  # done marker
-            self.builder.reward.close()
-
-    def make_group(self, group_id: int) -> tuple[Rollout, ScoreResult]:
-        b = self.builder
-        gen = step_generator(self.cfg.train.seed, 0, group_id, "rollout")
-        noise = torch.randn((self.cfg.data.group_size, *b.policy.latent_shape), generator=gen)
-        rollout = b.generate_with_rollout_adapter(
-            [b.prompt_at(group_id)], [group_id], noise, self.cfg.sampling.num_steps
-        )
-        return rollout, score(b.policy, b.reward, rollout)
 
 
 class SeparateTrainer(NFTTrainer):
@@ -153,9 +82,8 @@ class SeparateTrainer(NFTTrainer):
         super().__init__(cfg, device=device)
         ex = cfg.execution
         capacity = buffer_capacity(ex.buffer_groups, cfg.data.prompts_per_step)
-        self.buffer: ReplayBuffer[tuple[Rollout, ScoreResult]] = ReplayBuffer(
-            capacity, ex.max_staleness, "drop"
-        )
+        self.buffer: ReplayBuffer[tuple[Rollout, ScoreResult]] = ReplayBuffer(capacity, ex.max_staleness)
+        self.lend = ex.mode == "hybrid"
         self.loop_start: float | None = None  # the first step's start (start-up and evaluation excluded)
         self.data_group, self.weights_group = data_group, weights_group
         self.rollout_ranks = rollout_ranks
@@ -163,68 +91,188 @@ class SeparateTrainer(NFTTrainer):
         self.ready = threading.Condition()
         self.receiver_error: BaseException | None = None
         self.finished = 0
-        self.idle = {"waiting_for_data": 0.0, "weight_sync": 0.0}
+        self.idle = {"waiting_for_data": 0.0, "weight_sync": 0.0, "switching": 0.0}
         self.depths: list[int] = []
+        # the data stream (scheduler.may_make_group): where rollout starts, how far it got, what it skipped
+        self.stream_start = self.stream_next = 0
+        self.skipped = 0  # stream groups that will never be trained (stale, lost on a resume)
+        self.lent_made = self.lent_trained = 0
+        self.lending_s = 0.0
+        self.switches: list[dict[str, float]] = []
+        self.rollout_info: dict[int, dict[str, float]] = {}  # rank -> its last reported timings
+        self.lent_call_s: float | None = None
+        self.last_train_s: float | None = None
+        self.offset_changed = False
+        self.group_seconds: list[float] = []  # generation seconds of the groups received since the last step
+        self.rollout_idle_at_start: dict[str, float] | None = None
+        self.receiver: threading.Thread | None = None
+        # a resumed run reports its own share of these (the checkpoint restores the totals)
+        self.trained_before = self.lent_made_before = self.lent_trained_before = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        with self.ready:
+            return {
+                "execution": {
+                    "buffer": self.buffer.state_dict(),
+                    "stream_next": self.stream_next,
+                    "lent_made": self.lent_made,
+                    "lent_trained": self.lent_trained,
+                }
+            }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Continue the stream past everything received; what was waiting or in flight is lost
+        (counted dropped as `resume`). A colocated checkpoint continues at step * prompts_per_step."""
+        saved = state.get("execution")
+        p = self.cfg.data.prompts_per_step
+        if saved is None:
+            self.stream_start = self.step * p
+        else:
+            self.buffer.load_state_dict(saved["buffer"])
+            self.stream_start = int(saved["stream_next"])
+            self.lent_made, self.lent_trained = int(saved["lent_made"]), int(saved["lent_trained"])
+        self.stream_next = self.stream_start
+        self.skipped = self.stream_start - (self.step * p - self.lent_trained)
+        self.version = self.step
+        self.trained_before = self.buffer.stats.trained
+        self.lent_made_before, self.lent_trained_before = self.lent_made, self.lent_trained
 
     # ------------------------------------------------------------------ receiving groups
     def _receive(self) -> None:
         try:
             while self.finished < len(self.rollout_ranks):
-                data, _ = transport.recv_bytes(None, self.data_group, transport.DATA_TAG)
+                data, sender = transport.recv_bytes(None, self.data_group, transport.DATA_TAG)
                 if not data:
                     self.finished += 1
                     continue
-                rollout, scored, version = transport.unpack_group(data)
+                rollout, scored, version, info = transport.unpack_group(data)
                 with self.ready:
+                    self.rollout_info[sender] = info
+                    self.group_seconds.append(info.get("gen_s", 0.0))
                     while len(self.buffer) >= self.buffer.capacity and not self.stopping:
                         self.ready.wait(timeout=1.0)
                     if self.stopping:  # the run is over: account for what still arrives
                         self.buffer.discard(len(rollout), "run_ended")
                         continue
-                    group = Group(
-                        int(rollout.group_ids[0]), version, len(rollout), (rollout, scored), time.time()
-                    )
-                    self.buffer.put(group)
+                    group_id = int(rollout.group_ids[0])
+                    self.stream_next = max(self.stream_next, group_id + 1)
+                    self.buffer.put(Group(group_id, version, len(rollout), (rollout, scored), time.time()))
                     self.ready.notify_all()
         except BaseException as e:  # surfaced by the training loop
             self.receiver_error = e
             with self.ready:
                 self.ready.notify_all()
 
-    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
-        """The step's oldest trainable groups from the buffer (waiting for them, within data_timeout_s)."""
+    def _take(self, start: float) -> list[Group[tuple[Rollout, ScoreResult]]] | None:
+        """The step's groups if they are there (under the lock); raises when none can come."""
         timeout = self.cfg.execution.data_timeout_s
+        error = self.receiver_error
+        if error is not None:
+            raise RuntimeError(f"receiving rollout data failed: {error}") from error
+        batch = self.buffer.take(self.cfg.data.prompts_per_step, self.version)
+        stale_stream = sum(g.group_id < scheduler.LENT_STREAM_START for g in self.buffer.last_stale)
+        if stale_stream:  # the stream is trained earlier than the rollout processes think: tell them
+            self.skipped += stale_stream
+            self.offset_changed = True
+        if batch is not None:
+            self.ready.notify_all()
+            return batch
+        if self.finished == len(self.rollout_ranks):
+            raise RuntimeError("every rollout process has stopped before the run ended")
+        waited = time.perf_counter() - start - self.lending_in_this_wait
+        if waited > timeout:
+            raise TimeoutError(
+                f"no full step of rollout data for {timeout:g} s (execution.data_timeout_s); "
+                f"{self.finished} of {len(self.rollout_ranks)} rollout processes have stopped, "
+                f"{len(self.buffer)} groups are waiting. Did a rollout process die?"
+            )
+        return None
+
+    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
+        """The step's oldest trainable groups from the buffer, waiting for them within data_timeout_s
+        (hybrid: generating groups itself while it pays)."""
         start = time.perf_counter()
         if self.loop_start is None:
             self.loop_start = start
-        with self.ready:
-            while True:
-                if self.receiver_error is not None:
-                    raise RuntimeError(
-                        f"receiving rollout data failed: {self.receiver_error}"
-                    ) from self.receiver_error
-                batch = self.buffer.take(self.cfg.data.prompts_per_step, self.version)
-                if batch is not None:
-                    self.ready.notify_all()
-                    break
-                if self.finished == len(self.rollout_ranks):
-                    raise RuntimeError("every rollout process has stopped before the run ended")
-                waited = time.perf_counter() - start
-                if waited > timeout:
-                    raise TimeoutError(
-                        f"no full step of rollout data for {timeout:g} s (execution.data_timeout_s); "
-                        f"{self.finished} of {len(self.rollout_ranks)} rollout processes have stopped, "
-                        f"{len(self.buffer)} groups are waiting. Did a rollout process die?"
-                    )
-                self.ready.wait(timeout=min(1.0, timeout - waited))
-        self.idle["waiting_for_data"] += time.perf_counter() - start
+        self.lending_in_this_wait = 0.0
+        if self.rollout_idle_at_start is None:
+            self.rollout_idle_at_start = self._rollout_idle()
+        while True:
+            with self.ready:
+                batch = self._take(start)
+                lend = batch is None and self.lend and self._should_lend()
+            if self.offset_changed:  # without it, a gated rollout process could wait for a step forever
+                self.offset_changed = False
+                self._send_weights(stop=False, tensors=False)
+            if batch is not None:
+                break
+            if lend:
+                self.lending_in_this_wait += self._lend_one_group()  # the receiver keeps filling meanwhile
+                continue
+            with self.ready:
+                if len(self.buffer) < self.cfg.data.prompts_per_step and not self.receiver_error:
+                    self.ready.wait(timeout=min(1.0, self.cfg.execution.data_timeout_s))
+        self.idle["waiting_for_data"] += time.perf_counter() - start - self.lending_in_this_wait
         self.depths.append(len(self.buffer))
         self.batch = batch
         self._t_generated = time.perf_counter()
         return Rollout.cat([g.payload[0] for g in batch]), cat_results([g.payload[1] for g in batch])
 
+    # ------------------------------------------------------------------ hybrid lending
+    def _should_lend(self) -> bool:
+        """scheduler.should_lend with what was measured: the rollout processes' generation seconds
+        per group, the last lent call and the last training step (under the lock)."""
+        gen_s = [info["gen_s"] for info in self.rollout_info.values() if info.get("gen_s", 0) > 0]
+        rate = scheduler.RolloutRate(sum(1 / s for s in gen_s))
+        lent_call = self.lent_call_s if self.lent_call_s is not None else max(gen_s, default=0.0)
+        in_flight = len(self.rollout_ranks)  # each rollout process is making a group
+        return self.buffer.has_room(1, in_flight) and scheduler.should_lend(
+            len(self.buffer),
+            in_flight,
+            self.cfg.data.prompts_per_step,
+            self.cfg.execution.lend_threshold,
+            lent_call,
+            rate,
+            self.last_train_s,
+        )
+
+    def _lend_one_group(self) -> float:
+        """Generate and score one group with the current rollout adapter, put it in the buffer and
+        log the lend; returns its seconds."""
+        start = time.perf_counter()
+        depth = len(self.buffer)
+        with lora.using_adapter(self.transformer, lora.OLD):  # the switch there and back, timed alone
+            pass
+        switch_s = time.perf_counter() - start
+        group_id = scheduler.LENT_STREAM_START + self.lent_made
+        rollout, scored = make_group(self, group_id)
+        with self.ready:
+            self.lent_made += 1
+            self.buffer.put(
+                Group(group_id, self.version, len(rollout), (rollout, scored), time.time()), overfill=True
+            )
+            self.ready.notify_all()
+        seconds = time.perf_counter() - start
+        self.lent_call_s = seconds
+        self.lending_s += seconds
+        self.idle["switching"] += switch_s
+        if len(self.switches) < MAX_SWITCH_RECORDS:
+            self.switches.append(
+                {
+                    "step": self.step + 1,
+                    "at_s": round(start - (self.loop_start or start), 3),
+                    "buffer_groups": depth,
+                    "lent_s": round(seconds, 4),
+                    "switch_s": round(switch_s, 6),
+                }
+            )
+        return seconds
+
+    # ------------------------------------------------------------------ training and syncing
     def train_step(self) -> dict[str, float]:
         metrics = super().train_step()
+        self.last_train_s = time.perf_counter() - self._t_generated
         with self.ready:  # each group: its trained samples, and those learn_from dropped, by reason
             start = 0
             for group in self.batch:
@@ -233,6 +281,7 @@ class SeparateTrainer(NFTTrainer):
                 ok, keep = self.last_ok[rows], self.last_keep[rows]
                 dropped = {"reward_failed": int((~ok).sum()), "group_too_small": int((ok & ~keep).sum())}
                 self.buffer.settle(group, self.version, int(keep.sum()), dropped)
+                self.lent_trained += group.group_id >= scheduler.LENT_STREAM_START
         self.version += 1
         if scheduler.should_sync(self.version, self.cfg.execution.sync_every):
             start = time.perf_counter()
@@ -240,58 +289,119 @@ class SeparateTrainer(NFTTrainer):
             self.idle["weight_sync"] += time.perf_counter() - start
         lags = self.buffer.stats.staleness
         self.last_step_end = time.perf_counter()
+        with self.ready:
+            group_seconds, self.group_seconds = self.group_seconds, []
+        if group_seconds:
+            metrics["rollout/seconds_per_group"] = sum(group_seconds) / len(group_seconds)
         metrics.update(
             {
                 "buffer/depth": float(self.depths[-1]),
                 "staleness/max": float(max(lags) if lags else 0),
                 "samples/dropped/stale": float(self.buffer.stats.dropped.get("stale", 0)),
-                "idle/trainer_waiting_for_data_s": self.idle["waiting_for_data"],
-                "idle/trainer_weight_sync_s": self.idle["weight_sync"],
+                **{f"idle/trainer_{k}_s": v for k, v in self.idle.items()},
+                **{f"idle/rollout_{k}_s": v for k, v in self._rollout_idle().items() if k != "generating"},
             }
         )
+        if self.lend:
+            metrics.update({"hybrid/lent_groups": float(self.lent_made), "hybrid/lending_s": self.lending_s})
         return metrics
 
-    def _send_weights(self, stop: bool) -> None:
-        tensors = {} if stop else lora.adapter_state_dict(self.transformer, lora.OLD)
-        payload = transport.pack_weights(tensors, self.version, stop=stop)
+    def _rollout_idle(self) -> dict[str, float]:
+        """The rollout processes' idle (by reason) and generating seconds, summed over processes
+        (as last reported; cumulative since they started)."""
+        with self.ready:
+            infos = [dict(info) for info in self.rollout_info.values()]
+        total = {"staleness_gate": 0.0, "buffer_full": 0.0, "weight_sync": 0.0, "generating": 0.0}
+        for info in infos:
+            for key, value in info.items():
+                name = "generating" if key == "generating_s" else key.removeprefix("idle_")
+                if name in total:
+                    total[name] += value
+        return total
+
+    def _send_weights(self, stop: bool, start: bool = False, tensors: bool = True) -> None:
+        """The rollout adapter (or, with tensors=False, only the stream position) to every rollout
+        process; the start message and stops too."""
+        message = transport.WeightsMessage(
+            version=self.version,
+            tensors=lora.adapter_state_dict(self.transformer, lora.OLD) if tensors and not stop else {},
+            stop=stop,
+            stream_start=self.stream_start,
+            stream_offset=scheduler.stream_offset(self.skipped, self.lent_trained),
+        )
+        payload = transport.pack_weights(message)
+        ex = self.cfg.execution  # the start races the rollout processes' start-up: give it longer
+        timeout = max(ex.sync_timeout_s, ex.data_timeout_s) if start else ex.sync_timeout_s
         for dst in self.rollout_ranks:
             try:
-                transport.send_bytes(
-                    payload, dst, self.weights_group, transport.WEIGHTS_TAG, self.cfg.execution.sync_timeout_s
-                )
+                transport.send_bytes(payload, dst, self.weights_group, transport.WEIGHTS_TAG, timeout)
             except TimeoutError as e:
+                what = "the start message" if start else "weight sync"
                 raise TimeoutError(
-                    f"weight sync to rollout rank {dst} timed out after "
-                    f"{self.cfg.execution.sync_timeout_s:g} s (execution.sync_timeout_s): is it alive?"
+                    f"{what} to rollout rank {dst} timed out after {timeout:g} s "
+                    "(execution.sync_timeout_s, or data_timeout_s for the start): is it alive?"
                 ) from e
 
+    # ------------------------------------------------------------------ the run
     def fit(self, resume: str | None = None) -> dict[str, Any]:
         self.stopping = False
-        receiver = threading.Thread(target=self._receive, name="rollout-receiver", daemon=True)
-        receiver.start()
+        if resume:
+            self.load(resume)
         self.last_step_end = time.perf_counter()
         try:
-            summary = super().fit(resume)
+            self._send_weights(stop=False, start=True)  # rollout starts from these weights and position
+            self.receiver = threading.Thread(target=self._receive, name="rollout-receiver", daemon=True)
+            self.receiver.start()
+            return super().fit(None)
         except BaseException:
-            self._stop_rollout(receiver, quietly=True)  # the original error is the one to see
+            if not self.stopping:
+                self._stop_rollout(quietly=True)  # the original error is the one to see
             raise
-        self._stop_rollout(receiver, quietly=False)
+
+    def finish_run(self) -> dict[str, Any]:
+        """Stop the rollout processes (before the final evaluation), settle the buffer, report."""
+        self._stop_rollout(quietly=False)
         with self.ready:
             self.buffer.drop_waiting("run_ended")
             stats = self.buffer.report()
-        trained_prompts = self.buffer.stats.trained / self.cfg.data.group_size
-        summary["execution"] = {
-            "mode": "separate",
-            "rollout_replicas": len(self.rollout_ranks),
-            "seconds_per_trained_prompt": round(
-                (self.last_step_end - (self.loop_start or 0)) / max(1, trained_prompts), 4
-            ),
-            "buffer": stats,
-            "idle_s": {k: round(v, 3) for k, v in self.idle.items()},
-        }
-        return summary
+        return {"execution": self._summary(stats), **super().finish_run()}
 
-    def _stop_rollout(self, receiver: threading.Thread, quietly: bool) -> None:
+    def _summary(self, buffer_stats: dict[str, Any]) -> dict[str, Any]:
+        loop_s = self.last_step_end - (self.loop_start or self.last_step_end)
+        trained_prompts = (self.buffer.stats.trained - self.trained_before) / self.cfg.data.group_size
+        rollout_s = loop_s * len(self.rollout_ranks)
+        at_start = self.rollout_idle_at_start or {}
+        rollout_idle = {k: v - at_start.get(k, 0.0) for k, v in self._rollout_idle().items()}
+        out = {
+            "mode": self.cfg.execution.mode,
+            "rollout_replicas": len(self.rollout_ranks),
+            "seconds_per_trained_prompt": round(loop_s / max(1, trained_prompts), 4),
+            "buffer": buffer_stats,
+            "idle_s": {k: round(v, 3) for k, v in self.idle.items()},
+            "idle_fraction": {
+                "trainer": {k: round(v / loop_s, 4) for k, v in self.idle.items()} if loop_s else {},
+                "rollout": {k: round(v / rollout_s, 4) for k, v in rollout_idle.items() if k != "generating"}
+                if rollout_s
+                else {},
+            },
+            "rollout_generating_fraction": round(rollout_idle["generating"] / rollout_s, 4)
+            if rollout_s
+            else 0.0,
+            "rollout_seconds_since_loop_start": {k: round(v, 3) for k, v in rollout_idle.items()},
+            "max_buffer_depth": max(self.depths, default=0),
+        }
+        if self.lend:
+            lends = self.lent_made - self.lent_made_before  # this run's (a resumed run continues the totals)
+            out["hybrid"] = {
+                "lends": lends,
+                "switches": 2 * lends,  # lend, then reclaim
+                "lent_groups_trained": self.lent_trained - self.lent_trained_before,
+                "lending_s": round(self.lending_s, 3),
+                "lends_logged": self.switches,
+            }
+        return out
+
+    def _stop_rollout(self, quietly: bool) -> None:
         """Tell every rollout process to stop and wait for their last groups."""
         with self.ready:
             self.stopping = True
@@ -303,8 +413,10 @@ class SeparateTrainer(NFTTrainer):
                 raise
             print(f"odrl: could not stop the rollout processes cleanly: {e}", file=sys.stderr)
             return
-        receiver.join(timeout=self.cfg.execution.data_timeout_s)
-        if receiver.is_alive():
+        if self.receiver is None:
+            return
+        self.receiver.join(timeout=self.cfg.execution.data_timeout_s)
+        if self.receiver.is_alive():
             print(
                 "odrl: a rollout process did not confirm the stop; the accounting may miss its last groups",
                 file=sys.stderr,

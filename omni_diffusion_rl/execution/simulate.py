@@ -32,10 +32,18 @@ class SimResult:
     depth: list[tuple[float, int]] = field(default_factory=list)  # (time, groups waiting)
     switches: int = 0
     syncs: int = 0
+    first_step_s: float = 0.0  # when the first optimizer step ended
+    first_step_prompts: int = 0
 
     @property
     def seconds_per_prompt(self) -> float:
         return self.seconds / self.trained_prompts if self.trained_prompts else float("inf")
+
+    @property
+    def steady_seconds_per_prompt(self) -> float:
+        """Without the first step (an async mode's buffer filling up)."""
+        prompts = self.trained_prompts - self.first_step_prompts
+        return (self.seconds - self.first_step_s) / prompts if prompts > 0 else float("inf")
 
     def idle_fraction(self) -> dict[str, dict[str, float]]:
         out = {}
@@ -50,6 +58,7 @@ class SimResult:
             "seconds": round(self.seconds, 3),
             "trained_prompts": self.trained_prompts,
             "seconds_per_prompt": round(self.seconds_per_prompt, 4),
+            "steady_seconds_per_prompt": round(self.steady_seconds_per_prompt, 4),
             "idle_fraction": self.idle_fraction(),
             "buffer": self.buffer,
             "switches": self.switches,
@@ -83,6 +92,7 @@ def _colocated(costs: CostModel, work: Workload, steps: int) -> SimResult:
     samples = per_replica_groups * work.group_size
     step_s = costs.gen(samples) + costs.train(samples) + costs.colocated_phase_s
     result = SimResult("colocated", steps * step_s, steps * work.prompts_per_step)
+    result.first_step_s, result.first_step_prompts = step_s, work.prompts_per_step
     result.pool_replicas = {"all": work.replicas}
     result.idle_s = {"all": Counter({"switching": work.replicas * steps * costs.colocated_phase_s})}
     result.buffer = {"staleness_histogram": {"0": steps * work.prompts_per_step * work.group_size}}
@@ -94,13 +104,19 @@ class _Async:
 
     def __init__(self, costs: CostModel, work: Workload, lend: bool) -> None:
         self.costs, self.work, self.lend = costs, work, lend
-        self.buffer: ReplayBuffer[None] = ReplayBuffer(work.capacity, work.max_staleness, work.on_stale)
+        self.buffer: ReplayBuffer[None] = ReplayBuffer(work.capacity, work.max_staleness)
         self.now = 0.0
         self.events: list[tuple[float, int, str, int]] = []
         self.order = itertools.count()
         self.trainer_version = 0
         self.published = 0
         self.versions = [0] * work.rollout_replicas
+        self.calls = [0] * work.rollout_replicas  # generation calls started per rollout replica
+        self.published_offset = 0  # the stream offset sent with the last weights
+        self.lent_trained = 0  # lent groups trained (they shift the rollout stream's training versions)
+        self.skipped = 0  # stream groups dropped as stale
+        self.lent_ids = itertools.count(scheduler.LENT_STREAM_START)
+        self.last_train_s: float | None = None  # the last training step's duration, once one ran
         self.in_flight = 0
         self.start_version: dict[int, int] = {}  # rollout replica -> weights version of its current call
         self.lent_version = 0
@@ -145,23 +161,29 @@ class _Async:
             self.idle["rollout"]["weight_sync"] += self.costs.sync_s
             self.at(self.costs.sync_s, "rollout_ready", r)
             return
-        g = self.work.groups_per_generation
-        if self.buffer.may_generate(self.versions[r], self.trainer_version, g, self.in_flight):
-            self.in_flight += g
-            self.at(self.costs.gen(g * self.work.group_size), "rollout_done", r)
-            self.start_version[r] = self.versions[r]
+        g, w = self.work.groups_per_generation, self.work
+        last_position = (self.calls[r] * w.rollout_replicas + r) * g + g - 1  # this call's newest group
+        if not self.buffer.has_room(g, self.in_flight):
+            self.waiting[r] = (self.now, "buffer_full")
+        elif w.on_stale == "wait" and not scheduler.may_make_group(
+            last_position, self.versions[r], w.max_staleness, w.prompts_per_step, self.published_offset
+        ):
+            self.waiting[r] = (self.now, "staleness_gate")
         else:
-            full = len(self.buffer) + self.in_flight + g > self.buffer.capacity
-            self.waiting[r] = (self.now, "buffer_full" if full else "staleness_gate")
+            self.calls[r] += 1
+            self.in_flight += g
+            self.at(self.costs.gen(g * w.group_size), "rollout_done", r)
+            self.start_version[r] = self.versions[r]
 
     def rollout_done(self, r: int) -> None:
         self.put_groups(self.work.groups_per_generation, self.start_version[r])
         self.in_flight -= self.work.groups_per_generation
         self.rollout_ready(r)
 
-    def put_groups(self, count: int, version: int) -> None:
+    def put_groups(self, count: int, version: int, lent: bool = False) -> None:
         for _ in range(count):
-            self.buffer.put(Group(next(self.group_ids), version, self.work.group_size, arrived=self.now))
+            group_id = next(self.lent_ids if lent else self.group_ids)
+            self.buffer.put(Group(group_id, version, self.work.group_size, arrived=self.now))
         self.result.depth.append((self.now, len(self.buffer)))
         if self.trainer_waiting_since is not None:
             self.idle["trainer"]["waiting_for_data"] += self.work.trainer_replicas * (
@@ -179,19 +201,34 @@ class _Async:
     # ------------------------------------------------------------------ trainer pool
     def trainer_ready(self, _: int = 0) -> None:
         batch = self.buffer.take(self.work.prompts_per_step, self.trainer_version)
+        stale_stream = sum(g.group_id < scheduler.LENT_STREAM_START for g in self.buffer.last_stale)
+        if stale_stream:  # the runtime sends the new offset at once (no weights): so do we
+            self.skipped += stale_stream
+            self.published_offset = scheduler.stream_offset(self.skipped, self.lent_trained)
+            self.wake_rollout()
         if batch is not None:
             self.batch = batch
             self.result.depth.append((self.now, len(self.buffer)))
             self.wake_rollout()  # room in the buffer
             samples = -(-self.work.prompts_per_step // self.work.trainer_replicas) * self.work.group_size
-            self.at(self.costs.train(samples), "trainer_done")
+            self.last_train_s = self.costs.train(samples)
+            self.at(self.last_train_s, "trainer_done")
             return
-        g = self.work.groups_per_generation
-        lent = self.work.trainer_replicas * g
+        g, w = self.work.groups_per_generation, self.work
+        lent = w.trainer_replicas * g
+        lent_call_s = self.costs.gen(g * w.group_size) + 2 * self.costs.switch_s
         if (
             self.lend
-            and self.buffer.may_generate(self.trainer_version, self.trainer_version, lent, self.in_flight)
-            and scheduler.should_lend(len(self.buffer), self.in_flight, self.costs, self.work, self.rate)
+            and self.buffer.has_room(lent, self.in_flight)
+            and scheduler.should_lend(
+                len(self.buffer),
+                self.in_flight,
+                w.prompts_per_step,
+                w.lend_threshold,
+                lent_call_s,
+                self.rate,
+                self.last_train_s,
+            )
         ):
             self.result.switches += 2  # lend, then reclaim
             self.idle["trainer"]["switching"] += self.work.trainer_replicas * 2 * self.costs.switch_s
@@ -204,17 +241,21 @@ class _Async:
     def lent_done(self, _: int = 0) -> None:
         lent = self.work.trainer_replicas * self.work.groups_per_generation
         self.in_flight -= lent
-        self.put_groups(lent, self.lent_version)
+        self.put_groups(lent, self.lent_version, lent=True)
         self.at(self.costs.switch_s, "trainer_ready")  # reclaimed
 
     def trainer_done(self, _: int = 0) -> None:
         self.trainer_version += 1
         self.buffer.mark_trained(self.batch, self.trainer_version - 1)
         self.result.trained_prompts += len(self.batch)
+        if not self.result.first_step_prompts:
+            self.result.first_step_s, self.result.first_step_prompts = self.now, len(self.batch)
+        self.lent_trained += sum(g.group_id >= scheduler.LENT_STREAM_START for g in self.batch)
         self.steps_left -= 1
         delay = 0.0
         if scheduler.should_sync(self.trainer_version, self.work.sync_every):
             self.published = self.trainer_version
+            self.published_offset = scheduler.stream_offset(self.skipped, self.lent_trained)
             self.result.syncs += 1
             self.idle["trainer"]["weight_sync"] += self.work.trainer_replicas * self.costs.sync_s
             delay = self.costs.sync_s

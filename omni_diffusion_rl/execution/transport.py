@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,7 +58,10 @@ def recv_bytes(src: int | None, group: Any, tag: int) -> tuple[bytes, int]:
     return body.numpy().tobytes(), sender
 
 
-def pack_group(rollout: Rollout, scored: ScoreResult, version: int) -> bytes:
+def pack_group(
+    rollout: Rollout, scored: ScoreResult, version: int, info: dict[str, float] | None = None
+) -> bytes:
+    """One scored prompt group made with weights `version`; `info`: the sender's timings."""
     tensors = {
         "x0": rollout.x0.detach().cpu().contiguous(),
         "group_ids": rollout.group_ids.cpu(),
@@ -70,11 +74,12 @@ def pack_group(rollout: Rollout, scored: ScoreResult, version: int) -> bytes:
         "prompts": json.dumps(rollout.prompts),
         "failures": json.dumps({str(i): r for i, r in scored.failures.items()}),
         "version": str(version),
+        "info": json.dumps(info or {}),
     }
     return save_tensors(tensors, metadata=meta)
 
 
-def unpack_group(data: bytes) -> tuple[Rollout, ScoreResult, int]:
+def unpack_group(data: bytes) -> tuple[Rollout, ScoreResult, int, dict[str, float]]:
     meta = read_metadata(data)
     t = load_tensors(data)
     rollout = Rollout(
@@ -86,14 +91,39 @@ def unpack_group(data: bytes) -> tuple[Rollout, ScoreResult, int]:
     )
     failures = {int(i): r for i, r in json.loads(meta["failures"]).items()}
     parts = {k.removeprefix("part."): v for k, v in t.items() if k.startswith("part.")}
-    return rollout, ScoreResult(t["total"], parts, failures), int(meta["version"])
+    info = {str(k): float(v) for k, v in json.loads(meta.get("info", "{}")).items()}
+    return rollout, ScoreResult(t["total"], parts, failures), int(meta["version"]), info
 
 
-def pack_weights(tensors: dict[str, torch.Tensor], version: int, stop: bool = False) -> bytes:
-    meta = {"version": str(version), "stop": "1" if stop else "0"}
-    return save_tensors({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+@dataclass
+class WeightsMessage:
+    """Trainer -> rollout: the rollout adapter at `version` (empty on stop) and where the stream
+    stands (`stream_start`: the first position to make, sent once at the start;
+    `stream_offset`: see scheduler.may_make_group)."""
+
+    version: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stop: bool = False
+    stream_start: int = 0
+    stream_offset: int = 0
 
 
-def unpack_weights(data: bytes) -> tuple[dict[str, torch.Tensor], int, bool]:
+def pack_weights(message: WeightsMessage) -> bytes:
+    meta = {
+        "version": str(message.version),
+        "stop": "1" if message.stop else "0",
+        "stream_start": str(message.stream_start),
+        "stream_offset": str(message.stream_offset),
+    }
+    return save_tensors({k: v.contiguous() for k, v in message.tensors.items()}, metadata=meta)
+
+
+def unpack_weights(data: bytes) -> WeightsMessage:
     meta = read_metadata(data)
-    return load_tensors(data), int(meta["version"]), meta.get("stop") == "1"
+    return WeightsMessage(
+        version=int(meta["version"]),
+        tensors=load_tensors(data),
+        stop=meta.get("stop") == "1",
+        stream_start=int(meta.get("stream_start", 0)),
+        stream_offset=int(meta.get("stream_offset", 0)),
+    )

@@ -74,6 +74,7 @@ class NFTTrainer:
         self.step = 0
         self.eval_before: dict[str, float] | None = None
         self.output_dir = Path(cfg.train.output_dir)
+        self.summary_extra: dict[str, Any] = {}  # e.g. auto mode's report, added to the summary
 
     # ------------------------------------------------------------------ identity and state
     def model_fingerprint(self) -> str:
@@ -101,6 +102,7 @@ class NFTTrainer:
                 "eval_before": self.eval_before,
                 "sample_counts": self.sample_counts,
                 "config": self.cfg.to_dict(),
+                **self.extra_state(),
             }
             path = save_checkpoint(self.output_dir / "checkpoints", self.step, tensors, objects, state)
         if self.accelerator is not None:
@@ -123,6 +125,19 @@ class NFTTrainer:
         self.step = int(state["step"])
         self.eval_before = state.get("eval_before")
         self.sample_counts = dict(state.get("sample_counts", {}))
+        self.load_extra_state(state)
+
+    def finish_run(self) -> dict[str, Any]:
+        """Called once after the last step: more for the summary (execution modes stop their
+        processes here and report), plus anything put in `summary_extra`."""
+        return dict(self.summary_extra)
+
+    def extra_state(self) -> dict[str, Any]:
+        """More JSON state for checkpoints (execution modes add their buffer and stream)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what extra_state saved (the state of the whole checkpoint is passed)."""
 
     # ------------------------------------------------------------------ data
     def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
@@ -485,9 +500,13 @@ class NFTTrainer:
             desc="DiffusionNFT",
             disable=not (cfg.train.progress and self.is_main),
         )
+        first_step, loop_start = self.step, time.perf_counter()
         try:
             while self.step < cfg.train.steps:
                 metrics = self.train_step()
+                loop_end = time.perf_counter()
+                if self.step == first_step + 1:
+                    first_step_end = loop_end
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(metrics, step=self.step)
                 bar.update(1)
@@ -510,6 +529,19 @@ class NFTTrainer:
         if not cfg.train.checkpoint_every or self.step % cfg.train.checkpoint_every:
             self.save()
         summary: dict[str, Any] = {"steps": self.step, "seconds": round(time.perf_counter() - start, 2)}
+        p = cfg.data.prompts_per_step
+        if self.step > first_step:  # the training loop alone: start-up, evaluation and saving excluded
+            whole = (loop_end - loop_start) / (self.step - first_step) / p
+            summary["seconds_per_trained_prompt"] = round(whole, 4)
+        if self.step > first_step + 1:  # and without the first step (async modes fill their buffer)
+            steady = (loop_end - first_step_end) / (self.step - first_step - 1) / p
+            summary["steady_seconds_per_trained_prompt"] = round(steady, 4)
+        try:
+            summary.update(self.finish_run())
+        except BaseException:
+            logger.close()
+            self.reward.close()
+            raise
         if cfg.train.eval_at_start_and_end:
             after = self.evaluate()
             before = self.eval_before or {}

@@ -1,0 +1,99 @@
+"""auto: measure the job's unit costs in the running processes, predict each mode with the
+simulator, and run the fastest.
+
+Every process times the same warm-up (execution/measure.py) at the same time, so the costs carry
+the contention the real run will see (processes sharing cores or a node); the costs are averaged
+over processes, so every process computes the same prediction and picks the same mode. The
+measurement uses a throw-away copy of the policy, freed before the run builds its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, ExperimentConfig
+from .costs import CostModel, Workload
+from .measure import costs_to_json, measure_costs
+from .simulate import MODES, simulate
+
+PREDICTED_STEPS = 20
+
+
+def workloads(cfg: ExperimentConfig, processes: int) -> dict[str, Workload]:
+    """The colocated layout (every process) and the async one (rollout_replicas of them generate)."""
+    ex = cfg.execution
+    common = {
+        "replicas": processes,
+        "prompts_per_step": cfg.data.prompts_per_step,
+        "group_size": cfg.data.group_size,
+        "sync_every": ex.sync_every,
+        "max_staleness": ex.max_staleness,
+        "on_stale": ex.on_stale,
+        "buffer_groups": ex.buffer_groups,
+        "lend_threshold": ex.lend_threshold,
+    }
+    rollout = processes - 1  # separate/hybrid run one trainer process for now
+    return {"colocated": Workload(**common), "async": Workload(**common, rollout_replicas=rollout)}
+
+
+def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, float]:
+    """Seconds per trained prompt of each mode for `processes` processes."""
+    work = workloads(cfg, processes)
+    return {
+        mode: simulate(
+            mode, costs, work["colocated" if mode == "colocated" else "async"], PREDICTED_STEPS
+        ).seconds_per_prompt
+        for mode in MODES
+    }
+
+
+def _mean_over_processes(costs: CostModel) -> CostModel:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return costs
+    names = [f.name for f in dataclasses.fields(costs)]
+    values = torch.tensor([getattr(costs, n) for n in names], dtype=torch.float64)
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return CostModel(**{n: float(v) for n, v in zip(names, values, strict=True)})
+
+
+def choose_mode(
+    cfg: ExperimentConfig, processes: int, device: torch.device | None = None
+) -> tuple[ExperimentConfig, dict[str, Any]]:
+    """The config with execution.mode set to the predicted fastest mode, and what led there."""
+    if processes < 2:
+        report = {"picked": "colocated", "why": "one process: the async modes need at least 2"}
+        return _with_mode(cfg, "colocated"), report
+    start = time.perf_counter()
+    steps = cfg.sampling.num_steps
+    costs = measure_costs(
+        cfg, steps, steps, repeats=cfg.execution.auto_repeats, replicas=processes, device=device
+    )
+    costs = _mean_over_processes(costs)
+    gc.collect()
+    predicted = predict(costs, cfg, processes)
+    picked = min(predicted, key=predicted.get)
+    if predicted[picked] == float("inf"):
+        raise ConfigError(
+            f"auto: no execution mode can run this layout ({processes} processes, "
+            f"prompts_per_step={cfg.data.prompts_per_step}); see odrl simulate"
+        )
+    report = {
+        "picked": picked,
+        "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
+        "measured_costs": costs_to_json(costs),
+        "warmup_s": round(time.perf_counter() - start, 2),
+        "processes": processes,
+    }
+    return _with_mode(cfg, picked, processes), report
+
+
+def _with_mode(cfg: ExperimentConfig, mode: str, processes: int = 1) -> ExperimentConfig:
+    ex = dataclasses.replace(cfg.execution, mode=mode, rollout_replicas=max(1, processes - 1))
+    return dataclasses.replace(cfg, execution=ex)
