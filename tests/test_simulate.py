@@ -148,6 +148,35 @@ def test_measured_costs_grow_with_length_and_feed_the_simulator(tmp_path: Path) 
     costs = measure_costs(cfg, short_steps=2, long_steps=6, repeats=1, threads=1)
     assert costs.gen(4) > 0 and costs.train(4) > 0 and costs.sync_s > 0
     assert costs.with_length(6).gen(4) > costs.with_length(2).gen(4)
+    assert not costs.gen_points, "two lengths: the linear fit"
+    one = measure_costs(cfg, short_steps=3, long_steps=3, repeats=1, threads=1)
+    assert [x for x, _ in one.gen_points] == [2.0, 4.0] == [x for x, _ in one.train_points]
+    assert one.gen(2) == one.gen_points[0][1] and one.points_length == 3
     work = Workload(replicas=2, prompts_per_step=2, group_size=2, rollout_replicas=1)
     mode, results = best_mode(costs, work, steps=5)
     assert mode in results and all(r.trained_prompts == 10 for r in results.values())
+
+
+def test_measured_points_are_interpolated_and_survive_json() -> None:
+    from omni_diffusion_rl.execution.measure import costs_to_json
+
+    costs = CostModel(
+        gen_fixed_s=0.0,
+        gen_per_unit_s=0.0,
+        length=10,
+        train_fixed_s=0.0,
+        train_per_sample_s=0.0,
+        sync_s=0.0,
+        gen_points=((32, 5.0), (8, 1.0)),  # per sample dearer in the bigger batch: no line fits both
+        train_points=((8, 0.5),),
+        points_length=10,
+    )
+    assert costs.gen(8) == 1.0 and costs.gen(32) == 5.0, "the measured points themselves"
+    assert costs.gen(16) == pytest.approx(1.0 + 4.0 / 3) and costs.gen(4) == pytest.approx(0.5)
+    assert costs.train(16) == pytest.approx(1.0), "one point scales proportionally"
+    assert costs.with_length(20).gen(8) == pytest.approx(2.0), "scaled by length"
+    assert CostModel(**json.loads(json.dumps(costs_to_json(costs)))) == costs
+    with pytest.raises(ValueError, match="points_length"):
+        CostModel(0, 0, 1, 0, 0, 0, gen_points=((8, 1.0),))
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel(0, 0, 1, 0, 0, 0, gen_points=((8, -1.0),), points_length=1)

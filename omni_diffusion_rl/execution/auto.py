@@ -54,13 +54,21 @@ def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str
 
 
 def _mean_over_processes(costs: CostModel) -> CostModel:
+    """Every cost (and measured point) averaged over processes: the same model everywhere."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return costs
-    names = [f.name for f in dataclasses.fields(costs)]
-    values = torch.tensor([getattr(costs, n) for n in names], dtype=torch.float64)
+    fields = dataclasses.asdict(costs)
+    scalars = [n for n, v in fields.items() if not isinstance(v, tuple)]
+    tables = [n for n, v in fields.items() if isinstance(v, tuple)]
+    flat = [float(fields[n]) for n in scalars] + [y for n in tables for _, y in fields[n]]
+    values = torch.tensor(flat, dtype=torch.float64)
     dist.all_reduce(values)
-    values /= dist.get_world_size()
-    return CostModel(**{n: float(v) for n, v in zip(names, values, strict=True)})
+    values = (values / dist.get_world_size()).tolist()
+    out: dict[str, Any] = dict(zip(scalars, values[: len(scalars)], strict=True))
+    rest = iter(values[len(scalars) :])
+    for name in tables:
+        out[name] = tuple((x, next(rest)) for x, _ in fields[name])
+    return CostModel(**out)
 
 
 def choose_mode(

@@ -2,6 +2,12 @@
 
 Units are seconds of one replica (one device, or one tensor-parallel group). `length` is what makes
 a sample long: sampling steps on the diffusion path, response tokens on the LM path.
+
+Generation and training are linear in samples and length, or, when timed at the batch sizes the
+modes use (auto's warm-up), interpolated between those measured points (`gen_points`,
+`train_points`: (samples, seconds) at `points_length`, scaled by length / points_length): per-sample
+cost is not constant across batch sizes (caches, kernels), and a line through two measured points
+fits them exactly where a least-squares line with a clamped intercept does not.
 """
 
 from __future__ import annotations
@@ -23,22 +29,49 @@ class CostModel:
     train_per_unit_s: float = 0.0  # per trained sample per length unit (trained timesteps, tokens)
     switch_s: float = 0.0  # lending a trainer replica to rollout, or reclaiming it (hybrid)
     colocated_phase_s: float = 0.0  # colocated: every replica switching generate <-> train, per step
+    gen_points: tuple[tuple[float, float], ...] = ()  # measured (samples, seconds) of one call
+    train_points: tuple[tuple[float, float], ...] = ()  # measured (samples, seconds) of one step's share
+    points_length: float = 0.0  # the length the points were measured at
 
     def __post_init__(self) -> None:
-        bad = {k: v for k, v in dataclasses.asdict(self).items() if v < 0}
+        for name in ("gen_points", "train_points"):  # JSON gives lists
+            points = tuple(sorted((float(x), float(y)) for x, y in getattr(self, name)))
+            object.__setattr__(self, name, points)
+        numbers = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        bad = {k: v for k, v in numbers.items() if isinstance(v, float | int) and v < 0}
+        bad |= {
+            k: v for k, v in numbers.items() if isinstance(v, tuple) and any(x <= 0 or y < 0 for x, y in v)
+        }
         if bad:
-            raise ValueError(f"costs must be >= 0; got {bad}")
+            raise ValueError(f"costs must be >= 0 (and measured sample counts > 0); got {bad}")
+        if (self.gen_points or self.train_points) and self.points_length <= 0:
+            raise ValueError("gen_points / train_points need the points_length they were measured at")
 
     def gen(self, samples: int) -> float:
         """Seconds for one replica to generate `samples` samples in one call."""
+        if self.gen_points:
+            return interpolate(self.gen_points, samples) * self.length / self.points_length
         return self.gen_fixed_s + self.gen_per_unit_s * samples * self.length
 
     def train(self, samples: int) -> float:
         """Seconds for one trainer replica to take its share (`samples`) of an optimizer step."""
+        if self.train_points:
+            return interpolate(self.train_points, samples) * self.length / self.points_length
         return self.train_fixed_s + (self.train_per_sample_s + self.train_per_unit_s * self.length) * samples
 
     def with_length(self, length: float) -> CostModel:
         return dataclasses.replace(self, length=length)
+
+
+def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points; below the first point proportional to it,
+    above the last the last segment extended (never below 0)."""
+    x0, y0 = points[0]
+    if len(points) == 1 or x <= x0:
+        return y0 * x / x0
+    segment = next((i for i in range(1, len(points) - 1) if x <= points[i][0]), len(points) - 1)
+    (xa, ya), (xb, yb) = points[segment - 1], points[segment]
+    return max(0.0, ya + (yb - ya) * (x - xa) / (xb - xa))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Generation (generate + decode + rewards) and training (one real `NFTTrainer.train_on` step on what
 was generated) are timed at 1 prompt group (what a rollout process makes per call) and at a
 colocated process's share of a step, at a short and a long sampling-step count (or one); the
-linear cost model is fitted by least squares and extrapolates to a whole step on one trainer. The sync
+linear cost model is fitted by least squares and extrapolates to a whole step on one trainer;
+measured at one length, the points themselves are kept and interpolated (costs.py). The sync
 cost is the round trip of the rollout adapter through a safetensors payload (what a weight sync
 moves); switching is two adapter switches.
 """
@@ -105,6 +106,13 @@ def _measure(
     gen_fixed, gen_unit = _least_squares(gen_rows, gen_y)
     train_fixed, train_sample, train_unit = _least_squares(train_rows, train_y)
     trainer.reward.close()
+    points = {}
+    if short_steps == long_steps:  # one length: the measured points themselves (see costs.py)
+        points = {
+            "gen_points": tuple((row[1] / short_steps, y) for row, y in zip(gen_rows, gen_y, strict=True)),
+            "train_points": tuple((row[1], y) for row, y in zip(train_rows, train_y, strict=True)),
+            "points_length": float(short_steps),
+        }
     return CostModel(
         gen_fixed_s=gen_fixed,
         gen_per_unit_s=gen_unit,
@@ -115,6 +123,7 @@ def _measure(
         # trained timesteps per sampling step: the model's length unit is the sampling step
         train_per_unit_s=train_unit * fraction,
         switch_s=_median_time(switch, repeats)[0],
+        **points,
     )
 
 
@@ -133,5 +142,12 @@ def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solve
     return rollout
 
 
-def costs_to_json(costs: CostModel) -> dict[str, float]:
-    return {k: round(v, 6) for k, v in dataclasses.asdict(costs).items()}
+def costs_to_json(costs: CostModel) -> dict[str, Any]:
+    """The cost model as JSON (CostModel(**it) reads it back)."""
+    out: dict[str, Any] = {}
+    for name, value in dataclasses.asdict(costs).items():
+        if isinstance(value, tuple | list):
+            out[name] = [[round(x, 6), round(y, 6)] for x, y in value]
+        else:
+            out[name] = round(value, 6)
+    return out
