@@ -77,6 +77,7 @@ def _run_record(mode: str, seed: int, summary: dict[str, Any], prompts: int, bou
         "max_staleness": bound,
         "staleness_within_bound": lag <= bound,
         "seconds_per_trained_prompt": round(float(per_prompt), 4),
+        "hybrid_lends": execution.get("hybrid", {}).get("lends"),  # None outside hybrid
     }
 
 
@@ -115,9 +116,10 @@ def run_learning_bench(
             args += [f"execution.mode={mode}", f"train.seed={seed}"]
             summary = _launch(config, args, port)
             runs.append(_run_record(mode, seed, summary, prompts, bound))
+            lends = runs[-1]["hybrid_lends"]
             print(
                 f"  {mode} seed {seed}: held-out {summary['heldout_reward_before']:.4f} -> "
-                f"{summary['heldout_reward_after']:.4f}",
+                f"{summary['heldout_reward_after']:.4f}" + (f" ({lends} lends)" if lends is not None else ""),
                 flush=True,
             )
     per_mode: dict[str, Any] = {}

@@ -166,19 +166,23 @@ class ExecutionConfig:
         "the simulator, run the fastest",
         choices=("colocated", "separate", "hybrid", "auto"),
     )
-    rollout_replicas: int = _spec(1, "separate: processes that only generate (the last ranks)", ge=1)
-    sync_every: int = _spec(1, "separate: trainer steps between adapter syncs to rollout processes", ge=1)
-    max_staleness: int = _spec(1, "separate: trainer versions a sample may lag", ge=0)
+    rollout_replicas: int = _spec(
+        1, "separate/hybrid: processes that only generate (all but rank 0 for now; auto sets it)", ge=1
+    )
+    sync_every: int = _spec(1, "separate/hybrid: trainer steps between adapter syncs to rollout", ge=1)
+    max_staleness: int = _spec(1, "separate/hybrid: trainer versions a sample may lag", ge=0)
     on_stale: str = _spec(
-        "wait", "separate: wait (hold rollout back) or drop stale groups", choices=("wait", "drop")
+        "wait", "separate/hybrid: wait (hold rollout back) or drop stale groups", choices=("wait", "drop")
     )
     buffer_groups: int = _spec(
-        0, "separate: replay buffer capacity in prompt groups (0: 2 steps' worth)", ge=0
+        0, "separate/hybrid: replay buffer capacity in prompt groups (0: 2 steps' worth)", ge=0
     )
     data_timeout_s: float = _spec(
-        300.0, "separate: stop with an error when no rollout data came for this long", gt=0
+        300.0, "separate/hybrid: stop with an error when no rollout data came for this long", gt=0
     )
-    sync_timeout_s: float = _spec(60.0, "separate: a weight sync not delivered within this is an error", gt=0)
+    sync_timeout_s: float = _spec(
+        60.0, "separate/hybrid: a weight sync not delivered within this is an error", gt=0
+    )
     lend_threshold: float = _spec(
         1.0,
         "hybrid: the trainer may generate while the buffer holds less than this share of a step (and "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -164,7 +165,9 @@ def test_separate_resumes_with_balanced_accounting(model_dir: Path, tmp_path: Pa
     buf = summary["execution"]["buffer"]
     assert _balances(buf), buf
     assert buf["trained"] == 4 * 2 * 2 == summary["samples"]["trained"], "both runs' samples are counted"
-    assert summary["execution"]["hybrid"]["lends"] >= lent_before, "the lent stream continues"
+    state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())["execution"]
+    assert state["lent_made"] == lent_before + summary["execution"]["hybrid"]["lends"], "lent ids continue"
+    assert state["stream_next"] >= 2 * 2, "the rollout stream continues past the first run's groups"
     assert [r["step"] for r in step_records(run)] == [1, 2, 3, 4]
 
 
