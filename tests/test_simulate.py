@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -160,13 +161,8 @@ def test_measured_costs_grow_with_length_and_feed_the_simulator(tmp_path: Path) 
 def test_measured_points_are_interpolated_and_survive_json() -> None:
     from omni_diffusion_rl.execution.measure import costs_to_json
 
-    costs = CostModel(
-        gen_fixed_s=0.0,
-        gen_per_unit_s=0.0,
-        length=10,
-        train_fixed_s=0.0,
-        train_per_sample_s=0.0,
-        sync_s=0.0,
+    costs = dataclasses.replace(  # with points, the linear coefficients are not used
+        COSTS,
         gen_points=((32, 5.0), (8, 1.0)),  # per sample dearer in the bigger batch: no line fits both
         train_points=((8, 0.5),),
         points_length=10,
@@ -180,3 +176,14 @@ def test_measured_points_are_interpolated_and_survive_json() -> None:
         CostModel(0, 0, 1, 0, 0, 0, gen_points=((8, 1.0),))
     with pytest.raises(ValueError, match=">= 0"):
         CostModel(0, 0, 1, 0, 0, 0, gen_points=((8, -1.0),), points_length=1)
+
+
+def test_auto_predicts_steady_state_and_rules_out_layouts_that_cannot_run() -> None:
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.execution.auto import predict
+
+    cfg = load_config(None, ["data.prompts_per_step=4", "data.group_size=4"])
+    predicted = predict(COSTS, cfg, 2)
+    steady = simulate("separate", COSTS, Workload(2, 4, 4, rollout_replicas=1), 20)
+    assert predicted["separate"] == steady.steady_seconds_per_prompt != steady.seconds_per_prompt
+    assert predict(COSTS, cfg, 3)["colocated"] == float("inf"), "4 prompt groups over 3 processes"

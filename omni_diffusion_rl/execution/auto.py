@@ -43,14 +43,21 @@ def workloads(cfg: ExperimentConfig, processes: int) -> dict[str, Workload]:
 
 
 def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, float]:
-    """Seconds per trained prompt of each mode for `processes` processes."""
+    """Steady seconds per trained prompt (after the first step) of each mode for `processes`
+    processes; inf for a mode that cannot run this layout (colocated needs prompts_per_step
+    divisible by the processes; an async layout may stall)."""
     work = workloads(cfg, processes)
-    return {
-        mode: simulate(
-            mode, costs, work["colocated" if mode == "colocated" else "async"], PREDICTED_STEPS
-        ).seconds_per_prompt
-        for mode in MODES
-    }
+    out = {}
+    for mode in MODES:
+        if mode == "colocated" and cfg.data.prompts_per_step % processes:
+            out[mode] = float("inf")
+            continue
+        layout = work["colocated" if mode == "colocated" else "async"]
+        try:
+            out[mode] = simulate(mode, costs, layout, PREDICTED_STEPS).steady_seconds_per_prompt
+        except RuntimeError:  # the simulated layout stalled
+            out[mode] = float("inf")
+    return out
 
 
 def _mean_over_processes(costs: CostModel) -> CostModel:
