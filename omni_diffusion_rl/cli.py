@@ -45,7 +45,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = trainer.fit(resume=args.resume)
     if accelerator.is_main_process and summary is not None:
         print(json.dumps(summary), flush=True)
+    _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Every process done: tear the process group down before exit (left to interpreter shutdown,
+    gloo's threads can abort a process that already finished its work)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
