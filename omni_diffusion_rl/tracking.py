@@ -59,8 +59,10 @@ class MetricsLogger:
     """Append one JSON object per `log` call to `{output_dir}/metrics.jsonl`, and mirror to wandb if asked.
 
     Without an accelerator it is a plain single-process JSONL writer. With one, only the main process
-    writes. With `use_wandb`, the accelerator must have been built with `log_with="wandb"`; the run is
-    offline unless WANDB_MODE says otherwise, and its files go under `output_dir/wandb`.
+    writes. With `use_wandb`, an accelerator must have been built with `log_with="wandb"` (without
+    one, as in the trainer process of separate mode, wandb is used directly); the run is offline
+    unless WANDB_MODE says otherwise, and its files go under `output_dir/wandb`. Loggers given the
+    same `run_id` (a resumed run, auto's next mode) continue one wandb run.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class MetricsLogger:
         project: str = "omni-diffusion-rl",
         run_name: str = "run",
         config: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.output_dir = os.fspath(output_dir)
         self.accelerator = accelerator
@@ -78,14 +81,13 @@ class MetricsLogger:
         self.is_main_process = accelerator is None or accelerator.is_main_process
         self.path = os.path.join(self.output_dir, METRICS_FILE)
         self._trackers_started = False
+        self._run: Any = None  # the wandb run when logging without an accelerator
         self._closed = False
 
         if use_wandb:
             if not wandb_available():
                 raise ImportError(WANDB_MISSING)
-            if accelerator is None:
-                raise ValueError("use_wandb=True needs an accelerate.Accelerator built with log_with='wandb'")
-            if not _logs_to_wandb(accelerator):
+            if accelerator is not None and not _logs_to_wandb(accelerator):
                 raise ValueError(
                     "use_wandb=True but the accelerator has no wandb tracker: build it with "
                     "Accelerator(log_with='wandb'), or set tracking.wandb=false"
@@ -96,14 +98,20 @@ class MetricsLogger:
             os.makedirs(self.output_dir, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # closed in close()
 
-        if use_wandb and accelerator is not None:
+        if use_wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
-            accelerator.init_trackers(
-                project,
-                config=flatten_config(config or {}),
-                init_kwargs={"wandb": {"name": run_name, "dir": self.output_dir}},
-            )
-            self._trackers_started = True
+            settings: dict[str, Any] = {"name": run_name, "dir": self.output_dir}
+            if run_id:
+                settings.update(id=run_id, resume="allow")
+            if accelerator is None:
+                import wandb
+
+                self._run = wandb.init(project=project, config=flatten_config(config or {}), **settings)
+            else:
+                accelerator.init_trackers(
+                    project, config=flatten_config(config or {}), init_kwargs={"wandb": settings}
+                )
+                self._trackers_started = True
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Record `metrics` at `step`: one JSONL line (flushed at once) and, with wandb, one tracker entry."""
@@ -115,6 +123,8 @@ class MetricsLogger:
             self._file.flush()
         if self._trackers_started and self.accelerator is not None:
             self.accelerator.log(values, step=int(step))
+        if self._run is not None:
+            self._run.log(values, step=int(step))
 
     def close(self) -> None:
         """Close the JSONL file and finish the trackers (accelerator.end_training) if they were started."""
@@ -126,6 +136,9 @@ class MetricsLogger:
             self._file = None
         if self._trackers_started and self.accelerator is not None:
             self.accelerator.end_training()
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -76,9 +76,26 @@ def test_read_metrics_skips_cut_off_last_line(tmp_path: Path) -> None:
         read_metrics(path)
 
 
-def test_wandb_needs_a_wandb_accelerator(tmp_path: Path) -> None:
+def test_wandb_needs_a_wandb_accelerator(tmp_path: Path, fresh_accelerate_state: None) -> None:
+    from accelerate import Accelerator
+
     with pytest.raises(ValueError, match="log_with"):
-        MetricsLogger(tmp_path, None, True, "proj", "run", {})
+        MetricsLogger(tmp_path, Accelerator(cpu=True), True, "proj", "run", {})
+
+
+def test_wandb_without_an_accelerator_and_a_run_continued_by_id(tmp_path: Path) -> None:
+    """The trainer process of separate mode has no accelerator; a resumed run (or auto's next mode)
+    logs to the same wandb run through its id."""
+    pytest.importorskip("wandb")
+    for step in range(2):
+        with MetricsLogger(
+            tmp_path, None, True, "odrl-test", "direct", {"a": 1}, run_id="odrltest0001"
+        ) as log:
+            log.log({"reward/mean": float(step)}, step=step)
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith("-odrltest0001") for r in runs)
+    assert all(list(r.glob("*.wandb")) for r in runs), "each part has its data file"
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [0, 1]
 
 
 def test_wandb_missing_package_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
