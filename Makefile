@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench bench-modes bench-learning lint pretrain clean
+.PHONY: setup demo test bench bench-modes bench-learning bench-recheck lint pretrain clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,9 @@ bench-modes: setup
 
 bench-learning: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl bench learning --output runs/bench/learning.json
+
+bench-recheck: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl bench recheck --output runs/bench/recheck.json
 
 pretrain: setup
 	$(BIN)/odrl pretrain

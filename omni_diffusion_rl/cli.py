@@ -30,19 +30,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .trainers.nft import NFTTrainer
 
     accelerator = _make_accelerator(cfg.tracking.wandb)
-    extra = {}
-    if cfg.execution.mode == "auto":
-        from .execution.auto import choose_mode
 
-        cfg, extra["auto"] = choose_mode(cfg, accelerator.num_processes, accelerator.device)
-    if cfg.execution.mode in ("separate", "hybrid"):
-        from .execution.separate import run_separate
+    def run_mode(cfg, resume, recheck):  # noqa: ANN001, ANN202 - one mode on this process
+        if cfg.execution.mode in ("separate", "hybrid"):
+            from .execution.separate import run_separate
 
-        summary = run_separate(cfg, resume=args.resume, device=accelerator.device, summary_extra=extra)
-    else:
+            return run_separate(cfg, resume=resume, device=accelerator.device, recheck=recheck)
         trainer = NFTTrainer(cfg, accelerator)
-        trainer.summary_extra.update(extra)
-        summary = trainer.fit(resume=args.resume)
+        trainer.recheck = recheck
+        return trainer.fit(resume=resume)
+
+    if cfg.execution.mode == "auto":
+        from .execution.auto import run_auto
+
+        summary = run_auto(cfg, accelerator.num_processes, accelerator.device, args.resume, run_mode)
+    else:
+        summary = run_mode(cfg, args.resume, None)
     if accelerator.is_main_process and summary is not None:
         print(json.dumps(summary), flush=True)
     _close_process_group()
@@ -89,6 +92,13 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     steps = {} if args.steps is None else {"steps": args.steps}  # each bench has its own default
+    repeats = args.repeats
+    if args.name == "recheck":
+        from .bench_recheck import run_recheck_bench
+
+        output = args.output or Path("runs/bench/recheck.json")
+        run_recheck_bench(output, args.config, args.overrides, **steps, repeats=repeats or 2)
+        return 0
     if args.name == "modes":
         from .bench_modes import run_modes_bench
 
@@ -103,12 +113,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "reward-server":
         from .bench_reward_server import run_reward_server_bench
 
-        run_reward_server_bench(args.output or Path("runs/bench/reward_server.json"), rounds=args.repeats)
+        run_reward_server_bench(args.output or Path("runs/bench/reward_server.json"), rounds=repeats or 5)
         return 0
     from .bench import run_nft_step_bench
 
     output = args.output or Path("runs/bench/nft_step.json")
-    run_nft_step_bench(output, repeats=args.repeats, batch_size=args.batch_size)
+    run_nft_step_bench(output, repeats=repeats or 5, batch_size=args.batch_size)
     return 0
 
 
@@ -308,16 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead), "
         "modes (auto, colocated, separate, hybrid with 2 processes, against the simulator), "
-        "learning (held-out reward per execution mode over seeds, against colocated)",
+        "learning (held-out reward per execution mode over seeds, against colocated), "
+        "recheck (auto's re-check after a wrong first pick, and its cost)",
     )
-    bench.add_argument("name", choices=("nft-step", "reward-server", "modes", "learning"))
+    bench.add_argument("name", choices=("nft-step", "reward-server", "modes", "learning", "recheck"))
     bench.add_argument(
-        "--config", default="recipes/configs/tiny_t2av_nft.yaml", help="modes, learning: training config"
+        "--config",
+        default="recipes/configs/tiny_t2av_nft.yaml",
+        help="modes, learning, recheck: training config",
     )
     bench.add_argument(
-        "--steps", type=int, help="modes, learning: optimizer steps per run (default: modes 8, learning 20)"
+        "--steps",
+        type=int,
+        help="modes, learning, recheck: optimizer steps per run (default: modes 8, learning 20, recheck 16)",
     )
-    bench.add_argument("overrides", nargs="*", help="modes, learning: section.key=value overrides")
+    bench.add_argument("overrides", nargs="*", help="modes, learning, recheck: section.key=value overrides")
     bench.add_argument(
         "--modes",
         type=_names,
@@ -326,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
     bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--repeats", type=int, help="rounds (default: nft-step, reward-server 5; recheck 2)")
     bench.add_argument("--batch-size", type=int, default=32)
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -190,6 +190,15 @@ class ExecutionConfig:
         ge=0,
     )
     auto_repeats: int = _spec(1, "auto: timed repeats of each warm-up measurement", ge=1)
+    auto_costs: str = _spec(
+        "", "auto: a unit costs JSON (odrl simulate --measure, an auto run's summary.json): no warm-up"
+    )
+    auto_recheck_every: int = _spec(
+        20, "auto: steps between re-checks of the pick against the run's own timings (0: never)", ge=0
+    )
+    auto_switch_margin: float = _spec(
+        0.1, "auto: switch modes only when another is predicted faster by this fraction", ge=0, le=0.9
+    )
 
 
 @dataclass

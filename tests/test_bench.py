@@ -89,3 +89,26 @@ def test_modes_bench_runs_every_mode_and_reports_predictions(tmp_path: Path) -> 
     assert row["fastest_fixed_mode"] == min(
         ("colocated", "separate", "hybrid"), key=row["real_s_per_prompt"].get
     )
+
+
+def test_recheck_bench_compares_a_wrong_pick_with_and_without_the_recheck(tmp_path: Path) -> None:
+    from omni_diffusion_rl.bench_recheck import run_recheck_bench
+
+    from .helpers import fast_overrides, tiny_model_dir
+
+    overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "unused", 1)
+    output = tmp_path / "bench" / "recheck.json"
+    setting = ["sampling.num_steps=30", "algorithm.timestep_fraction=0.05"]  # generation >> training
+    result = run_recheck_bench(output, None, overrides, steps=6, every=2, repeats=1, setting=setting)
+    report = json.loads(output.read_text(encoding="utf-8"))
+    assert report == json.loads(json.dumps(result)) and output.with_suffix(".png").is_file()
+    runs = report["runs"]
+    assert runs["colocated"]["modes_each_round"] == [["colocated"]] and runs["colocated"]["vs_colocated"] == 0
+    stuck = runs["auto, wrong prior, no re-check"]
+    assert stuck["modes_each_round"][0] in (["separate"], ["hybrid"]) and stuck["rechecks"] == [0]
+    rechecked = runs["auto, wrong prior, re-check"]
+    assert (
+        rechecked["rechecks"][0] > 0
+        and rechecked["modes_each_round"][0][0] == stuck["modes_each_round"][0][0]
+    )
+    assert all(row["whole_s_per_prompt"] > 0 for row in runs.values())

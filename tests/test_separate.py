@@ -185,3 +185,43 @@ def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_p
     if auto["picked"] != "colocated":
         assert summary["execution"]["mode"] == auto["picked"]
     assert summary["samples"]["trained"] == 2 * 2 * 2
+
+
+def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path, tmp_path: Path) -> None:
+    """A wrong prior (generation nearly free, training all fixed cost) makes auto start separate;
+    the re-check calibrates it with the rollout's real timings and switches (to colocated, or to
+    hybrid, which the simulator then predicts about as fast) from a checkpoint, losing nothing."""
+    prior = tmp_path / "prior.json"
+    costs = {"gen_fixed_s": 0.001, "gen_per_unit_s": 0.0, "length": 30, "train_fixed_s": 10.0}
+    prior.write_text(json.dumps({"costs": {**costs, "train_per_sample_s": 0.0, "sync_s": 0.0}}))
+    run = tmp_path / "run"
+    args = fast_overrides(model_dir, run, 16) + SLOW_ROLLOUT + ["execution.mode=auto", "tracking.wandb=true"]
+    args += [
+        f"execution.auto_costs={prior}",
+        "execution.auto_recheck_every=2",
+        "execution.auto_switch_margin=0.3",
+    ]
+    proc = _launch(args, 29565, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = last_json_line(proc.stdout)
+    auto = summary["auto"]
+    assert auto["picked"] == "separate" and auto["costs_from"] == str(prior) and auto["warmup_s"] < 1
+    switched = [r for r in auto["rechecks"] if r["next"] != r["running"]]
+    assert switched and switched[0]["running"] == "separate", auto["rechecks"]
+    assert switched[0]["measured_switch_s"] > 0 and switched[0]["measured"]["gen_s"] > 0.001
+    segments = auto["segments"]  # one per mode run, in order, covering every step once
+    assert [s["mode"] for s in segments] == ["separate"] + [r["next"] for r in switched]
+    assert [s["to_step"] for s in segments[:-1]] == [s["from_step"] for s in segments[1:]]
+    assert [s["to_step"] for s in segments[:-1]] == [r["step"] for r in switched]
+    assert (
+        segments[0]["from_step"] == 0 and segments[-1]["to_step"] == 16 and auto["switches"] == len(switched)
+    )
+    assert all(_balances(s["buffer"]) for s in segments if s["mode"] != "colocated")
+    assert summary["samples"]["trained"] == 16 * 2 * 2, "both modes' trained samples are counted"
+    assert [r["step"] for r in step_records(run)] == list(range(1, 17))
+    assert "heldout_reward_after" in summary, "evaluated once, at the real end"
+    assert json.loads((run / "summary.json").read_text())["auto"]["switches"] == len(switched)
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == len(segments) and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, (
+        "one wandb run, continued"
+    )

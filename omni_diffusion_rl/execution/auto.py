@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import atomic_write_text
 from ..config import ConfigError, ExperimentConfig
 from .costs import CostModel, Workload
 from .measure import costs_to_json, measure_costs
-from .simulate import MODES, simulate
+from .recheck import AutoRecheck, collective_device, steady_seconds
+from .simulate import MODES, SimResult, simulate
 
 PREDICTED_STEPS = 20
 
@@ -42,25 +47,30 @@ def workloads(cfg: ExperimentConfig, processes: int) -> dict[str, Workload]:
     return {"colocated": Workload(**common), "async": Workload(**common, rollout_replicas=rollout)}
 
 
-def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, float]:
-    """Steady seconds per trained prompt (after the first step) of each mode for `processes`
-    processes; inf for a mode that cannot run this layout (colocated needs prompts_per_step
-    divisible by the processes; an async layout may stall)."""
+def simulate_modes(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, SimResult | None]:
+    """Each mode simulated for `processes` processes; None for a mode that cannot run this layout
+    (colocated needs prompts_per_step divisible by the processes; an async layout may stall)."""
     work = workloads(cfg, processes)
-    out = {}
+    out: dict[str, SimResult | None] = {}
     for mode in MODES:
         if mode == "colocated" and cfg.data.prompts_per_step % processes:
-            out[mode] = float("inf")
+            out[mode] = None
             continue
         layout = work["colocated" if mode == "colocated" else "async"]
         try:
-            out[mode] = simulate(mode, costs, layout, PREDICTED_STEPS).steady_seconds_per_prompt
+            out[mode] = simulate(mode, costs, layout, PREDICTED_STEPS)
         except RuntimeError:  # the simulated layout stalled
-            out[mode] = float("inf")
+            out[mode] = None
     return out
 
 
-def _mean_over_processes(costs: CostModel) -> CostModel:
+def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, float]:
+    """Steady seconds per trained prompt (after the first step) of each mode for `processes`
+    processes; inf for a mode that cannot run this layout."""
+    return {m: steady_seconds(r) for m, r in simulate_modes(costs, cfg, processes).items()}
+
+
+def _mean_over_processes(costs: CostModel, device: torch.device | None = None) -> CostModel:
     """Every cost (and measured point) averaged over processes: the same model everywhere."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return costs
@@ -68,7 +78,7 @@ def _mean_over_processes(costs: CostModel) -> CostModel:
     scalars = [n for n, v in fields.items() if not isinstance(v, tuple)]
     tables = [n for n, v in fields.items() if isinstance(v, tuple)]
     flat = [float(fields[n]) for n in scalars] + [y for n in tables for _, y in fields[n]]
-    values = torch.tensor(flat, dtype=torch.float64)
+    values = torch.tensor(flat, dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(values)
     values = (values / dist.get_world_size()).tolist()
     out: dict[str, Any] = dict(zip(scalars, values[: len(scalars)], strict=True))
@@ -78,20 +88,40 @@ def _mean_over_processes(costs: CostModel) -> CostModel:
     return CostModel(**out)
 
 
+def load_costs(path: str) -> CostModel:
+    """Unit costs from a JSON file: what `odrl simulate --measure` writes ({"costs": ...}), or an
+    earlier auto run's summary.json (its auto.measured_costs)."""
+    try:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        found = spec.get("costs") or spec.get("auto", {}).get("measured_costs")
+        if not isinstance(found, dict):
+            raise KeyError("no 'costs' object and no 'auto.measured_costs'")
+        return CostModel(**found)
+    except (OSError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"execution.auto_costs={path}: {type(e).__name__}: {e}. Give the JSON that `odrl simulate "
+            "--measure` writes, or an auto run's summary.json; or leave it empty to measure at warm-up"
+        ) from e
+
+
 def choose_mode(
     cfg: ExperimentConfig, processes: int, device: torch.device | None = None
-) -> tuple[ExperimentConfig, dict[str, Any]]:
-    """The config with execution.mode set to the predicted fastest mode, and what led there."""
+) -> tuple[ExperimentConfig, dict[str, Any], CostModel | None]:
+    """The config with execution.mode set to the predicted fastest mode, what led there, and the
+    costs it used (measured at warm-up, or from execution.auto_costs)."""
     if processes < 2:
         report = {"picked": "colocated", "why": "one process: the async modes need at least 2"}
-        return _with_mode(cfg, "colocated"), report
+        return _with_mode(cfg, "colocated"), report, None
     start = time.perf_counter()
-    steps = cfg.sampling.num_steps
-    costs = measure_costs(
-        cfg, steps, steps, repeats=cfg.execution.auto_repeats, replicas=processes, device=device
-    )
-    costs = _mean_over_processes(costs)
-    gc.collect()
+    if cfg.execution.auto_costs:
+        costs = load_costs(cfg.execution.auto_costs)
+    else:
+        steps = cfg.sampling.num_steps
+        costs = measure_costs(
+            cfg, steps, steps, repeats=cfg.execution.auto_repeats, replicas=processes, device=device
+        )
+        costs = _mean_over_processes(costs, device)
+        gc.collect()
     predicted = predict(costs, cfg, processes)
     picked = min(predicted, key=predicted.get)
     if predicted[picked] == float("inf"):
@@ -101,14 +131,101 @@ def choose_mode(
         )
     report = {
         "picked": picked,
+        "costs_from": cfg.execution.auto_costs or "warm-up",
         "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
         "measured_costs": costs_to_json(costs),
         "warmup_s": round(time.perf_counter() - start, 2),
         "processes": processes,
     }
-    return _with_mode(cfg, picked, processes), report
+    return _with_mode(cfg, picked, processes), report, costs
 
 
 def _with_mode(cfg: ExperimentConfig, mode: str, processes: int = 1) -> ExperimentConfig:
     ex = dataclasses.replace(cfg.execution, mode=mode, rollout_replicas=max(1, processes - 1))
     return dataclasses.replace(cfg, execution=ex)
+
+
+RunMode = Callable[[ExperimentConfig, "str | None", "AutoRecheck | None"], "dict[str, Any] | None"]
+
+
+def run_auto(
+    cfg: ExperimentConfig,
+    processes: int,
+    device: torch.device | None,
+    resume: str | None,
+    run_mode: RunMode,
+) -> dict[str, Any] | None:
+    """Pick a mode, run it, and every execution.auto_recheck_every steps re-check the pick with the
+    run's own timings (recheck.py); a switch resumes from the checkpoint the old mode just wrote.
+    `run_mode(cfg, resume, recheck)` runs one mode on every process (the summary on rank 0)."""
+    ex = cfg.execution
+    started = time.perf_counter()
+    run_cfg, report, costs = choose_mode(cfg, processes, device)
+    recheck = None
+    if costs is not None and ex.auto_recheck_every:
+        recheck = AutoRecheck(
+            costs,
+            cfg,
+            processes,
+            lambda c: simulate_modes(c, cfg, processes),
+            ex.auto_recheck_every,
+            ex.auto_switch_margin,
+        )
+    decisions = dist.new_group(backend="gloo") if recheck is not None else None
+    segments: list[dict[str, Any]] = []
+    while True:
+        summary = run_mode(run_cfg, resume, recheck)
+        if summary is not None:
+            segments.append(_segment(run_cfg.execution.mode, summary))
+        if recheck is None:
+            break
+        switch_to = _agree(recheck.switch_to, decisions)  # rank 0 decided (rollout ranks did not)
+        if switch_to is None:
+            break
+        run_cfg = _with_mode(cfg, switch_to, processes)
+        resume = str(Path(cfg.train.output_dir) / "checkpoints")  # the checkpoint the old mode just wrote
+    if summary is None:
+        return None
+    if recheck is not None:
+        report["rechecks"] = recheck.log
+        report["switches"] = len(segments) - 1
+    report["segments"] = segments
+    summary["auto"] = report
+    if len(segments) > 1:  # the whole run's figures
+        summary.update(_whole_run(segments, sum(recheck.measured_switch_s) if recheck else 0.0, cfg))
+        summary["seconds"] = round(time.perf_counter() - started, 2)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path = Path(cfg.train.output_dir) / "summary.json"
+        atomic_write_text(path, json.dumps(summary, indent=1))  # the last mode's, with the auto block
+    return summary
+
+
+def _whole_run(segments: list[dict[str, Any]], switch_s: float, cfg: ExperimentConfig) -> dict[str, Any]:
+    """Seconds per trained prompt over every segment: the switches' time is in the whole-run
+    figure, not in the steady one."""
+    p = cfg.data.prompts_per_step
+    prompts = [(s["to_step"] - s["from_step"]) * p for s in segments]
+    out: dict[str, Any] = {"steps_this_run": sum(prompts) // p}
+    for key, extra in (("seconds_per_trained_prompt", switch_s), ("steady_seconds_per_trained_prompt", 0.0)):
+        if all(key in s for s in segments):
+            seconds = sum(s[key] * n for s, n in zip(segments, prompts, strict=True)) + extra
+            out[key] = round(seconds / max(1, sum(prompts)), 4)
+    return out
+
+
+def _segment(mode: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """One mode's part of the run, from its summary."""
+    keys = ("seconds_per_trained_prompt", "steady_seconds_per_trained_prompt")
+    end = summary["steps"]
+    out = {"mode": mode, "from_step": end - summary["steps_this_run"], "to_step": end}
+    out.update({k: summary[k] for k in keys if k in summary})
+    if "execution" in summary:
+        out["buffer"] = summary["execution"]["buffer"]
+    return out
+
+
+def _agree(switch_to: str | None, group: Any) -> str | None:
+    """Rank 0's decision, on every process."""
+    code = torch.tensor([MODES.index(switch_to) if switch_to else -1], dtype=torch.int64)
+    dist.broadcast(code, src=0, group=group)
+    return None if int(code) < 0 else MODES[int(code)]

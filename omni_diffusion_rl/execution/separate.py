@@ -51,10 +51,10 @@ def run_separate(
     cfg: ExperimentConfig,
     resume: str | None = None,
     device: torch.device | None = None,
-    summary_extra: dict[str, Any] | None = None,
+    recheck: Any = None,
 ) -> dict[str, Any] | None:
-    """Run this process's role on `device`; the trainer (rank 0) returns the run summary (with
-    `summary_extra` in it)."""
+    """Run this process's role on `device`; the trainer (rank 0) returns the run summary (and
+    tells `recheck`, auto's re-check, about every step)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     check_layout(cfg, world)
     rank = dist.get_rank()
@@ -62,7 +62,7 @@ def run_separate(
     weights_group = dist.new_group(list(range(world)), backend="gloo")
     if rank == 0:
         trainer = SeparateTrainer(cfg, data_group, weights_group, list(range(1, world)), device)
-        trainer.summary_extra.update(summary_extra or {})
+        trainer.recheck = recheck
         return trainer.fit(resume)
     RolloutWorker(cfg, rank - 1, world - 1, data_group, weights_group, device).run()
     return None

@@ -13,6 +13,7 @@ import hashlib
 import json
 import random
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ class NFTTrainer:
     def __init__(
         self, cfg: ExperimentConfig, accelerator: Any | None = None, device: torch.device | None = None
     ) -> None:
+        built = time.perf_counter()
         self.cfg = cfg
         self.accelerator = accelerator
         self.rank = accelerator.process_index if accelerator else 0
@@ -74,7 +76,9 @@ class NFTTrainer:
         self.step = 0
         self.eval_before: dict[str, float] | None = None
         self.output_dir = Path(cfg.train.output_dir)
-        self.summary_extra: dict[str, Any] = {}  # e.g. auto mode's report, added to the summary
+        self.recheck: Any = None  # auto: execution.recheck.AutoRecheck, told about every step
+        self.wandb_run_id = uuid.uuid4().hex[:16]  # kept in checkpoints: a resumed run logs to the same run
+        self.build_s = time.perf_counter() - built  # what building this trainer again would cost
 
     # ------------------------------------------------------------------ identity and state
     def model_fingerprint(self) -> str:
@@ -101,6 +105,7 @@ class NFTTrainer:
                 "model_fingerprint": self.model_fingerprint(),
                 "eval_before": self.eval_before,
                 "sample_counts": self.sample_counts,
+                "wandb_run_id": self.wandb_run_id,
                 "config": self.cfg.to_dict(),
                 **self.extra_state(),
             }
@@ -125,12 +130,13 @@ class NFTTrainer:
         self.step = int(state["step"])
         self.eval_before = state.get("eval_before")
         self.sample_counts = dict(state.get("sample_counts", {}))
+        self.wandb_run_id = state.get("wandb_run_id") or self.wandb_run_id
         self.load_extra_state(state)
 
     def finish_run(self) -> dict[str, Any]:
         """Called once after the last step: more for the summary (execution modes stop their
-        processes here and report), plus anything put in `summary_extra`."""
-        return dict(self.summary_extra)
+        processes here and report)."""
+        return {}
 
     def extra_state(self) -> dict[str, Any]:
         """More JSON state for checkpoints (execution modes add their buffer and stream)."""
@@ -488,6 +494,7 @@ class NFTTrainer:
             project=cfg.tracking.project,
             run_name=cfg.tracking.run_name or self.output_dir.name,
             config=cfg.to_dict(),
+            run_id=self.wandb_run_id,
         )
         start = time.perf_counter()
         if cfg.train.eval_at_start_and_end and self.eval_before is None:
@@ -501,8 +508,11 @@ class NFTTrainer:
             disable=not (cfg.train.progress and self.is_main),
         )
         first_step, loop_start = self.step, time.perf_counter()
+        if self.recheck is not None:
+            self.recheck.loop_started(self)
+        switching = False  # auto: the re-check stops this mode here to resume in another
         try:
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and not switching:
                 metrics = self.train_step()
                 loop_end = time.perf_counter()
                 if self.step == first_step + 1:
@@ -521,6 +531,7 @@ class NFTTrainer:
                         plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save()
+                switching = self.recheck is not None and self.recheck.after_step(self, metrics)
         except BaseException:
             self.reward.close()  # connections and the scoring thread; the error propagates
             raise
@@ -528,7 +539,13 @@ class NFTTrainer:
             bar.close()
         if not cfg.train.checkpoint_every or self.step % cfg.train.checkpoint_every:
             self.save()
-        summary: dict[str, Any] = {"steps": self.step, "seconds": round(time.perf_counter() - start, 2)}
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "steps_this_run": self.step - first_step,
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        if switching:
+            summary["switch_to"] = self.recheck.switch_to
         p = cfg.data.prompts_per_step
         if self.step > first_step:  # the training loop alone: start-up, evaluation and saving excluded
             whole = (loop_end - loop_start) / (self.step - first_step) / p
@@ -542,7 +559,7 @@ class NFTTrainer:
             logger.close()
             self.reward.close()
             raise
-        if cfg.train.eval_at_start_and_end:
+        if cfg.train.eval_at_start_and_end and not switching:  # a switch continues the run elsewhere
             after = self.evaluate()
             before = self.eval_before or {}
             summary.update(

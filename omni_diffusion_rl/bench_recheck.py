@@ -1,0 +1,123 @@
+"""Benchmark: what auto's re-check buys when the first pick is wrong, and what it costs when not.
+
+With 2 processes, every run trains the same steps (so the same prompts) of the long setting:
+- `colocated`: the fastest fixed mode on this machine (bench modes);
+- `auto, wrong prior, no re-check`: auto given a costs file that says generation is nearly free and
+  training is all fixed cost (what a prior measured elsewhere may say), so it picks an async mode,
+  and keeps it (execution.auto_recheck_every=0);
+- `auto, wrong prior, re-check`: the same, re-checking every `every` steps with the run's timings;
+- `auto, warm-up, re-check`: the normal path: costs measured at warm-up, re-checked as it runs.
+Runs take turns, `repeats` rounds, medians reported: whole-run seconds per trained prompt (the
+switch included), steady (without each mode's first step), switches, the measured switch seconds
+and the re-checks' own seconds. Prints a table, writes JSON and a bar chart.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .bench_modes import QUIET, SETTINGS, _launch, _median, _steady, publish
+
+# generation nearly free, training all fixed cost: separate (1 rollout + 1 trainer) looks fastest
+WRONG_PRIOR = {
+    "costs": {
+        "gen_fixed_s": 0.001,
+        "gen_per_unit_s": 0.0,
+        "length": 40,
+        "train_fixed_s": 10.0,
+        "train_per_sample_s": 0.0,
+        "sync_s": 0.0,
+    }
+}
+
+
+def run_recheck_bench(
+    output: Path,
+    config: str | None = "recipes/configs/tiny_t2av_nft.yaml",
+    overrides: list[str] | None = None,
+    steps: int = 16,
+    every: int = 4,
+    repeats: int = 2,
+    setting: list[str] | None = None,
+) -> dict[str, Any]:
+    """Every kind of run `repeats` times on `setting` (default: bench modes' long setting)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    prior = output.with_name(output.stem + "_wrong_prior.json")
+    prior.write_text(json.dumps(WRONG_PRIOR, indent=1), encoding="utf-8")
+    runs_args = {
+        "colocated": ["execution.mode=colocated"],
+        "auto, wrong prior, no re-check": [f"execution.auto_costs={prior}", "execution.auto_recheck_every=0"],
+        "auto, wrong prior, re-check": [
+            f"execution.auto_costs={prior}",
+            f"execution.auto_recheck_every={every}",
+        ],
+        "auto, warm-up, re-check": [f"execution.auto_recheck_every={every}"],
+    }
+    setting = SETTINGS["long"] if setting is None else setting
+    base = [*(overrides or []), *setting, *QUIET, f"train.steps={steps}", "execution.mode=auto"]
+    summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in runs_args}
+    port = 29700
+    for round_index in range(repeats):
+        for index, (name, args) in enumerate(runs_args.items()):
+            port += 1
+            run_dir = output.parent / f"recheck_{index}_{round_index}"
+            summaries[name].append(_launch(config, [*base, f"train.output_dir={run_dir}", *args], port))
+    rows = {name: _row(runs) for name, runs in summaries.items()}
+    reference = rows["colocated"]["whole_s_per_prompt"]
+    for row in rows.values():
+        row["vs_colocated"] = round(row["whole_s_per_prompt"] / reference - 1, 4)
+    result = {"processes": 2, "steps_per_run": steps, "recheck_every": every, "rounds": repeats, "runs": rows}
+    publish(result, output, format_table(result), _plot)
+    return result
+
+
+def _row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds of one kind of run, and what its auto block says."""
+    autos = [r.get("auto", {}) for r in runs]
+    rechecks = [a.get("rechecks", []) for a in autos]
+    switch_s = [r["measured_switch_s"] for checks in rechecks for r in checks if "measured_switch_s" in r]
+    return {
+        "whole_s_per_prompt": round(_median([r["seconds_per_trained_prompt"] for r in runs]), 4),
+        "steady_s_per_prompt": round(_median([_steady(r) for r in runs]), 4),
+        "whole_each_round": [r["seconds_per_trained_prompt"] for r in runs],
+        "modes_each_round": [[s["mode"] for s in a.get("segments", [])] or ["colocated"] for a in autos],
+        "switched_at_step": [[s["from_step"] for s in a.get("segments", [])[1:]] for a in autos],
+        "measured_switch_s": switch_s,
+        "rechecks": [len(checks) for checks in rechecks],
+        "recheck_seconds": [round(sum(r["recheck_s"] for r in checks), 4) for checks in rechecks],
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"auto's re-check, 2 processes, {result['steps_per_run']} steps per run, re-check every "
+        f"{result['recheck_every']}, median of {result['rounds']} rounds (seconds per trained prompt)",
+        f"{'run':<32}{'whole':>8}{'vs coloc':>10}{'steady':>8}  modes (switch step, switch s)",
+    ]
+    for name, row in result["runs"].items():
+        modes = " | ".join("->".join(m) for m in row["modes_each_round"])
+        steps = ",".join(str(s) for each in row["switched_at_step"] for s in each) or "-"
+        switch_s = ",".join(f"{s:.1f}" for s in row["measured_switch_s"]) or "-"
+        lines.append(
+            f"{name:<32}{row['whole_s_per_prompt']:>8.3f}{row['vs_colocated']:>+10.1%}"
+            f"{row['steady_s_per_prompt']:>8.3f}  {modes} ({steps}; {switch_s})"
+        )
+    return "\n".join(lines)
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["runs"])
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    ax.barh(names, [result["runs"][n]["whole_s_per_prompt"] for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per trained prompt (whole run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

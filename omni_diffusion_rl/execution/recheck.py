@@ -1,0 +1,222 @@
+"""auto's periodic re-check: calibrate the cost model with the run's own step timings, predict every
+mode again, and switch when another mode is predicted faster by a margin and the time it saves over
+the remaining steps pays for the switch.
+
+The running mode measures only its own batch sizes (colocated: a process's share of a step;
+separate/hybrid: one group per rollout call and a whole step on the trainer), so calibration scales
+the warm-up's cost curves by measured / modelled at those sizes: the shape measured at warm-up is
+kept, the level follows the run (contention, longer generations, a slower reward). A colocated
+step also measures what it spends beyond generation and training (its phase cost).
+
+A switch ends the running mode at a step boundary with a checkpoint; the driver (auto.run_auto)
+resumes from it in the new mode. Colocated and async checkpoints resume each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .costs import CostModel
+from .simulate import SimResult
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """What one step measured, in the cost model's terms (samples per call, seconds)."""
+
+    gen_samples: float  # samples per generation call (a colocated share, or one rollout group)
+    gen_s: float  # seconds per generation call, scoring included
+    train_samples: float  # samples of one trainer process's share of a step
+    train_s: float
+    phase_s: float | None = None  # colocated: the step's seconds beyond generation and training
+
+
+def calibrate(costs: CostModel, timings: StepTimings) -> CostModel:
+    """`costs` with generation and training scaled so that they predict `timings` exactly (and the
+    colocated phase cost replaced by the measured one, when measured)."""
+    gen_scale = timings.gen_s / max(costs.gen(timings.gen_samples), 1e-12)
+    train_scale = timings.train_s / max(costs.train(timings.train_samples), 1e-12)
+    changes: dict[str, Any] = {
+        "gen_fixed_s": costs.gen_fixed_s * gen_scale,
+        "gen_per_unit_s": costs.gen_per_unit_s * gen_scale,
+        "gen_points": tuple((x, y * gen_scale) for x, y in costs.gen_points),
+        "train_fixed_s": costs.train_fixed_s * train_scale,
+        "train_per_sample_s": costs.train_per_sample_s * train_scale,
+        "train_per_unit_s": costs.train_per_unit_s * train_scale,
+        "train_points": tuple((x, y * train_scale) for x, y in costs.train_points),
+    }
+    if timings.phase_s is not None:
+        changes["colocated_phase_s"] = max(0.0, timings.phase_s)
+    return dataclasses.replace(costs, **changes)
+
+
+def mean_timings(window: list[StepTimings]) -> StepTimings:
+    """The mean of several steps' timings (the phase only when every step measured one)."""
+    phases = [t.phase_s for t in window]
+    return StepTimings(
+        gen_samples=statistics.fmean(t.gen_samples for t in window),
+        gen_s=statistics.fmean(t.gen_s for t in window),
+        train_samples=statistics.fmean(t.train_samples for t in window),
+        train_s=statistics.fmean(t.train_s for t in window),
+        phase_s=None if None in phases else statistics.fmean(p for p in phases if p is not None),
+    )
+
+
+def next_mode(
+    predicted: dict[str, float], current: str, remaining_prompts: int, switch_cost_s: float, margin: float
+) -> tuple[str, str]:
+    """(the mode to run next, why): the fastest predicted mode if it beats the running one by more
+    than `margin` (a fraction) and saves more than `switch_cost_s` over the remaining prompts."""
+    best = min(predicted, key=predicted.get)
+    now, new = predicted[current], predicted[best]
+    if best == current:
+        return current, "the running mode is still predicted fastest"
+    if new > now * (1 - margin):
+        return current, f"{best} is predicted {100 * (1 - new / now):.1f}% faster, within the margin"
+    saved = (now - new) * remaining_prompts
+    if saved <= switch_cost_s:
+        return current, f"{best} would save {saved:.1f} s, less than the switch ({switch_cost_s:.1f} s)"
+    return best, f"{best} is predicted {100 * (1 - new / now):.1f}% faster, saving {saved:.1f} s"
+
+
+def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int) -> StepTimings | None:
+    """One step's timings from the running mode's step metrics (None when it measured none)."""
+    k, p = cfg.data.group_size, cfg.data.prompts_per_step
+    if mode == "colocated":
+        share = p // world_size * k
+        gen_s = metrics["time/rollout_s"] + metrics["time/reward_wait_s"]
+        step_s = metrics["time/sec_per_prompt"] * (p // world_size)
+        train_s = metrics["time/train_s"]
+        return StepTimings(share, gen_s, share, train_s, step_s - gen_s - train_s)
+    if "rollout/seconds_per_group" not in metrics:  # no group arrived during this step
+        return None
+    return StepTimings(k, metrics["rollout/seconds_per_group"], p * k, metrics["time/train_s"])
+
+
+def collective_device(device: torch.device | None) -> torch.device:
+    """Where a tensor for a default-group collective must live (nccl needs the process's GPU)."""
+    nccl = "nccl" in str(dist.get_backend())
+    return device if nccl and device is not None else torch.device("cpu")
+
+
+def _mean_over_processes(timings: StepTimings, device: torch.device) -> StepTimings:
+    """Colocated: every process measured its own share; all of them decide on the mean."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return timings
+    t = timings
+    fields = [t.gen_samples, t.gen_s, t.train_samples, t.train_s, t.phase_s or 0.0]
+    values = torch.tensor(fields, dtype=torch.float64, device=collective_device(device))
+    dist.all_reduce(values)
+    mean = (values / dist.get_world_size()).tolist()
+    return StepTimings(*mean[:4], phase_s=None if timings.phase_s is None else mean[4])
+
+
+class AutoRecheck:
+    """Called by the trainer around its loop (NFTTrainer.recheck): collects the steps' timings and,
+    every `every` steps, decides whether to keep the running mode. One object lives for the whole
+    run; each mode's segment reports to it."""
+
+    def __init__(
+        self,
+        costs: CostModel,
+        cfg: Any,
+        processes: int,
+        predict_fn: Any,
+        every: int,
+        margin: float,
+    ) -> None:
+        self.costs, self.cfg, self.processes = costs, cfg, processes
+        self.predict_fn = predict_fn  # (costs) -> {mode: SimResult | None}
+        self.every, self.margin = every, margin
+        self.mode = ""
+        self.window: list[StepTimings] = []
+        self.skip_next = True
+        self.log: list[dict[str, Any]] = []
+        self.switch_to: str | None = None
+        self.decided_at: float | None = None
+        self.measured_switch_s: list[float] = []
+        self.build_s = 0.0
+
+    def loop_started(self, trainer: Any) -> None:
+        """A segment's loop starts (its first step, which may fill a buffer, is not measured)."""
+        now = time.perf_counter()
+        self.mode = trainer.cfg.execution.mode
+        if self.decided_at is not None:  # the switch just made: from the decision to this loop start
+            self.measured_switch_s.append(now - self.decided_at)
+            self.log[-1]["measured_switch_s"] = round(now - self.decided_at, 3)
+        self.decided_at = None
+        self.switch_to = None
+        self.build_s = getattr(trainer, "build_s", 0.0)
+        self.window, self.skip_next = [], True
+
+    def after_step(self, trainer: Any, metrics: dict[str, float]) -> bool:
+        """Record the step; at a re-check step decide. True: stop the loop here and switch."""
+        timings = _timings_of(self.mode, metrics, self.cfg, trainer.world_size)
+        if self.skip_next:
+            self.skip_next = False
+        elif timings is not None:
+            self.window.append(timings)
+        steps = self.cfg.train.steps
+        if trainer.step % self.every or trainer.step >= steps:
+            return False
+        if self.mode == "colocated":  # every process is here at the same step: decide together
+            if not self.window:  # a collective needs every process, each with something to send
+                self.window.append(timings)  # type: ignore[arg-type]  # colocated always measures
+            measured = _mean_over_processes(mean_timings(self.window), trainer.device)
+        elif self.window:
+            measured = mean_timings(self.window)
+        else:
+            return False
+        return self._decide(trainer.step, measured)
+
+    def _decide(self, step: int, measured: StepTimings) -> bool:
+        start = time.perf_counter()
+        self.costs = calibrate(self.costs, measured)
+        results = self.predict_fn(self.costs)
+        predicted = {m: steady_seconds(r) for m, r in results.items()}
+        remaining = (self.cfg.train.steps - step) * self.cfg.data.prompts_per_step
+        best = min(predicted, key=predicted.get)
+        cost = self.switch_cost(results.get(best))
+        mode, why = next_mode(predicted, self.mode, remaining, cost, self.margin)
+        self.window = []
+        self.log.append(
+            {
+                "step": step,
+                "running": self.mode,
+                "measured": {k: round(v, 4) for k, v in _fields(measured)},
+                "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
+                "switch_cost_s": round(cost, 3),
+                "next": mode,
+                "why": why,
+                "recheck_s": round(time.perf_counter() - start, 4),
+            }
+        )
+        if mode == self.mode:
+            return False
+        self.switch_to, self.decided_at = mode, time.perf_counter()
+        return True
+
+    def switch_cost(self, result: SimResult | None) -> float:
+        """Seconds a switch costs: measured on an earlier switch, else building the trainer again;
+        plus the new mode's slower first step (an async buffer filling up)."""
+        base = max(self.measured_switch_s) if self.measured_switch_s else self.build_s
+        if result is None:
+            return base
+        steady_step = steady_seconds(result) * self.cfg.data.prompts_per_step
+        return base + max(0.0, result.first_step_s - steady_step)
+
+
+def _fields(timings: StepTimings) -> Any:
+    return ((k, v) for k, v in dataclasses.asdict(timings).items() if v is not None)
+
+
+def steady_seconds(result: SimResult | None) -> float:
+    """A simulated mode's steady seconds per prompt (inf for a layout that cannot run)."""
+    return float("inf") if result is None else result.steady_seconds_per_prompt

@@ -1,0 +1,80 @@
+"""auto's re-check: calibrating costs with a run's own timings, and the switch rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.execution.auto import load_costs, predict
+from omni_diffusion_rl.execution.measure import costs_to_json
+from omni_diffusion_rl.execution.recheck import StepTimings, calibrate, mean_timings, next_mode
+
+from .test_simulate import COSTS
+
+POINTS = dataclasses.replace(
+    COSTS, gen_points=((4, 0.2), (8, 0.3)), train_points=((16, 0.4),), points_length=10
+)
+
+
+@pytest.mark.parametrize("costs", [COSTS, POINTS], ids=["linear", "points"])
+def test_calibrated_costs_reproduce_the_measured_timings(costs) -> None:  # noqa: ANN001
+    timings = StepTimings(
+        gen_samples=4, gen_s=3 * costs.gen(4), train_samples=16, train_s=costs.train(16) / 2
+    )
+    calibrated = calibrate(costs, timings)
+    assert calibrated.gen(4) == pytest.approx(timings.gen_s)
+    assert calibrated.train(16) == pytest.approx(timings.train_s)
+    assert calibrated.gen(8) / calibrated.gen(4) == pytest.approx(costs.gen(8) / costs.gen(4)), "shape kept"
+    assert calibrated.colocated_phase_s == costs.colocated_phase_s, "separate measures no phase"
+    with_phase = calibrate(
+        dataclasses.replace(costs, colocated_phase_s=9.0), dataclasses.replace(timings, phase_s=0.1)
+    )
+    assert with_phase.colocated_phase_s == pytest.approx(0.1), "a colocated step measures its phase cost"
+
+
+def test_calibration_can_change_the_pick() -> None:
+    cfg = load_config(None, ["data.prompts_per_step=4", "data.group_size=4"])
+    phase = dataclasses.replace(COSTS, colocated_phase_s=0.5)  # colocated pays to switch phases each step
+    before = predict(phase, cfg, 2)
+    assert before["colocated"] > before["separate"] >= before["hybrid"]
+    # generation measured 10x dearer: one rollout process cannot keep up, both colocated ones can
+    after = predict(calibrate(phase, StepTimings(8, 10 * phase.gen(8), 8, phase.train(8))), cfg, 2)
+    assert min(after, key=after.get) == "colocated"
+
+
+def test_mean_timings_keeps_the_phase_only_when_every_step_measured_it() -> None:
+    a, b = StepTimings(4, 1.0, 8, 2.0, 0.5), StepTimings(4, 3.0, 8, 4.0, 0.1)
+    assert mean_timings([a, b]) == StepTimings(4, 2.0, 8, 3.0, pytest.approx(0.3))
+    assert mean_timings([a, dataclasses.replace(b, phase_s=None)]).phase_s is None
+
+
+def test_next_mode_switches_only_past_the_margin_and_the_switch_cost() -> None:
+    predicted = {"colocated": 1.0, "separate": 0.8, "hybrid": 0.85}
+    assert next_mode(predicted, "separate", 100, 1.0, 0.1)[0] == "separate"
+    assert next_mode(predicted, "colocated", 100, 1.0, 0.1) == (
+        "separate",
+        next_mode(predicted, "colocated", 100, 1.0, 0.1)[1],
+    )
+    mode, why = next_mode(predicted, "colocated", 100, 25.0, 0.1)
+    assert mode == "colocated" and "less than the switch" in why, "0.2 s x 100 prompts does not pay 25 s"
+    mode, why = next_mode(predicted, "colocated", 100, 1.0, 0.25)
+    assert mode == "colocated" and "within the margin" in why
+    assert (
+        next_mode({"colocated": 1.0, "separate": float("inf")}, "colocated", 10, 0.0, 0.0)[0] == "colocated"
+    )
+
+
+def test_auto_costs_file_formats_and_errors(tmp_path: Path) -> None:
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"costs": costs_to_json(POINTS), "workloads": {}}))
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": 3, "auto": {"measured_costs": costs_to_json(POINTS)}}))
+    assert load_costs(str(measured)) == load_costs(str(summary)) == POINTS
+    (tmp_path / "bad.json").write_text(json.dumps({"steps": 3}))
+    for bad in ("bad.json", "missing.json"):
+        with pytest.raises(ConfigError, match="auto_costs=.*odrl simulate"):
+            load_costs(str(tmp_path / bad))
