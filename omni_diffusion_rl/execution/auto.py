@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..config import ConfigError, ExperimentConfig
+from ..distributed import all_reduce_sum
 from .costs import CostModel, Workload
 from .measure import costs_to_json, measure_costs
-from .recheck import AutoRecheck, collective_device, steady_seconds
+from .recheck import AutoRecheck, steady_seconds
 from .simulate import MODES, SimResult, simulate
 
 PREDICTED_STEPS = 20
@@ -78,9 +79,8 @@ def _mean_over_processes(costs: CostModel, device: torch.device | None = None) -
     scalars = [n for n, v in fields.items() if not isinstance(v, tuple)]
     tables = [n for n, v in fields.items() if isinstance(v, tuple)]
     flat = [float(fields[n]) for n in scalars] + [y for n in tables for _, y in fields[n]]
-    values = torch.tensor(flat, dtype=torch.float64, device=collective_device(device))
-    dist.all_reduce(values)
-    values = (values / dist.get_world_size()).tolist()
+    total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64), device=device)
+    values = (total / dist.get_world_size()).tolist()
     out: dict[str, Any] = dict(zip(scalars, values[: len(scalars)], strict=True))
     rest = iter(values[len(scalars) :])
     for name in tables:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed import all_reduce_sum
 from .costs import CostModel
 from .simulate import SimResult
 
@@ -100,21 +101,14 @@ def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int)
     return StepTimings(k, metrics["rollout/seconds_per_group"], p * k, metrics["time/train_s"])
 
 
-def collective_device(device: torch.device | None) -> torch.device:
-    """Where a tensor for a default-group collective must live (nccl needs the process's GPU)."""
-    nccl = "nccl" in str(dist.get_backend())
-    return device if nccl and device is not None else torch.device("cpu")
-
-
 def _mean_over_processes(timings: StepTimings, device: torch.device) -> StepTimings:
     """Colocated: every process measured its own share; all of them decide on the mean."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return timings
     t = timings
     fields = [t.gen_samples, t.gen_s, t.train_samples, t.train_s, t.phase_s or 0.0]
-    values = torch.tensor(fields, dtype=torch.float64, device=collective_device(device))
-    dist.all_reduce(values)
-    mean = (values / dist.get_world_size()).tolist()
+    total = all_reduce_sum(torch.tensor(fields, dtype=torch.float64), device=device)
+    mean = (total / dist.get_world_size()).tolist()
     return StepTimings(*mean[:4], phase_s=None if timings.phase_s is None else mean[4])
 
 

@@ -27,6 +27,7 @@ from ..algorithms.nft import nft_loss
 from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ExperimentConfig
+from ..distributed import all_gather_cat, all_reduce_sum
 from ..media import save_previews
 from ..models import build_nft_policy, lora
 from ..prompts import load_prompts
@@ -46,13 +47,23 @@ def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Gener
 
 class NFTTrainer:
     def __init__(
-        self, cfg: ExperimentConfig, accelerator: Any | None = None, device: torch.device | None = None
+        self,
+        cfg: ExperimentConfig,
+        accelerator: Any | None = None,
+        device: torch.device | None = None,
+        group: Any = None,
     ) -> None:
+        """`accelerator`: every process trains (colocated); or `device` and, when several processes
+        train together (the trainer processes of an async mode), their process `group`."""
         built = time.perf_counter()
         self.cfg = cfg
         self.accelerator = accelerator
-        self.rank = accelerator.process_index if accelerator else 0
-        self.world_size = accelerator.num_processes if accelerator else 1
+        self.group = group  # None: the accelerator's processes (all of them), or this process alone
+        if group is not None:
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            self.rank = accelerator.process_index if accelerator else 0
+            self.world_size = accelerator.num_processes if accelerator else 1
         self.is_main = self.rank == 0
         if cfg.data.prompts_per_step % self.world_size:
             raise ValueError(
@@ -165,7 +176,7 @@ class NFTTrainer:
 
     # ------------------------------------------------------------------ distributed helpers
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.gather(t) if self.world_size > 1 else t
+        return all_gather_cat(t, self.group, self.device) if self.world_size > 1 else t
 
     def _weighted_mean_over_ranks(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
         """sum_i w_i m_i / sum_i w_i over processes for the loss metrics (w_i: trained samples); a
@@ -174,7 +185,7 @@ class NFTTrainer:
         if self.world_size == 1:
             return {n: metrics.get(n, float("nan")) for n in names}
         values = torch.tensor([metrics.get(n, 0.0) * weight for n in names] + [weight], dtype=torch.float64)
-        dist.all_reduce(values)
+        values = all_reduce_sum(values, self.group, self.device)
         total = float(values[-1])
         return {
             n: float(v) / total if total > 0 else float("nan")
@@ -207,8 +218,9 @@ class NFTTrainer:
         if self.world_size == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.flatten() * weight for g in grads] + [torch.tensor([float(weight)])])
-        dist.all_reduce(flat)
+        weights = torch.tensor([float(weight)], device=grads[0].device)
+        flat = torch.cat([g.flatten() * weight for g in grads] + [weights])
+        flat = all_reduce_sum(flat, self.group, self.device)
         total, flat = flat[-1], flat[:-1]
         flat /= total
         offset = 0
@@ -331,8 +343,7 @@ class NFTTrainer:
         """Raise on every process when one failed (the others would wait for it in a collective)."""
         failed = error is not None
         if self.world_size > 1:
-            flag = torch.tensor([1.0 if failed else 0.0])
-            dist.all_reduce(flag)
+            flag = all_reduce_sum(torch.tensor([1.0 if failed else 0.0]), self.group, self.device)
             failed = bool(flag.item() > 0)
         if error is not None:
             raise error
@@ -344,7 +355,7 @@ class NFTTrainer:
         names = sorted(parts)
         if self.world_size > 1:
             everyone: list[list[str]] = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(everyone, names)
+            dist.all_gather_object(everyone, names, group=self.group)
             names = sorted({n for ns in everyone for n in ns})
         size = len(next(iter(parts.values()))) if parts else 0
         nan = torch.full((size,), float("nan"))

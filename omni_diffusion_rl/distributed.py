@@ -1,0 +1,46 @@
+"""Collectives over a process group (the whole world, or the trainer processes of an async mode),
+with tensors placed where the backend needs them (nccl: the process's GPU) and put back after."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def collective_device(device: torch.device | None) -> torch.device:
+    """Where a tensor for a collective on the default backend must live (nccl: the GPU)."""
+    nccl = is_distributed() and "nccl" in str(dist.get_backend())
+    return device if nccl and device is not None and device.type == "cuda" else torch.device("cpu")
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any = None, device: torch.device | None = None) -> torch.Tensor:
+    """The sum of `t` over the group's processes (a new tensor on `t`'s device)."""
+    moved = t.to(collective_device(device))
+    moved = moved.clone() if moved is t else moved
+    dist.all_reduce(moved, group=group)
+    return moved.to(t.device)
+
+
+def all_gather_cat(t: torch.Tensor, group: Any = None, device: torch.device | None = None) -> torch.Tensor:
+    """Every process's `t` concatenated along dim 0 in rank order; lengths may differ."""
+    on = collective_device(device)
+    world = dist.get_world_size(group)
+    local = t.to(on)
+    if local.dtype == torch.bool:  # not every backend reduces or gathers bool
+        local = local.to(torch.uint8)
+    size = torch.tensor([local.shape[0]], dtype=torch.long, device=on)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=on)
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    out = torch.cat([part[: int(n)] for part, n in zip(parts, sizes, strict=True)])
+    return out.to(device=t.device, dtype=t.dtype)
