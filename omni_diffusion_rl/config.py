@@ -167,7 +167,7 @@ class ExecutionConfig:
         choices=("colocated", "separate", "hybrid", "auto"),
     )
     rollout_replicas: int = _spec(
-        1, "separate/hybrid: processes that only generate (all but rank 0 for now; auto sets it)", ge=1
+        1, "separate/hybrid: processes that only generate; the other (first) ones train (auto sets it)", ge=1
     )
     sync_every: int = _spec(1, "separate/hybrid: trainer steps between adapter syncs to rollout", ge=1)
     max_staleness: int = _spec(1, "separate/hybrid: trainer versions a sample may lag", ge=0)

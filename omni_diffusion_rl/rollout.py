@@ -32,6 +32,11 @@ class Rollout:
             grid=self.grid,
         )
 
+    def to(self, device: torch.device) -> Rollout:
+        """x0 and the condition on `device` (what came from another process is on the CPU)."""
+        cond = {k: v.to(device) for k, v in self.cond.items()}
+        return Rollout(self.prompts, self.group_ids, self.x0.to(device), cond, self.grid)
+
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
         return Rollout(

@@ -58,11 +58,12 @@ def _logs_to_wandb(accelerator: Accelerator) -> bool:
 class MetricsLogger:
     """Append one JSON object per `log` call to `{output_dir}/metrics.jsonl`, and mirror to wandb if asked.
 
-    Without an accelerator it is a plain single-process JSONL writer. With one, only the main process
-    writes. With `use_wandb`, an accelerator must have been built with `log_with="wandb"` (without
-    one, as in the trainer process of separate mode, wandb is used directly); the run is offline
-    unless WANDB_MODE says otherwise, and its files go under `output_dir/wandb`. Loggers given the
-    same `run_id` (a resumed run, auto's next mode) continue one wandb run.
+    Without an accelerator it is a plain single-process JSONL writer. With one (or with
+    `is_main_process` given), only the main process writes. With `use_wandb`, an accelerator must
+    have been built with `log_with="wandb"` (without one, as in the trainer processes of separate
+    mode, wandb is used directly); the run is offline unless WANDB_MODE says otherwise, and its
+    files go under `output_dir/wandb`. Loggers given the same `run_id` (a resumed run, auto's next
+    mode) continue one wandb run.
     """
 
     def __init__(
@@ -74,11 +75,14 @@ class MetricsLogger:
         run_name: str = "run",
         config: Mapping[str, Any] | None = None,
         run_id: str | None = None,
+        is_main_process: bool | None = None,
     ) -> None:
         self.output_dir = os.fspath(output_dir)
         self.accelerator = accelerator
         self.use_wandb = use_wandb
-        self.is_main_process = accelerator is None or accelerator.is_main_process
+        if is_main_process is None:  # given: whether this is the process that logs for all
+            is_main_process = accelerator is None or accelerator.is_main_process
+        self.is_main_process = is_main_process
         self.path = os.path.join(self.output_dir, METRICS_FILE)
         self._trackers_started = False
         self._run: Any = None  # the wandb run when logging without an accelerator
@@ -103,11 +107,11 @@ class MetricsLogger:
             settings: dict[str, Any] = {"name": run_name, "dir": self.output_dir}
             if run_id:
                 settings.update(id=run_id, resume="allow")
-            if accelerator is None:
+            if accelerator is None and self.is_main_process:
                 import wandb
 
                 self._run = wandb.init(project=project, config=flatten_config(config or {}), **settings)
-            else:
+            elif accelerator is not None:
                 accelerator.init_trackers(
                     project, config=flatten_config(config or {}), init_kwargs={"wandb": settings}
                 )

@@ -18,8 +18,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("model"))
 
 
-def _launch(args: list[str], port: int, env: dict[str, str] | None = None, timeout: int = 300):  # noqa: ANN202
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+def _launch(  # noqa: ANN202
+    args: list[str], port: int, env: dict[str, str] | None = None, timeout: int = 300, processes: int = 2
+):
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+    ]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(port), str(REPO / "recipes" / "train_nft.py"), *args]
     env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -225,3 +234,35 @@ def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path,
     assert len(runs) == len(segments) and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, (
         "one wandb run, continued"
     )
+
+
+def test_two_trainer_processes_share_each_step(model_dir: Path, tmp_path: Path) -> None:
+    """3 processes, 1 rollout: the leader takes each step from the buffer and sends the second
+    trainer its half; both train (one gradient average), the leader lends (hybrid) and syncs."""
+    run = tmp_path / "run"
+    args = (
+        fast_overrides(model_dir, run, 4)
+        + SLOW_ROLLOUT
+        + ["execution.mode=hybrid", "execution.rollout_replicas=1"]
+    )
+    proc = _launch(args, 29567, timeout=240, processes=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = last_json_line(proc.stdout)
+    ex = summary["execution"]
+    assert (ex["trainer_replicas"], ex["rollout_replicas"]) == (2, 1)
+    assert ex["hybrid"]["lends"] > 0, "one rollout process cannot keep up: the leader lends"
+    assert _balances(ex["buffer"]) and ex["buffer"]["trained"] == 4 * 2 * 2 == summary["samples"]["trained"]
+    assert max(int(k) for k in ex["buffer"]["staleness_histogram"]) <= 1
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], "one metrics writer"
+    assert summary["heldout_reward_after"] != summary["heldout_reward_before"]
+    assert not list(run.glob("failed_samples.rank*")), "no sample failed on either trainer"
+
+
+def test_a_layout_without_whole_shares_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    args = fast_overrides(model_dir, tmp_path / "run", 1) + [
+        "execution.mode=separate",
+        "data.prompts_per_step=3",
+    ]
+    proc = _launch([*args, "execution.rollout_replicas=1"], 29569, timeout=120, processes=3)
+    assert proc.returncode != 0 and "divisible by the 2 trainer processes" in proc.stderr

@@ -1,14 +1,17 @@
-"""separate and hybrid: rollout processes generate and score prompt groups continuously; one trainer
-process takes them from a versioned replay buffer and sends its rollout adapter back every k steps.
+"""separate and hybrid: rollout processes generate and score prompt groups continuously; trainer
+processes take them from a versioned replay buffer and send the rollout adapter back every k steps.
 
-Under `accelerate launch` (or torchrun) rank 0 trains and the other ranks are rollout processes
-(rollout_worker.py). Messages are safetensors bytes over dedicated gloo groups (transport.py). The
-trainer's staleness bound is applied when it takes a step's groups (stale ones are dropped and
-counted). hybrid adds lending: when the buffer runs low and rollout cannot keep up
-(scheduler.should_lend), the trainer generates a group itself with its current weights, then trains
-as soon as a step's groups are there; every lend is counted and timed (the first 200 listed).
-Checkpoints carry the buffer's accounting and the stream position, so a resumed run's accounting
-still balances.
+Under `accelerate launch` (or torchrun) ranks 0 .. T-1 train (T = processes - rollout_replicas) and
+the others are rollout processes (rollout_worker.py). Rank 0, the trainer leader, holds the buffer:
+it takes a step's groups, keeps the first 1/T and sends each other trainer its contiguous share
+(TrainerReplica); the trainers average gradients over their own process group, so all hold the same
+weights, and the leader alone syncs them to rollout. Messages are safetensors bytes over dedicated
+gloo groups (transport.py). The staleness bound is applied when the leader takes a step's groups
+(stale ones are dropped and counted). hybrid adds lending: when the buffer runs low and rollout
+cannot keep up (scheduler.should_lend), the leader generates a group itself with its current
+weights, then trains as soon as a step's groups are there; every lend is counted and timed (the
+first 200 listed). Checkpoints carry the buffer's accounting and the stream position, so a resumed
+run's accounting still balances.
 """
 
 from __future__ import annotations
@@ -33,18 +36,27 @@ from .rollout_worker import RolloutWorker, make_group
 MAX_SWITCH_RECORDS = 200  # lends listed one by one in the summary (all are counted)
 
 
-def check_layout(cfg: ExperimentConfig, world_size: int) -> None:
+def check_layout(cfg: ExperimentConfig, world_size: int) -> int:
+    """The number of trainer processes, once the layout is known to work."""
     ex = cfg.execution
     if world_size < 2:
         raise ConfigError(
             f"execution.mode={ex.mode} needs at least 2 processes (accelerate launch --num_processes N, "
-            "or torchrun --nproc_per_node N): rank 0 trains, the others generate"
+            "or torchrun --nproc_per_node N): the first ones train, the others generate"
         )
-    if ex.rollout_replicas != world_size - 1:
+    if ex.rollout_replicas >= world_size:
         raise ConfigError(
-            f"execution.rollout_replicas={ex.rollout_replicas}: {ex.mode} mode runs one trainer process "
-            f"for now, so with {world_size} processes it must be {world_size - 1}"
+            f"execution.rollout_replicas={ex.rollout_replicas} leaves no trainer among {world_size} "
+            f"processes: use at most {world_size - 1}"
         )
+    trainers = world_size - ex.rollout_replicas
+    if cfg.data.prompts_per_step % trainers:
+        raise ConfigError(
+            f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the {trainers} trainer "
+            f"processes ({world_size} processes - execution.rollout_replicas={ex.rollout_replicas}) so that "
+            "each trains whole prompt groups"
+        )
+    return trainers
 
 
 def run_separate(
@@ -56,16 +68,44 @@ def run_separate(
     """Run this process's role on `device`; the trainer (rank 0) returns the run summary (and
     tells `recheck`, auto's re-check, about every step)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_layout(cfg, world)
+    trainers = check_layout(cfg, world)
+    if trainers > 1 and recheck is not None:
+        raise ConfigError("auto's re-check runs one trainer process (auto sets rollout_replicas itself)")
     rank = dist.get_rank()
     data_group = dist.new_group(list(range(world)), backend="gloo")
     weights_group = dist.new_group(list(range(world)), backend="gloo")
+    trainer_group = share_group = None
+    if trainers > 1:  # every process creates every group, in the same order
+        trainer_group = dist.new_group(list(range(trainers)))  # gradients: nccl on GPUs
+        share_group = dist.new_group(list(range(trainers)), backend="gloo")  # the leader's shares
     if rank == 0:
-        trainer = SeparateTrainer(cfg, data_group, weights_group, list(range(1, world)), device)
+        rollout_ranks = list(range(trainers, world))
+        trainer = SeparateTrainer(
+            cfg, data_group, weights_group, rollout_ranks, device, trainer_group, share_group
+        )
         trainer.recheck = recheck
         return trainer.fit(resume)
-    RolloutWorker(cfg, rank - 1, world - 1, data_group, weights_group, device).run()
+    if rank < trainers:
+        return TrainerReplica(cfg, share_group, device, trainer_group).fit(resume)
+    RolloutWorker(cfg, rank - trainers, world - trainers, data_group, weights_group, device).run()
     return None
+
+
+class TrainerReplica(NFTTrainer):
+    """A trainer process besides the leader: trains the share of each step the leader sends it."""
+
+    def __init__(
+        self, cfg: ExperimentConfig, share_group: Any, device: torch.device | None, group: Any
+    ) -> None:
+        super().__init__(cfg, device=device, group=group)
+        self.share_group = share_group
+
+    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
+        """Blocks until the leader sends the share (a leader that died closes the connection)."""
+        data, _ = transport.recv_bytes(0, self.share_group, transport.SHARE_TAG)
+        rollout, scored, _, _ = transport.unpack_group(data)
+        self._t_generated = time.perf_counter()
+        return rollout.to(self.device), scored
 
 
 class SeparateTrainer(NFTTrainer):
@@ -78,8 +118,11 @@ class SeparateTrainer(NFTTrainer):
         weights_group: Any,
         rollout_ranks: list[int],
         device: torch.device | None = None,
+        trainer_group: Any = None,
+        share_group: Any = None,
     ) -> None:
-        super().__init__(cfg, device=device)
+        super().__init__(cfg, device=device, group=trainer_group)
+        self.share_group = share_group
         ex = cfg.execution
         capacity = buffer_capacity(ex.buffer_groups, cfg.data.prompts_per_step)
         self.buffer: ReplayBuffer[tuple[Rollout, ScoreResult]] = ReplayBuffer(capacity, ex.max_staleness)
@@ -215,9 +258,21 @@ class SeparateTrainer(NFTTrainer):
                     self.ready.wait(timeout=min(1.0, self.cfg.execution.data_timeout_s))
         self.idle["waiting_for_data"] += time.perf_counter() - start - self.lending_in_this_wait
         self.depths.append(len(self.buffer))
-        self.batch = batch
+        self.batch = batch  # all of the step's groups (settled here), in the trainers' rank order
+        mine = self._send_shares(batch)
         self._t_generated = time.perf_counter()
-        return Rollout.cat([g.payload[0] for g in batch]), cat_results([g.payload[1] for g in batch])
+        rollout = Rollout.cat([g.payload[0] for g in mine]).to(self.device)
+        return rollout, cat_results([g.payload[1] for g in mine])
+
+    def _send_shares(self, batch: list[Group[tuple[Rollout, ScoreResult]]]) -> list[Group[Any]]:
+        """Send trainer j its contiguous share of the step's groups; this process's share back."""
+        size = len(batch) // self.world_size
+        for j in range(1, self.world_size):  # trainer ranks are global ranks 0 .. T-1
+            share = batch[j * size : (j + 1) * size]
+            rollout = Rollout.cat([g.payload[0] for g in share])
+            payload = transport.pack_group(rollout, cat_results([g.payload[1] for g in share]), self.version)
+            transport.send_bytes(payload, j, self.share_group, transport.SHARE_TAG)
+        return batch[:size]
 
     # ------------------------------------------------------------------ hybrid lending
     def _should_lend(self) -> bool:
@@ -374,6 +429,7 @@ class SeparateTrainer(NFTTrainer):
         rollout_idle = {k: v - at_start.get(k, 0.0) for k, v in self._rollout_idle().items()}
         out = {
             "mode": self.cfg.execution.mode,
+            "trainer_replicas": self.world_size,
             "rollout_replicas": len(self.rollout_ranks),
             "seconds_per_trained_prompt": round(loop_s / max(1, trained_prompts), 4),
             "buffer": buffer_stats,

@@ -23,6 +23,7 @@ from ..serving.wire import read_metadata
 
 DATA_TAG = 11
 WEIGHTS_TAG = 12
+SHARE_TAG = 13  # the trainer leader -> another trainer: its share of a step
 
 
 def send_bytes(data: bytes, dst: int, group: Any, tag: int, timeout_s: float | None = None) -> None:

@@ -506,6 +506,7 @@ class NFTTrainer:
             run_name=cfg.tracking.run_name or self.output_dir.name,
             config=cfg.to_dict(),
             run_id=self.wandb_run_id,
+            is_main_process=self.is_main,
         )
         start = time.perf_counter()
         if cfg.train.eval_at_start_and_end and self.eval_before is None:
