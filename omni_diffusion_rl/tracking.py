@@ -131,7 +131,7 @@ class MetricsLogger:
             self._run.log(values, step=int(step))
 
     def close(self) -> None:
-        """Close the JSONL file and finish the trackers (accelerator.end_training) if they were started."""
+        """Close the JSONL file and finish the trackers if they were started."""
         if self._closed:
             return
         self._closed = True
@@ -139,7 +139,11 @@ class MetricsLogger:
             self._file.close()
             self._file = None
         if self._trackers_started and self.accelerator is not None:
-            self.accelerator.end_training()
+            # not accelerator.end_training(): it also destroys the process group, which the run
+            # may still need (auto's next mode; odrl train tears it down at exit)
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.accelerator.trackers = []
         if self._run is not None:
             self._run.finish()
             self._run = None
