@@ -9,9 +9,21 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.config import ConfigError, load_config
-from omni_diffusion_rl.execution.auto import load_costs, predict
+from omni_diffusion_rl.execution.auto import (
+    load_costs,
+    predict,
+    rollout_choices,
+    simulate_layout,
+    simulate_modes,
+)
 from omni_diffusion_rl.execution.measure import costs_to_json
-from omni_diffusion_rl.execution.recheck import StepTimings, calibrate, mean_timings, next_mode
+from omni_diffusion_rl.execution.recheck import (
+    StepTimings,
+    calibrate,
+    mean_timings,
+    next_mode,
+    steady_seconds,
+)
 
 from .test_simulate import COSTS
 
@@ -78,3 +90,17 @@ def test_auto_costs_file_formats_and_errors(tmp_path: Path) -> None:
     for bad in ("bad.json", "missing.json"):
         with pytest.raises(ConfigError, match="auto_costs=.*odrl simulate"):
             load_costs(str(tmp_path / bad))
+
+
+def test_async_modes_are_predicted_at_their_fastest_split() -> None:
+    cfg = load_config(None, ["data.prompts_per_step=4", "data.group_size=4"])
+    assert rollout_choices(cfg, 4) == [2, 3] and rollout_choices(cfg, 5) == [1, 3, 4], "whole shares only"
+    for gen_per_unit_s, most in ((0.02, 3), (0.0001, 2)):  # heavy generation wants more rollout processes
+        costs = dataclasses.replace(COSTS, gen_per_unit_s=gen_per_unit_s)
+        results = simulate_modes(costs, cfg, 4)
+        for mode in ("separate", "hybrid"):
+            each = {
+                r: steady_seconds(simulate_layout(costs, cfg, 4, mode, r)) for r in rollout_choices(cfg, 4)
+            }
+            assert results[mode].pool_replicas["rollout"] == min(each, key=each.get)
+        assert results["separate"].pool_replicas["rollout"] == most

@@ -196,15 +196,42 @@ def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_p
     assert summary["samples"]["trained"] == 2 * 2 * 2
 
 
+# the wrong prior's misprediction must save clearly more than a switch costs (1-2 s here, wandb's
+# start included)
+SLOWER_ROLLOUT = ["sampling.num_steps=120", "algorithm.timestep_fraction=0.0125"]
+
+
+def _wrong_prior(path: Path) -> Path:
+    """Costs that say generation is nearly free and training all fixed cost: separate looks best."""
+    costs = {"gen_fixed_s": 0.001, "gen_per_unit_s": 0.0, "length": 120, "train_fixed_s": 10.0}
+    path.write_text(json.dumps({"costs": {**costs, "train_per_sample_s": 0.0, "sync_s": 0.0}}))
+    return path
+
+
+def _check_segments(summary: dict, steps: int) -> list[dict]:
+    """Every switch made by a re-check, one segment per mode run, every step once, nothing lost."""
+    auto = summary["auto"]
+    switched = [r for r in auto["rechecks"] if r["next"] != r["running"]]
+    segments = auto["segments"]
+    assert [s["mode"] for s in segments[1:]] == [r["next"].split()[0] for r in switched]
+    assert [s["to_step"] for s in segments[:-1]] == [s["from_step"] for s in segments[1:]]
+    assert [s["to_step"] for s in segments[:-1]] == [r["step"] for r in switched]
+    assert segments[0]["from_step"] == 0 and segments[-1]["to_step"] == steps
+    assert auto["switches"] == len(switched) and all(r["measured_switch_s"] > 0 for r in switched)
+    assert all(_balances(s["buffer"]) for s in segments if s["mode"] != "colocated")
+    assert summary["samples"]["trained"] == steps * 2 * 2, "every mode's trained samples are counted"
+    return switched
+
+
 def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path, tmp_path: Path) -> None:
     """A wrong prior (generation nearly free, training all fixed cost) makes auto start separate;
     the re-check calibrates it with the rollout's real timings and switches (to colocated, or to
     hybrid, which the simulator then predicts about as fast) from a checkpoint, losing nothing."""
-    prior = tmp_path / "prior.json"
-    costs = {"gen_fixed_s": 0.001, "gen_per_unit_s": 0.0, "length": 30, "train_fixed_s": 10.0}
-    prior.write_text(json.dumps({"costs": {**costs, "train_per_sample_s": 0.0, "sync_s": 0.0}}))
+    prior = _wrong_prior(tmp_path / "prior.json")
     run = tmp_path / "run"
-    args = fast_overrides(model_dir, run, 16) + SLOW_ROLLOUT + ["execution.mode=auto", "tracking.wandb=true"]
+    args = (
+        fast_overrides(model_dir, run, 30) + SLOWER_ROLLOUT + ["execution.mode=auto", "tracking.wandb=true"]
+    )
     args += [
         f"execution.auto_costs={prior}",
         "execution.auto_recheck_every=2",
@@ -215,23 +242,14 @@ def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path,
     summary = last_json_line(proc.stdout)
     auto = summary["auto"]
     assert auto["picked"] == "separate" and auto["costs_from"] == str(prior) and auto["warmup_s"] < 1
-    switched = [r for r in auto["rechecks"] if r["next"] != r["running"]]
-    assert switched and switched[0]["running"] == "separate", auto["rechecks"]
-    assert switched[0]["measured_switch_s"] > 0 and switched[0]["measured"]["gen_s"] > 0.001
-    segments = auto["segments"]  # one per mode run, in order, covering every step once
-    assert [s["mode"] for s in segments] == ["separate"] + [r["next"] for r in switched]
-    assert [s["to_step"] for s in segments[:-1]] == [s["from_step"] for s in segments[1:]]
-    assert [s["to_step"] for s in segments[:-1]] == [r["step"] for r in switched]
-    assert (
-        segments[0]["from_step"] == 0 and segments[-1]["to_step"] == 16 and auto["switches"] == len(switched)
-    )
-    assert all(_balances(s["buffer"]) for s in segments if s["mode"] != "colocated")
-    assert summary["samples"]["trained"] == 16 * 2 * 2, "both modes' trained samples are counted"
-    assert [r["step"] for r in step_records(run)] == list(range(1, 17))
+    switched = _check_segments(summary, 30)
+    assert switched and switched[0]["running"] == "separate (1 rollout)", [r["why"] for r in auto["rechecks"]]
+    assert switched[0]["measured"]["gen_s"] > 0.001, "calibrated with the rollout's real timings"
+    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
     assert "heldout_reward_after" in summary, "evaluated once, at the real end"
     assert json.loads((run / "summary.json").read_text())["auto"]["switches"] == len(switched)
     runs = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(runs) == len(segments) and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, (
+    assert len(runs) == len(auto["segments"]) and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, (
         "one wandb run, continued"
     )
 
@@ -266,3 +284,25 @@ def test_a_layout_without_whole_shares_is_refused(model_dir: Path, tmp_path: Pat
     ]
     proc = _launch([*args, "execution.rollout_replicas=1"], 29569, timeout=120, processes=3)
     assert proc.returncode != 0 and "divisible by the 2 trainer processes" in proc.stderr
+
+
+def test_auto_follows_the_leader_with_two_trainer_processes(model_dir: Path, tmp_path: Path) -> None:
+    """3 processes: colocated cannot split 2 prompt groups, so auto weighs separate and hybrid at
+    each split; the wrong prior starts separate with 2 trainers, and when the leader's re-check
+    switches, the other trainer process follows at the same step."""
+    run = tmp_path / "run"
+    args = fast_overrides(model_dir, run, 24) + SLOWER_ROLLOUT + ["execution.mode=auto"]
+    args += [
+        f"execution.auto_costs={_wrong_prior(tmp_path / 'prior.json')}",
+        "execution.auto_recheck_every=2",
+    ]
+    proc = _launch([*args, "train.eval_at_start_and_end=false"], 29571, timeout=240, processes=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = last_json_line(proc.stdout)
+    auto = summary["auto"]
+    assert auto["predicted_s_per_prompt"]["colocated"] == float("inf")
+    assert auto["picked"] == "separate" and auto["rollout_replicas"]["separate"] == 1
+    switched = _check_segments(summary, 24)
+    assert switched and switched[0]["running"] == "separate (1 rollout)", [r["why"] for r in auto["rechecks"]]
+    assert auto["segments"][0]["trainer_replicas"] == 2
+    assert [r["step"] for r in step_records(run)] == list(range(1, 25))

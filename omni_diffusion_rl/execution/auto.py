@@ -31,8 +31,9 @@ from .simulate import MODES, SimResult, simulate
 PREDICTED_STEPS = 20
 
 
-def workloads(cfg: ExperimentConfig, processes: int) -> dict[str, Workload]:
-    """The colocated layout (every process) and the async one (rollout_replicas of them generate)."""
+def workload(cfg: ExperimentConfig, processes: int, rollout_replicas: int | None = None) -> Workload:
+    """The job laid out on `processes`: colocated (no rollout_replicas) or async, with that many
+    rollout processes and the rest training."""
     ex = cfg.execution
     common = {
         "replicas": processes,
@@ -44,25 +45,46 @@ def workloads(cfg: ExperimentConfig, processes: int) -> dict[str, Workload]:
         "buffer_groups": ex.buffer_groups,
         "lend_threshold": ex.lend_threshold,
     }
-    rollout = processes - 1  # separate/hybrid run one trainer process for now
-    return {"colocated": Workload(**common), "async": Workload(**common, rollout_replicas=rollout)}
+    return (
+        Workload(**common)
+        if rollout_replicas is None
+        else Workload(**common, rollout_replicas=rollout_replicas)
+    )
+
+
+def rollout_choices(cfg: ExperimentConfig, processes: int) -> list[int]:
+    """Rollout process counts an async mode can run with (the trainers get whole shares)."""
+    return [r for r in range(1, processes) if cfg.data.prompts_per_step % (processes - r) == 0]
 
 
 def simulate_modes(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, SimResult | None]:
-    """Each mode simulated for `processes` processes; None for a mode that cannot run this layout
+    """Each mode simulated for `processes` processes, an async mode at its fastest split into
+    rollout and trainer processes (the result's pool_replicas); None for a mode that cannot run
     (colocated needs prompts_per_step divisible by the processes; an async layout may stall)."""
-    work = workloads(cfg, processes)
+    whole = cfg.data.prompts_per_step % processes == 0
     out: dict[str, SimResult | None] = {}
     for mode in MODES:
-        if mode == "colocated" and cfg.data.prompts_per_step % processes:
-            out[mode] = None
-            continue
-        layout = work["colocated" if mode == "colocated" else "async"]
-        try:
-            out[mode] = simulate(mode, costs, layout, PREDICTED_STEPS)
-        except RuntimeError:  # the simulated layout stalled
-            out[mode] = None
+        splits: list[int | None] = [*rollout_choices(cfg, processes)]
+        if mode == "colocated":
+            splits = [None] if whole else []
+        results = [simulate_layout(costs, cfg, processes, mode, rollout) for rollout in splits]
+        out[mode] = min((r for r in results if r is not None), key=steady_seconds, default=None)
     return out
+
+
+def simulate_layout(
+    costs: CostModel, cfg: ExperimentConfig, processes: int, mode: str, rollout_replicas: int | None
+) -> SimResult | None:
+    """One mode on one split of the processes (None: the simulated layout stalled)."""
+    try:
+        return simulate(mode, costs, workload(cfg, processes, rollout_replicas), PREDICTED_STEPS)
+    except RuntimeError:
+        return None
+
+
+def rollout_replicas_of(result: SimResult | None) -> int | None:
+    """The rollout processes of a simulated async layout (None for colocated)."""
+    return None if result is None else result.pool_replicas.get("rollout")
 
 
 def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, float]:
@@ -122,7 +144,8 @@ def choose_mode(
         )
         costs = _mean_over_processes(costs, device)
         gc.collect()
-    predicted = predict(costs, cfg, processes)
+    results = simulate_modes(costs, cfg, processes)
+    predicted = {m: steady_seconds(r) for m, r in results.items()}
     picked = min(predicted, key=predicted.get)
     if predicted[picked] == float("inf"):
         raise ConfigError(
@@ -133,15 +156,16 @@ def choose_mode(
         "picked": picked,
         "costs_from": cfg.execution.auto_costs or "warm-up",
         "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
+        "rollout_replicas": {m: rollout_replicas_of(r) for m, r in results.items() if m != "colocated"},
         "measured_costs": costs_to_json(costs),
         "warmup_s": round(time.perf_counter() - start, 2),
         "processes": processes,
     }
-    return _with_mode(cfg, picked, processes), report, costs
+    return _with_mode(cfg, picked, rollout_replicas_of(results[picked])), report, costs
 
 
-def _with_mode(cfg: ExperimentConfig, mode: str, processes: int = 1) -> ExperimentConfig:
-    ex = dataclasses.replace(cfg.execution, mode=mode, rollout_replicas=max(1, processes - 1))
+def _with_mode(cfg: ExperimentConfig, mode: str, rollout_replicas: int | None = None) -> ExperimentConfig:
+    ex = dataclasses.replace(cfg.execution, mode=mode, rollout_replicas=rollout_replicas or 1)
     return dataclasses.replace(cfg, execution=ex)
 
 
@@ -166,8 +190,8 @@ def run_auto(
         recheck = AutoRecheck(
             costs,
             cfg,
-            processes,
             lambda c: simulate_modes(c, cfg, processes),
+            lambda c, mode, rollout: simulate_layout(c, cfg, processes, mode, rollout),
             ex.auto_recheck_every,
             ex.auto_switch_margin,
         )
@@ -179,10 +203,10 @@ def run_auto(
             segments.append(_segment(run_cfg.execution.mode, summary))
         if recheck is None:
             break
-        switch_to = _agree(recheck.switch_to, decisions)  # rank 0 decided (rollout ranks did not)
+        switch_to, rollout = _agree(recheck.switch_to, recheck.switch_rollout, decisions)
         if switch_to is None:
             break
-        run_cfg = _with_mode(cfg, switch_to, processes)
+        run_cfg = _with_mode(cfg, switch_to, rollout)
         resume = str(Path(cfg.train.output_dir) / "checkpoints")  # the checkpoint the old mode just wrote
     if summary is None:
         return None
@@ -220,12 +244,15 @@ def _segment(mode: str, summary: dict[str, Any]) -> dict[str, Any]:
     out = {"mode": mode, "from_step": end - summary["steps_this_run"], "to_step": end}
     out.update({k: summary[k] for k in keys if k in summary})
     if "execution" in summary:
-        out["buffer"] = summary["execution"]["buffer"]
+        ex = summary["execution"]
+        out.update(rollout_replicas=ex["rollout_replicas"], trainer_replicas=ex["trainer_replicas"])
+        out["buffer"] = ex["buffer"]
     return out
 
 
-def _agree(switch_to: str | None, group: Any) -> str | None:
-    """Rank 0's decision, on every process."""
-    code = torch.tensor([MODES.index(switch_to) if switch_to else -1], dtype=torch.int64)
+def _agree(switch_to: str | None, rollout: int | None, group: Any) -> tuple[str | None, int | None]:
+    """Rank 0's decision (the mode, and its rollout processes), on every process."""
+    code = torch.tensor([MODES.index(switch_to) if switch_to else -1, rollout or 0], dtype=torch.int64)
     dist.broadcast(code, src=0, group=group)
-    return None if int(code) < 0 else MODES[int(code)]
+    mode, replicas = int(code[0]), int(code[1])
+    return (None, None) if mode < 0 else (MODES[mode], replicas or None)

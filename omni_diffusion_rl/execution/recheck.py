@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..distributed import all_reduce_sum
 from .costs import CostModel
-from .simulate import SimResult
+from .simulate import MODES, SimResult
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int)
         return StepTimings(share, gen_s, share, train_s, step_s - gen_s - train_s)
     if "rollout/seconds_per_group" not in metrics:  # no group arrived during this step
         return None
-    return StepTimings(k, metrics["rollout/seconds_per_group"], p * k, metrics["time/train_s"])
+    share = p // world_size * k  # world_size: the trainer processes
+    return StepTimings(k, metrics["rollout/seconds_per_group"], share, metrics["time/train_s"])
 
 
 def _mean_over_processes(timings: StepTimings, device: torch.device) -> StepTimings:
@@ -121,33 +122,37 @@ class AutoRecheck:
         self,
         costs: CostModel,
         cfg: Any,
-        processes: int,
         predict_fn: Any,
+        simulate_fn: Any,
         every: int,
         margin: float,
     ) -> None:
-        self.costs, self.cfg, self.processes = costs, cfg, processes
-        self.predict_fn = predict_fn  # (costs) -> {mode: SimResult | None}
+        self.costs, self.cfg = costs, cfg
+        self.predict_fn = predict_fn  # (costs) -> {mode: SimResult | None} (async: its fastest split)
+        self.simulate_fn = simulate_fn  # (costs, mode, rollout_replicas) -> SimResult | None
         self.every, self.margin = every, margin
         self.mode = ""
+        self.rollout: int | None = None  # the running mode's rollout processes (async)
         self.window: list[StepTimings] = []
         self.skip_next = True
         self.log: list[dict[str, Any]] = []
         self.switch_to: str | None = None
+        self.switch_rollout: int | None = None  # the next mode's rollout processes (async)
         self.decided_at: float | None = None
         self.measured_switch_s: list[float] = []
-        self.build_s = 0.0
+        self.startup_s = 0.0  # the running mode's start-up (building, loading, start messages)
 
     def loop_started(self, trainer: Any) -> None:
         """A segment's loop starts (its first step, which may fill a buffer, is not measured)."""
         now = time.perf_counter()
-        self.mode = trainer.cfg.execution.mode
+        ex = trainer.cfg.execution
+        self.mode, self.rollout = ex.mode, (None if ex.mode == "colocated" else ex.rollout_replicas)
         if self.decided_at is not None:  # the switch just made: from the decision to this loop start
             self.measured_switch_s.append(now - self.decided_at)
             self.log[-1]["measured_switch_s"] = round(now - self.decided_at, 3)
         self.decided_at = None
-        self.switch_to = None
-        self.build_s = getattr(trainer, "build_s", 0.0)
+        self.switch_to = self.switch_rollout = None
+        self.startup_s = trainer.startup_s
         self.window, self.skip_next = [], True
 
     def after_step(self, trainer: Any, metrics: dict[str, float]) -> bool:
@@ -164,47 +169,76 @@ class AutoRecheck:
             if not self.window:  # a collective needs every process, each with something to send
                 self.window.append(timings)  # type: ignore[arg-type]  # colocated always measures
             measured = _mean_over_processes(mean_timings(self.window), trainer.device)
-        elif self.window:
-            measured = mean_timings(self.window)
-        else:
+            return self._decide(trainer.step, measured)
+        leader = trainer.rank == 0  # async: the trainer leader sees the rollout timings
+        switch = self._decide(trainer.step, mean_timings(self.window)) if leader and self.window else False
+        if trainer.world_size > 1:  # several trainer processes: all follow the leader
+            switch = self._follow_leader(switch, trainer)
+        return switch
+
+    def _follow_leader(self, switch: bool, trainer: Any) -> bool:
+        """The leader's decision on every trainer process of an async mode."""
+        code = torch.tensor([MODES.index(self.switch_to) if switch and self.switch_to else -1, 0])
+        code[1] = self.switch_rollout or 0
+        dist.broadcast(code, src=0, group=trainer.share_group)
+        if int(code[0]) < 0:
             return False
-        return self._decide(trainer.step, measured)
+        self.switch_to, self.switch_rollout = MODES[int(code[0])], int(code[1]) or None
+        self.decided_at = self.decided_at or time.perf_counter()
+        return True
 
     def _decide(self, step: int, measured: StepTimings) -> bool:
+        """Calibrate, predict every mode (async at its fastest split) and the running layout, and
+        keep it or pick the fastest by next_mode's rule."""
         start = time.perf_counter()
         self.costs = calibrate(self.costs, measured)
         results = self.predict_fn(self.costs)
         predicted = {m: steady_seconds(r) for m, r in results.items()}
-        remaining = (self.cfg.train.steps - step) * self.cfg.data.prompts_per_step
         best = min(predicted, key=predicted.get)
-        cost = self.switch_cost(results.get(best))
-        mode, why = next_mode(predicted, self.mode, remaining, cost, self.margin)
+        target = (best, _rollout_of(results[best]))
+        running = (self.mode, self.rollout)
+        labels = {running: _label(*running), target: _label(*target)}
+        values = {labels[running]: steady_seconds(self.simulate_fn(self.costs, *running))}
+        values[labels[target]] = min(predicted[best], values.get(labels[target], float("inf")))
+        remaining = (self.cfg.train.steps - step) * self.cfg.data.prompts_per_step
+        cost = self.switch_cost(results[best])
+        chosen, why = next_mode(values, labels[running], remaining, cost, self.margin)
         self.window = []
         self.log.append(
             {
                 "step": step,
-                "running": self.mode,
+                "running": labels[running],
                 "measured": {k: round(v, 4) for k, v in _fields(measured)},
                 "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
+                "running_predicted_s_per_prompt": round(values[labels[running]], 4),
                 "switch_cost_s": round(cost, 3),
-                "next": mode,
+                "next": chosen,
                 "why": why,
                 "recheck_s": round(time.perf_counter() - start, 4),
             }
         )
-        if mode == self.mode:
+        if chosen == labels[running]:
             return False
-        self.switch_to, self.decided_at = mode, time.perf_counter()
+        (self.switch_to, self.switch_rollout), self.decided_at = target, time.perf_counter()
         return True
 
     def switch_cost(self, result: SimResult | None) -> float:
-        """Seconds a switch costs: measured on an earlier switch, else building the trainer again;
-        plus the new mode's slower first step (an async buffer filling up)."""
-        base = max(self.measured_switch_s) if self.measured_switch_s else self.build_s
+        """Seconds a switch costs: measured on an earlier switch, else starting the running mode
+        again; plus the new mode's slower first step (an async buffer filling up)."""
+        base = max(self.measured_switch_s) if self.measured_switch_s else self.startup_s
         if result is None:
             return base
         steady_step = steady_seconds(result) * self.cfg.data.prompts_per_step
         return base + max(0.0, result.first_step_s - steady_step)
+
+
+def _rollout_of(result: SimResult | None) -> int | None:
+    return None if result is None else result.pool_replicas.get("rollout")
+
+
+def _label(mode: str, rollout: int | None) -> str:
+    """A mode and its split, as logged: `colocated`, or e.g. `separate (1 rollout)`."""
+    return mode if rollout is None else f"{mode} ({rollout} rollout)"
 
 
 def _fields(timings: StepTimings) -> Any:

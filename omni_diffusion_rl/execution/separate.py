@@ -69,8 +69,6 @@ def run_separate(
     tells `recheck`, auto's re-check, about every step)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     trainers = check_layout(cfg, world)
-    if trainers > 1 and recheck is not None:
-        raise ConfigError("auto's re-check runs one trainer process (auto sets rollout_replicas itself)")
     rank = dist.get_rank()
     data_group = dist.new_group(list(range(world)), backend="gloo")
     weights_group = dist.new_group(list(range(world)), backend="gloo")
@@ -86,7 +84,9 @@ def run_separate(
         trainer.recheck = recheck
         return trainer.fit(resume)
     if rank < trainers:
-        return TrainerReplica(cfg, share_group, device, trainer_group).fit(resume)
+        replica = TrainerReplica(cfg, share_group, device, trainer_group)
+        replica.recheck = recheck  # it follows the leader's decisions
+        return replica.fit(resume)
     RolloutWorker(cfg, rank - trainers, world - trainers, data_group, weights_group, device).run()
     return None
 

@@ -89,7 +89,9 @@ class NFTTrainer:
         self.output_dir = Path(cfg.train.output_dir)
         self.recheck: Any = None  # auto: execution.recheck.AutoRecheck, told about every step
         self.wandb_run_id = uuid.uuid4().hex[:16]  # kept in checkpoints: a resumed run logs to the same run
-        self.build_s = time.perf_counter() - built  # what building this trainer again would cost
+        self.built_at = time.perf_counter()
+        self.build_s = self.built_at - built
+        self.startup_s = self.build_s  # + loading, start-up messages (set at the loop's start)
 
     # ------------------------------------------------------------------ identity and state
     def model_fingerprint(self) -> str:
@@ -513,6 +515,7 @@ class NFTTrainer:
             self.eval_before = self.evaluate()
             if cfg.train.preview_every:
                 self.preview(f"step_{self.step:05d}")
+        evaluating_s = time.perf_counter() - start
         bar = tqdm(
             total=cfg.train.steps,
             initial=self.step,
@@ -520,6 +523,7 @@ class NFTTrainer:
             disable=not (cfg.train.progress and self.is_main),
         )
         first_step, loop_start = self.step, time.perf_counter()
+        self.startup_s = self.build_s + loop_start - self.built_at - evaluating_s  # what a restart costs
         if self.recheck is not None:
             self.recheck.loop_started(self)
         switching = False  # auto: the re-check stops this mode here to resume in another
