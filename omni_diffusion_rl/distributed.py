@@ -13,15 +13,15 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device(device: torch.device | None) -> torch.device:
-    """Where a tensor for a collective on the default backend must live (nccl: the GPU)."""
-    nccl = is_distributed() and "nccl" in str(dist.get_backend())
+def collective_device(device: torch.device | None, group: Any = None) -> torch.device:
+    """Where a tensor for a collective on `group` must live (nccl: the GPU)."""
+    nccl = is_distributed() and "nccl" in str(dist.get_backend(group))
     return device if nccl and device is not None and device.type == "cuda" else torch.device("cpu")
 
 
 def all_reduce_sum(t: torch.Tensor, group: Any = None, device: torch.device | None = None) -> torch.Tensor:
     """The sum of `t` over the group's processes (a new tensor on `t`'s device)."""
-    moved = t.to(collective_device(device))
+    moved = t.to(collective_device(device, group))
     moved = moved.clone() if moved is t else moved
     dist.all_reduce(moved, group=group)
     return moved.to(t.device)
@@ -29,7 +29,7 @@ def all_reduce_sum(t: torch.Tensor, group: Any = None, device: torch.device | No
 
 def all_gather_cat(t: torch.Tensor, group: Any = None, device: torch.device | None = None) -> torch.Tensor:
     """Every process's `t` concatenated along dim 0 in rank order; lengths may differ."""
-    on = collective_device(device)
+    on = collective_device(device, group)
     world = dist.get_world_size(group)
     local = t.to(on)
     if local.dtype == torch.bool:  # not every backend reduces or gathers bool
@@ -44,3 +44,10 @@ def all_gather_cat(t: torch.Tensor, group: Any = None, device: torch.device | No
     dist.all_gather(parts, padded, group=group)
     out = torch.cat([part[: int(n)] for part, n in zip(parts, sizes, strict=True)])
     return out.to(device=t.device, dtype=t.dtype)
+
+
+def broadcast_ints(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:
+    """Global rank 0's `values` on every process of `group`."""
+    t = torch.tensor(values, dtype=torch.int64, device=collective_device(device, group))
+    dist.broadcast(t, src=0, group=group)
+    return [int(v) for v in t.tolist()]

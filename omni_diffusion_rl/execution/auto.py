@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..config import ConfigError, ExperimentConfig
-from ..distributed import all_reduce_sum
+from ..distributed import all_reduce_sum, broadcast_ints
 from .costs import CostModel, Workload
 from .measure import costs_to_json, measure_costs
-from .recheck import AutoRecheck, steady_seconds
+from .recheck import AutoRecheck, rollout_replicas_of, steady_seconds
 from .simulate import MODES, SimResult, simulate
 
 PREDICTED_STEPS = 20
@@ -82,11 +82,6 @@ def simulate_layout(
         return None
 
 
-def rollout_replicas_of(result: SimResult | None) -> int | None:
-    """The rollout processes of a simulated async layout (None for colocated)."""
-    return None if result is None else result.pool_replicas.get("rollout")
-
-
 def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str, float]:
     """Steady seconds per trained prompt (after the first step) of each mode for `processes`
     processes; inf for a mode that cannot run this layout."""
@@ -136,7 +131,7 @@ def choose_mode(
         return _with_mode(cfg, "colocated"), report, None
     start = time.perf_counter()
     if cfg.execution.auto_costs:
-        costs = load_costs(cfg.execution.auto_costs)
+        costs = load_costs(cfg.execution.auto_costs).with_length(cfg.sampling.num_steps)
     else:
         steps = cfg.sampling.num_steps
         costs = measure_costs(
@@ -206,7 +201,9 @@ def run_auto(
         switch_to, rollout = _agree(recheck.switch_to, recheck.switch_rollout, decisions)
         if switch_to is None:
             break
+        recheck.switching(switch_to, rollout)
         run_cfg = _with_mode(cfg, switch_to, rollout)
+        _free_memory()  # the old mode's model before the new one builds its own
         resume = str(Path(cfg.train.output_dir) / "checkpoints")  # the checkpoint the old mode just wrote
     if summary is None:
         return None
@@ -252,7 +249,11 @@ def _segment(mode: str, summary: dict[str, Any]) -> dict[str, Any]:
 
 def _agree(switch_to: str | None, rollout: int | None, group: Any) -> tuple[str | None, int | None]:
     """Rank 0's decision (the mode, and its rollout processes), on every process."""
-    code = torch.tensor([MODES.index(switch_to) if switch_to else -1, rollout or 0], dtype=torch.int64)
-    dist.broadcast(code, src=0, group=group)
-    mode, replicas = int(code[0]), int(code[1])
+    mode, replicas = broadcast_ints([MODES.index(switch_to) if switch_to else -1, rollout or 0], group)
     return (None, None) if mode < 0 else (MODES[mode], replicas or None)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

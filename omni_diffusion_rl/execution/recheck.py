@@ -3,10 +3,11 @@ mode again, and switch when another mode is predicted faster by a margin and the
 the remaining steps pays for the switch.
 
 The running mode measures only its own batch sizes (colocated: a process's share of a step;
-separate/hybrid: one group per rollout call and a whole step on the trainer), so calibration scales
+separate/hybrid: one group per rollout call and a trainer process's share of a step), so calibration scales
 the warm-up's cost curves by measured / modelled at those sizes: the shape measured at warm-up is
-kept, the level follows the run (contention, longer generations, a slower reward). A colocated
-step also measures what it spends beyond generation and training (its phase cost).
+kept, the level follows the run (contention, longer generations, a slower reward). The colocated
+phase cost (switching every process between generating and training) is not measured here: a
+colocated step times exactly its generation and its training, so it keeps the warm-up's value.
 
 A switch ends the running mode at a step boundary with a checkpoint; the driver (auto.run_auto)
 resumes from it in the new mode. Colocated and async checkpoints resume each other.
@@ -15,6 +16,7 @@ resumes from it in the new mode. Colocated and async checkpoints resume each oth
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import all_reduce_sum
+from ..distributed import all_reduce_sum, broadcast_ints
 from .costs import CostModel
 from .simulate import MODES, SimResult
 
@@ -36,12 +38,10 @@ class StepTimings:
     gen_s: float  # seconds per generation call, scoring included
     train_samples: float  # samples of one trainer process's share of a step
     train_s: float
-    phase_s: float | None = None  # colocated: the step's seconds beyond generation and training
 
 
 def calibrate(costs: CostModel, timings: StepTimings) -> CostModel:
-    """`costs` with generation and training scaled so that they predict `timings` exactly (and the
-    colocated phase cost replaced by the measured one, when measured)."""
+    """`costs` with generation and training scaled so that they predict `timings` exactly."""
     gen_scale = timings.gen_s / max(costs.gen(timings.gen_samples), 1e-12)
     train_scale = timings.train_s / max(costs.train(timings.train_samples), 1e-12)
     changes: dict[str, Any] = {
@@ -53,20 +53,16 @@ def calibrate(costs: CostModel, timings: StepTimings) -> CostModel:
         "train_per_unit_s": costs.train_per_unit_s * train_scale,
         "train_points": tuple((x, y * train_scale) for x, y in costs.train_points),
     }
-    if timings.phase_s is not None:
-        changes["colocated_phase_s"] = max(0.0, timings.phase_s)
     return dataclasses.replace(costs, **changes)
 
 
 def mean_timings(window: list[StepTimings]) -> StepTimings:
-    """The mean of several steps' timings (the phase only when every step measured one)."""
-    phases = [t.phase_s for t in window]
+    """The mean of several steps' timings."""
     return StepTimings(
         gen_samples=statistics.fmean(t.gen_samples for t in window),
         gen_s=statistics.fmean(t.gen_s for t in window),
         train_samples=statistics.fmean(t.train_samples for t in window),
         train_s=statistics.fmean(t.train_s for t in window),
-        phase_s=None if None in phases else statistics.fmean(p for p in phases if p is not None),
     )
 
 
@@ -79,6 +75,10 @@ def next_mode(
     now, new = predicted[current], predicted[best]
     if best == current:
         return current, "the running mode is still predicted fastest"
+    if not math.isfinite(new):
+        return current, "no mode is predicted to run"
+    if not math.isfinite(now):
+        return best, f"{best} is predicted to run, the running layout is not"
     if new > now * (1 - margin):
         return current, f"{best} is predicted {100 * (1 - new / now):.1f}% faster, within the margin"
     saved = (now - new) * remaining_prompts
@@ -93,9 +93,7 @@ def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int)
     if mode == "colocated":
         share = p // world_size * k
         gen_s = metrics["time/rollout_s"] + metrics["time/reward_wait_s"]
-        step_s = metrics["time/sec_per_prompt"] * (p // world_size)
-        train_s = metrics["time/train_s"]
-        return StepTimings(share, gen_s, share, train_s, step_s - gen_s - train_s)
+        return StepTimings(share, gen_s, share, metrics["time/train_s"])
     if "rollout/seconds_per_group" not in metrics:  # no group arrived during this step
         return None
     share = p // world_size * k  # world_size: the trainer processes
@@ -106,11 +104,9 @@ def _mean_over_processes(timings: StepTimings, device: torch.device) -> StepTimi
     """Colocated: every process measured its own share; all of them decide on the mean."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return timings
-    t = timings
-    fields = [t.gen_samples, t.gen_s, t.train_samples, t.train_s, t.phase_s or 0.0]
-    total = all_reduce_sum(torch.tensor(fields, dtype=torch.float64), device=device)
-    mean = (total / dist.get_world_size()).tolist()
-    return StepTimings(*mean[:4], phase_s=None if timings.phase_s is None else mean[4])
+    fields = torch.tensor(dataclasses.astuple(timings), dtype=torch.float64)
+    mean = (all_reduce_sum(fields, device=device) / dist.get_world_size()).tolist()
+    return StepTimings(*mean)
 
 
 class AutoRecheck:
@@ -149,7 +145,8 @@ class AutoRecheck:
         self.mode, self.rollout = ex.mode, (None if ex.mode == "colocated" else ex.rollout_replicas)
         if self.decided_at is not None:  # the switch just made: from the decision to this loop start
             self.measured_switch_s.append(now - self.decided_at)
-            self.log[-1]["measured_switch_s"] = round(now - self.decided_at, 3)
+            if self.log:  # the process that decided logs
+                self.log[-1]["measured_switch_s"] = round(now - self.decided_at, 3)
         self.decided_at = None
         self.switch_to = self.switch_rollout = None
         self.startup_s = trainer.startup_s
@@ -165,27 +162,34 @@ class AutoRecheck:
         steps = self.cfg.train.steps
         if trainer.step % self.every or trainer.step >= steps:
             return False
-        if self.mode == "colocated":  # every process is here at the same step: decide together
+        if self.mode == "colocated":  # every process is here at the same step: pool the timings
             if not self.window:  # a collective needs every process, each with something to send
                 self.window.append(timings)  # type: ignore[arg-type]  # colocated always measures
-            measured = _mean_over_processes(mean_timings(self.window), trainer.device)
-            return self._decide(trainer.step, measured)
-        leader = trainer.rank == 0  # async: the trainer leader sees the rollout timings
-        switch = self._decide(trainer.step, mean_timings(self.window)) if leader and self.window else False
-        if trainer.world_size > 1:  # several trainer processes: all follow the leader
-            switch = self._follow_leader(switch, trainer)
+            measured: StepTimings | None = _mean_over_processes(mean_timings(self.window), trainer.device)
+            group = None  # the decision goes to every process
+        else:  # async: the trainer leader sees the rollout timings; other trainers follow it
+            measured = mean_timings(self.window) if self.window else None
+            group = trainer.share_group
+        switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)
+        if trainer.world_size > 1:  # one process decides (rounding could split the others)
+            switch = self._follow_leader(switch, group, trainer.device)
         return switch
 
-    def _follow_leader(self, switch: bool, trainer: Any) -> bool:
-        """The leader's decision on every trainer process of an async mode."""
-        code = torch.tensor([MODES.index(self.switch_to) if switch and self.switch_to else -1, 0])
-        code[1] = self.switch_rollout or 0
-        dist.broadcast(code, src=0, group=trainer.share_group)
-        if int(code[0]) < 0:
+    def _follow_leader(self, switch: bool, group: Any, device: torch.device) -> bool:
+        """Rank 0's decision on every process of `group`."""
+        code = [MODES.index(self.switch_to) if switch and self.switch_to else -1, self.switch_rollout or 0]
+        mode, rollout = broadcast_ints(code, group, device)
+        if mode < 0:
             return False
-        self.switch_to, self.switch_rollout = MODES[int(code[0])], int(code[1]) or None
+        self.switch_to, self.switch_rollout = MODES[mode], rollout or None
         self.decided_at = self.decided_at or time.perf_counter()
         return True
+
+    def switching(self, mode: str, rollout: int | None) -> None:
+        """Every process learns the switch (run_auto); the switch is timed from here where it was
+        not decided (a rollout process)."""
+        self.switch_to, self.switch_rollout = mode, rollout
+        self.decided_at = self.decided_at or time.perf_counter()
 
     def _decide(self, step: int, measured: StepTimings) -> bool:
         """Calibrate, predict every mode (async at its fastest split) and the running layout, and
@@ -195,7 +199,7 @@ class AutoRecheck:
         results = self.predict_fn(self.costs)
         predicted = {m: steady_seconds(r) for m, r in results.items()}
         best = min(predicted, key=predicted.get)
-        target = (best, _rollout_of(results[best]))
+        target = (best, rollout_replicas_of(results[best]))
         running = (self.mode, self.rollout)
         labels = {running: _label(*running), target: _label(*target)}
         values = {labels[running]: steady_seconds(self.simulate_fn(self.costs, *running))}
@@ -232,7 +236,8 @@ class AutoRecheck:
         return base + max(0.0, result.first_step_s - steady_step)
 
 
-def _rollout_of(result: SimResult | None) -> int | None:
+def rollout_replicas_of(result: SimResult | None) -> int | None:
+    """The rollout processes of a simulated async layout (None for colocated)."""
     return None if result is None else result.pool_replicas.get("rollout")
 
 

@@ -101,8 +101,13 @@ class TrainerReplica(NFTTrainer):
         self.share_group = share_group
 
     def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
-        """Blocks until the leader sends the share (a leader that died closes the connection)."""
+        """Blocks until the leader sends the share (a leader that died closes the connection; one
+        that failed sends an empty share)."""
         data, _ = transport.recv_bytes(0, self.share_group, transport.SHARE_TAG)
+        if not data:
+            raise RuntimeError(
+                f"the trainer leader (rank 0) failed at step {step + 1}; its error is in its output"
+            )
         rollout, scored, _, _ = transport.unpack_group(data)
         self._t_generated = time.perf_counter()
         return rollout.to(self.device), scored
@@ -233,8 +238,33 @@ class SeparateTrainer(NFTTrainer):
         return None
 
     def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
-        """The step's oldest trainable groups from the buffer, waiting for them within data_timeout_s
-        (hybrid: generating groups itself while it pays)."""
+        """This process's share of the step's oldest trainable groups from the buffer, waiting for
+        them within data_timeout_s (hybrid: generating groups itself while it pays); the other
+        trainer processes get theirs."""
+        try:
+            batch = self._wait_for_step()
+        except BaseException:
+            self._release_replicas()
+            raise
+        self.batch = batch  # all of the step's groups (settled here), in the trainers' rank order
+        mine = self._send_shares(batch)
+        self._t_generated = time.perf_counter()
+        rollout = Rollout.cat([g.payload[0].to(self.device) for g in mine])  # lent groups are there already
+        return rollout, cat_results([g.payload[1] for g in mine])
+
+    def _release_replicas(self) -> None:
+        """The step failed here: an empty share makes each other trainer process fail with it (in
+        the collective that follows) instead of waiting for its share."""
+        for j in range(1, self.world_size):
+            try:
+                transport.send_bytes(
+                    b"", j, self.share_group, transport.SHARE_TAG, self.cfg.execution.sync_timeout_s
+                )
+            except Exception as e:  # the original error is the one to see
+                print(f"odrl: could not tell trainer process {j} that the step failed: {e}", file=sys.stderr)
+
+    def _wait_for_step(self) -> list[Group[tuple[Rollout, ScoreResult]]]:
+        """All of the step's groups, once the buffer has them (under data_timeout_s)."""
         start = time.perf_counter()
         if self.loop_start is None:
             self.loop_start = start
@@ -258,18 +288,14 @@ class SeparateTrainer(NFTTrainer):
                     self.ready.wait(timeout=min(1.0, self.cfg.execution.data_timeout_s))
         self.idle["waiting_for_data"] += time.perf_counter() - start - self.lending_in_this_wait
         self.depths.append(len(self.buffer))
-        self.batch = batch  # all of the step's groups (settled here), in the trainers' rank order
-        mine = self._send_shares(batch)
-        self._t_generated = time.perf_counter()
-        rollout = Rollout.cat([g.payload[0] for g in mine]).to(self.device)
-        return rollout, cat_results([g.payload[1] for g in mine])
+        return batch
 
     def _send_shares(self, batch: list[Group[tuple[Rollout, ScoreResult]]]) -> list[Group[Any]]:
         """Send trainer j its contiguous share of the step's groups; this process's share back."""
         size = len(batch) // self.world_size
         for j in range(1, self.world_size):  # trainer ranks are global ranks 0 .. T-1
             share = batch[j * size : (j + 1) * size]
-            rollout = Rollout.cat([g.payload[0] for g in share])
+            rollout = Rollout.cat([g.payload[0].to(torch.device("cpu")) for g in share])
             payload = transport.pack_group(rollout, cat_results([g.payload[1] for g in share]), self.version)
             transport.send_bytes(payload, j, self.share_group, transport.SHARE_TAG)
         return batch[:size]

@@ -560,8 +560,6 @@ class NFTTrainer:
             "steps_this_run": self.step - first_step,
             "seconds": round(time.perf_counter() - start, 2),
         }
-        if switching:
-            summary["switch_to"] = self.recheck.switch_to
         p = cfg.data.prompts_per_step
         if self.step > first_step:  # the training loop alone: start-up, evaluation and saving excluded
             whole = (loop_end - loop_start) / (self.step - first_step) / p
