@@ -2,9 +2,9 @@
 
 With 2 processes, every run trains the same steps (so the same prompts) of the long setting:
 - `colocated`: the fastest fixed mode on this machine (bench modes);
-- `auto, wrong prior, no re-check`: auto given a costs file that says generation is nearly free and
-  training is all fixed cost (what a prior measured elsewhere may say), so it picks an async mode,
-  and keeps it (execution.auto_recheck_every=0);
+- `auto, wrong prior, no re-check`: auto given a costs file (`wrong_prior`) that makes separate
+  look twice as fast as colocated, so it picks separate, and keeps it
+  (execution.auto_recheck_every=0);
 - `auto, wrong prior, re-check`: the same, re-checking every `every` steps with the run's timings;
 - `auto, warm-up, re-check`: the normal path: costs measured at warm-up, re-checked as it runs.
 Runs take turns, `repeats` rounds, medians reported: whole-run seconds per trained prompt (the
@@ -19,18 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from .bench_modes import QUIET, SETTINGS, _launch, _median, _steady, publish
+from .config import load_config
 
-# generation nearly free, training all fixed cost: separate (1 rollout + 1 trainer) looks fastest
-WRONG_PRIOR = {
-    "costs": {
-        "gen_fixed_s": 0.001,
-        "gen_per_unit_s": 0.0,
-        "length": 40,
-        "train_fixed_s": 10.0,
-        "train_per_sample_s": 0.0,
-        "sync_s": 0.0,
+
+def wrong_prior(prompts_per_step: int, group_size: int, length: float, processes: int = 2) -> dict[str, Any]:
+    """Costs that make separate (1 rollout process) look twice as fast as colocated: generation
+    nearly free, and a trainer taking a whole step in half the time it takes for a colocated share
+    (what a prior measured elsewhere may wrongly say)."""
+    share = max(1, prompts_per_step // processes) * group_size
+    return {
+        "costs": {
+            "gen_fixed_s": 0.001,
+            "gen_per_unit_s": 0.0,
+            "length": length,
+            "train_fixed_s": 0.0,
+            "train_per_sample_s": 0.0,
+            "sync_s": 0.0,
+            "train_points": [[share, 10.0], [prompts_per_step * group_size, 5.0]],
+            "points_length": length,
+        }
     }
-}
 
 
 def run_recheck_bench(
@@ -45,7 +53,10 @@ def run_recheck_bench(
     """Every kind of run `repeats` times on `setting` (default: bench modes' long setting)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     prior = output.with_name(output.stem + "_wrong_prior.json")
-    prior.write_text(json.dumps(WRONG_PRIOR, indent=1), encoding="utf-8")
+    setting = SETTINGS["long"] if setting is None else setting
+    job = load_config(config, [*(overrides or []), *setting])
+    spec = wrong_prior(job.data.prompts_per_step, job.data.group_size, job.sampling.num_steps)
+    prior.write_text(json.dumps(spec, indent=1), encoding="utf-8")
     runs_args = {
         "colocated": ["execution.mode=colocated"],
         "auto, wrong prior, no re-check": [f"execution.auto_costs={prior}", "execution.auto_recheck_every=0"],
@@ -55,7 +66,6 @@ def run_recheck_bench(
         ],
         "auto, warm-up, re-check": [f"execution.auto_recheck_every={every}"],
     }
-    setting = SETTINGS["long"] if setting is None else setting
     base = [*(overrides or []), *setting, *QUIET, f"train.steps={steps}", "execution.mode=auto"]
     summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in runs_args}
     port = 29700

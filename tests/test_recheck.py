@@ -20,6 +20,7 @@ from omni_diffusion_rl.execution.measure import costs_to_json
 from omni_diffusion_rl.execution.recheck import (
     StepTimings,
     calibrate,
+    first_pick,
     mean_timings,
     next_mode,
     steady_seconds,
@@ -103,3 +104,11 @@ def test_async_modes_are_predicted_at_their_fastest_split() -> None:
             }
             assert results[mode].pool_replicas["rollout"] == min(each, key=each.get)
         assert results["separate"].pool_replicas["rollout"] == most
+
+
+def test_first_pick_prefers_colocated_unless_another_mode_is_clearly_faster() -> None:
+    inf = float("inf")
+    assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.1) == "colocated"
+    assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.85}, 0.1) == "hybrid"
+    assert first_pick({"colocated": inf, "separate": 0.95, "hybrid": 0.99}, 0.1) == "separate"
+    assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.0) == "hybrid"

@@ -25,7 +25,7 @@ from ..config import ConfigError, ExperimentConfig
 from ..distributed import all_reduce_sum, broadcast_ints
 from .costs import CostModel, Workload
 from .measure import costs_to_json, measure_costs
-from .recheck import AutoRecheck, rollout_replicas_of, steady_seconds
+from .recheck import AutoRecheck, first_pick, rollout_replicas_of, steady_seconds
 from .simulate import MODES, SimResult, simulate
 
 PREDICTED_STEPS = 20
@@ -141,7 +141,7 @@ def choose_mode(
         gc.collect()
     results = simulate_modes(costs, cfg, processes)
     predicted = {m: steady_seconds(r) for m, r in results.items()}
-    picked = min(predicted, key=predicted.get)
+    picked = first_pick(predicted, cfg.execution.auto_switch_margin)
     if predicted[picked] == float("inf"):
         raise ConfigError(
             f"auto: no execution mode can run this layout ({processes} processes, "

@@ -87,6 +87,15 @@ def next_mode(
     return best, f"{best} is predicted {100 * (1 - new / now):.1f}% faster, saving {saved:.1f} s"
 
 
+def first_pick(predicted: dict[str, float], margin: float) -> str:
+    """The mode to start with: colocated (on-policy, no buffer to fill) unless another mode is
+    predicted faster by more than `margin`, the simulator's error on a short warm-up being of that
+    order; otherwise the fastest."""
+    best = min(predicted, key=predicted.get)
+    colocated = predicted.get("colocated", math.inf)
+    return "colocated" if math.isfinite(colocated) and predicted[best] > colocated * (1 - margin) else best
+
+
 def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int) -> StepTimings | None:
     """One step's timings from the running mode's step metrics (None when it measured none)."""
     k, p = cfg.data.group_size, cfg.data.prompts_per_step
