@@ -179,6 +179,7 @@ class AutoRecheck:
         else:  # async: the trainer leader sees the rollout timings; other trainers follow it
             measured = mean_timings(self.window) if self.window else None
             group = trainer.share_group
+        self.window = []  # the next re-check sees only the steps after this one, on every process
         switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)
         if trainer.world_size > 1:  # one process decides (rounding could split the others)
             switch = self._follow_leader(switch, group, trainer.device)
@@ -216,7 +217,6 @@ class AutoRecheck:
         remaining = (self.cfg.train.steps - step) * self.cfg.data.prompts_per_step
         cost = self.switch_cost(results[best])
         chosen, why = next_mode(values, labels[running], remaining, cost, self.margin)
-        self.window = []
         self.log.append(
             {
                 "step": step,
