@@ -155,7 +155,8 @@ def run_learning_bench(
         "all_within_noise": all(row["within_noise"] for row in per_mode.values()),
         "staleness_within_bound": all(r["staleness_within_bound"] for r in runs),
     }
-    publish(result, output, format_table(result), _plot)
+    size = (1.6 * len(result["per_mode"]) + 2.0, 3.4)
+    publish(result, output, format_table(result), _draw, size)
     return result
 
 
@@ -179,14 +180,10 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _draw(axes: list[Any], result: dict[str, Any]) -> None:
+    """Held-out reward after training per mode: each seed and their mean, against before."""
+    ax = axes[0]
     modes = list(result["per_mode"])
-    fig, ax = plt.subplots(figsize=(1.6 * len(modes) + 2.0, 3.4))
     values = []
     for x, mode in enumerate(modes):
         row = result["per_mode"][mode]
@@ -205,6 +202,3 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("held-out reward after training")
     ax.set_title(f"{result['steps_per_run']} steps, 2 processes")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

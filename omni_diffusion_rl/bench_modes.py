@@ -100,18 +100,33 @@ def run_modes_bench(
             "measured_costs": autos[0]["measured_costs"],
         }
     result = {"processes": 2, "steps_per_run": steps, "rounds": repeats, "settings": rows}
-    publish(result, output, format_table(result), _plot)
+    publish(result, output, format_table(result), _draw, (4.5 * len(rows), 3.2), panels=len(rows))
     return result
 
 
 def publish(
-    result: dict[str, Any], output: Path, table: str, plot: Callable[[dict[str, Any], Path], None]
+    result: dict[str, Any],
+    output: Path,
+    table: str,
+    draw: Callable[[list[Any], dict[str, Any]], None],
+    size: tuple[float, float],
+    panels: int = 1,
 ) -> None:
-    """Print the table, write the JSON to `output` and the plot next to it (.png)."""
+    """Print the table, write the JSON to `output` and the plot next to it (.png): `draw(axes,
+    result)` fills a row of `panels` matplotlib axes in a figure of `size` inches."""
     print(table)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    plot(result, output.with_suffix(".png"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=size, squeeze=False)
+    draw(list(axes[0]), result)
+    fig.tight_layout()
+    fig.savefig(output.with_suffix(".png"), dpi=100)
+    plt.close(fig)
     print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
@@ -139,16 +154,9 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    settings = list(result["settings"])
-    fig, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.2), squeeze=False)
-    for ax, setting in zip(axes[0], settings, strict=True):
-        row = result["settings"][setting]
+def _draw(axes: list[Any], result: dict[str, Any]) -> None:
+    """Real against predicted seconds per prompt, one panel per setting."""
+    for ax, (setting, row) in zip(axes, result["settings"].items(), strict=True):
         xs = range(len(RUN_MODES))
         ax.bar([x - 0.2 for x in xs], [row["real_s_per_prompt"][m] for m in RUN_MODES], 0.4, label="real")
         predicted = [row["predicted_s_per_prompt"].get(m, 0.0) for m in RUN_MODES]
@@ -156,7 +164,4 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(list(xs), RUN_MODES)
         ax.set_title(setting)
         ax.set_ylabel("seconds per trained prompt")
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    axes[0].legend()

@@ -79,7 +79,7 @@ def run_recheck_bench(
     for row in rows.values():
         row["vs_colocated"] = round(row["whole_s_per_prompt"] / reference - 1, 4)
     result = {"processes": 2, "steps_per_run": steps, "recheck_every": every, "rounds": repeats, "runs": rows}
-    publish(result, output, format_table(result), _plot)
+    publish(result, output, format_table(result), _draw, (7.5, 3.2))
     return result
 
 
@@ -117,17 +117,9 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _draw(axes: list[Any], result: dict[str, Any]) -> None:
+    """Whole-run seconds per prompt of each run."""
     names = list(result["runs"])
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
-    ax.barh(names, [result["runs"][n]["whole_s_per_prompt"] for n in names])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per trained prompt (whole run)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    axes[0].barh(names, [result["runs"][n]["whole_s_per_prompt"] for n in names])
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("seconds per trained prompt (whole run)")
