@@ -3,6 +3,8 @@ with tensors placed where the backend needs them (nccl: the process's GPU) and p
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,3 +53,29 @@ def broadcast_ints(values: list[int], group: Any = None, device: torch.device | 
     t = torch.tensor(values, dtype=torch.int64, device=collective_device(device, group))
     dist.broadcast(t, src=0, group=group)
     return [int(v) for v in t.tolist()]
+
+
+def mean_over_processes(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Each value averaged over every process (the values themselves when not distributed)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return list(values)
+    total = all_reduce_sum(torch.tensor(values, dtype=torch.float64), device=device)
+    return (total / dist.get_world_size()).tolist()
+
+
+@contextlib.contextmanager
+def scoped_groups(specs: list[tuple[list[int], str | None]]) -> Iterator[list[Any]]:
+    """Process groups (ranks, backend) for one part of a run, destroyed when it ends: a run that
+    switches modes would otherwise keep every old mode's sockets and communicators. Every process
+    creates them in the same order; at a normal end all wait for each other on the first group
+    (every rank, gloo) before destroying, so no group goes away under a peer still using it. After
+    an error, here or on a peer (whose exit breaks the barrier), they are left to the process's
+    exit: the peer's own error says what went wrong."""
+    groups = [dist.new_group(ranks, backend=backend) for ranks, backend in specs]
+    yield groups
+    try:
+        dist.barrier(group=groups[0])
+    except RuntimeError:  # a peer failed and is gone
+        return
+    for group in groups:
+        dist.destroy_process_group(group)  # a no-op on processes outside the group

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from omni_diffusion_rl.execution.auto import (
 )
 from omni_diffusion_rl.execution.measure import costs_to_json
 from omni_diffusion_rl.execution.recheck import (
+    AutoRecheck,
     StepTimings,
     calibrate,
     first_pick,
@@ -25,7 +27,9 @@ from omni_diffusion_rl.execution.recheck import (
     next_mode,
     steady_seconds,
 )
+from omni_diffusion_rl.trainers.nft import NFTTrainer
 
+from .helpers import fast_overrides, tiny_model_dir
 from .test_simulate import COSTS
 
 POINTS = dataclasses.replace(
@@ -112,3 +116,31 @@ def test_first_pick_prefers_colocated_unless_another_mode_is_clearly_faster() ->
     assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.85}, 0.1) == "hybrid"
     assert first_pick({"colocated": inf, "separate": 0.95, "hybrid": 0.99}, 0.1) == "separate"
     assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.0) == "hybrid"
+
+
+def test_the_switch_estimate_counts_ending_and_restarting_the_mode(tmp_path: Path) -> None:
+    """Before any measured switch, a switch costs the running mode's last checkpoint, its start-up
+    from the segment's start (process groups, building, loading; here 0.3 s of it before the
+    trainer) and the new mode's slower first step; a measured switch replaces the estimate."""
+    overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "run", 3)
+    cfg = load_config(None, [*overrides, "train.checkpoint_every=1", "train.eval_at_start_and_end=false"])
+    recheck = AutoRecheck(
+        COSTS,
+        cfg,
+        lambda c: simulate_modes(c, cfg, 2),  # as if it had a second process
+        lambda c, mode, rollout: simulate_layout(c, cfg, 2, mode, rollout),
+        every=2,
+        margin=0.1,
+    )
+    recheck.segment_starting()
+    time.sleep(0.3)  # what run_auto does before the trainer: process groups, freeing memory
+    trainer = NFTTrainer(cfg)
+    trainer.recheck = recheck
+    trainer.fit()
+    assert recheck.startup_s >= 0.3 + trainer.build_s
+    assert 0 < recheck.teardown_s < 1.0, "colocated: the checkpoint at the re-check step, nothing in flight"
+    (entry,) = recheck.log
+    assert entry["step"] == 2
+    assert entry["switch_cost_s"] >= round(recheck.startup_s + recheck.teardown_s, 3) - 1e-3
+    recheck.measured_switch_s.append(7.0)
+    assert recheck.switch_cost(None) == 7.0

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..config import ConfigError, ExperimentConfig
-from ..distributed import all_reduce_sum, broadcast_ints
+from ..distributed import broadcast_ints, mean_over_processes
 from .costs import CostModel, Workload
 from .measure import costs_to_json, measure_costs
 from .recheck import AutoRecheck, first_pick, rollout_replicas_of, steady_seconds
@@ -90,14 +90,11 @@ def predict(costs: CostModel, cfg: ExperimentConfig, processes: int) -> dict[str
 
 def _mean_over_processes(costs: CostModel, device: torch.device | None = None) -> CostModel:
     """Every cost (and measured point) averaged over processes: the same model everywhere."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return costs
     fields = dataclasses.asdict(costs)
     scalars = [n for n, v in fields.items() if not isinstance(v, tuple)]
     tables = [n for n, v in fields.items() if isinstance(v, tuple)]
     flat = [float(fields[n]) for n in scalars] + [y for n in tables for _, y in fields[n]]
-    total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64), device=device)
-    values = (total / dist.get_world_size()).tolist()
+    values = mean_over_processes(flat, device)
     out: dict[str, Any] = dict(zip(scalars, values[: len(scalars)], strict=True))
     rest = iter(values[len(scalars) :])
     for name in tables:
@@ -193,6 +190,8 @@ def run_auto(
     decisions = dist.new_group(backend="gloo") if recheck is not None else None
     segments: list[dict[str, Any]] = []
     while True:
+        if recheck is not None:
+            recheck.segment_starting()
         summary = run_mode(run_cfg, resume, recheck)
         if summary is not None:
             segments.append(_segment(run_cfg.execution.mode, summary))

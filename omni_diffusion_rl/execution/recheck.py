@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..distributed import all_reduce_sum, broadcast_ints
+from ..distributed import broadcast_ints, mean_over_processes
 from .costs import CostModel
 from .simulate import MODES, SimResult
 
@@ -109,15 +108,6 @@ def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int)
     return StepTimings(k, metrics["rollout/seconds_per_group"], share, metrics["time/train_s"])
 
 
-def _mean_over_processes(timings: StepTimings, device: torch.device) -> StepTimings:
-    """Colocated: every process measured its own share; all of them decide on the mean."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return timings
-    fields = torch.tensor(dataclasses.astuple(timings), dtype=torch.float64)
-    mean = (all_reduce_sum(fields, device=device) / dist.get_world_size()).tolist()
-    return StepTimings(*mean)
-
-
 class AutoRecheck:
     """Called by the trainer around its loop (NFTTrainer.recheck): collects the steps' timings and,
     every `every` steps, decides whether to keep the running mode. One object lives for the whole
@@ -145,7 +135,13 @@ class AutoRecheck:
         self.switch_rollout: int | None = None  # the next mode's rollout processes (async)
         self.decided_at: float | None = None
         self.measured_switch_s: list[float] = []
-        self.startup_s = 0.0  # the running mode's start-up (building, loading, start messages)
+        self.startup_s = 0.0  # the running mode's start-up (groups, building, loading, start messages)
+        self.teardown_s = 0.0  # ending it: the last checkpoint, and an async rollout's group in flight
+        self.segment_started_at: float | None = None
+
+    def segment_starting(self) -> None:
+        """run_auto is about to start a mode (its process groups, then its trainer)."""
+        self.segment_started_at = time.perf_counter()
 
     def loop_started(self, trainer: Any) -> None:
         """A segment's loop starts (its first step, which may fill a buffer, is not measured)."""
@@ -158,7 +154,10 @@ class AutoRecheck:
                 self.log[-1]["measured_switch_s"] = round(now - self.decided_at, 3)
         self.decided_at = None
         self.switch_to = self.switch_rollout = None
-        self.startup_s = trainer.startup_s
+        before_trainer = 0.0  # process groups made before the trainer was built
+        if self.segment_started_at is not None:
+            before_trainer = max(0.0, trainer.built_at - trainer.build_s - self.segment_started_at)
+        self.startup_s = trainer.startup_s + before_trainer
         self.window, self.skip_next = [], True
 
     def after_step(self, trainer: Any, metrics: dict[str, float]) -> bool:
@@ -174,12 +173,15 @@ class AutoRecheck:
         if self.mode == "colocated":  # every process is here at the same step: pool the timings
             if not self.window:  # a collective needs every process, each with something to send
                 self.window.append(timings)  # type: ignore[arg-type]  # colocated always measures
-            measured: StepTimings | None = _mean_over_processes(mean_timings(self.window), trainer.device)
+            pooled = mean_over_processes(list(dataclasses.astuple(mean_timings(self.window))), trainer.device)
+            measured: StepTimings | None = StepTimings(*pooled)
             group = None  # the decision goes to every process
         else:  # async: the trainer leader sees the rollout timings; other trainers follow it
             measured = mean_timings(self.window) if self.window else None
             group = trainer.share_group
         self.window = []  # the next re-check sees only the steps after this one, on every process
+        in_flight = 0.0 if measured is None or self.mode == "colocated" else measured.gen_s / 2
+        self.teardown_s = trainer.save_s + in_flight  # on average half a group is left to generate
         switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)
         if trainer.world_size > 1:  # one process decides (rounding could split the others)
             switch = self._follow_leader(switch, group, trainer.device)
@@ -236,9 +238,9 @@ class AutoRecheck:
         return True
 
     def switch_cost(self, result: SimResult | None) -> float:
-        """Seconds a switch costs: measured on an earlier switch, else starting the running mode
-        again; plus the new mode's slower first step (an async buffer filling up)."""
-        base = max(self.measured_switch_s) if self.measured_switch_s else self.startup_s
+        """Seconds a switch costs: measured on an earlier switch, else ending the running mode and
+        starting it again; plus the new mode's slower first step (an async buffer filling up)."""
+        base = max(self.measured_switch_s) if self.measured_switch_s else self.teardown_s + self.startup_s
         if result is None:
             return base
         steady_step = steady_seconds(result) * self.cfg.data.prompts_per_step

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..buffer import Group, ReplayBuffer, buffer_capacity
 from ..config import ConfigError, ExperimentConfig
+from ..distributed import scoped_groups
 from ..models import lora
 from ..reward import ScoreResult
 from ..rollout import Rollout, cat_results
@@ -69,26 +70,27 @@ def run_separate(
     tells `recheck`, auto's re-check, about every step)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     trainers = check_layout(cfg, world)
-    rank = dist.get_rank()
-    data_group = dist.new_group(list(range(world)), backend="gloo")
-    weights_group = dist.new_group(list(range(world)), backend="gloo")
-    trainer_group = share_group = None
-    if trainers > 1:  # every process creates every group, in the same order
-        trainer_group = dist.new_group(list(range(trainers)))  # gradients: nccl on GPUs
-        share_group = dist.new_group(list(range(trainers)), backend="gloo")  # the leader's shares
-    if rank == 0:
-        rollout_ranks = list(range(trainers, world))
-        trainer = SeparateTrainer(
-            cfg, data_group, weights_group, rollout_ranks, device, trainer_group, share_group
-        )
-        trainer.recheck = recheck
-        return trainer.fit(resume)
-    if rank < trainers:
-        replica = TrainerReplica(cfg, share_group, device, trainer_group)
-        replica.recheck = recheck  # it follows the leader's decisions
-        return replica.fit(resume)
-    RolloutWorker(cfg, rank - trainers, world - trainers, data_group, weights_group, device).run()
-    return None
+    everyone, trainer_ranks = list(range(world)), list(range(trainers))
+    specs: list[tuple[list[int], str | None]] = [(everyone, "gloo"), (everyone, "gloo")]  # data, weights
+    if trainers > 1:  # gradients (nccl on GPUs), and the leader's shares
+        specs += [(trainer_ranks, None), (trainer_ranks, "gloo")]
+    with scoped_groups(specs) as groups:
+        data_group, weights_group = groups[:2]
+        trainer_group, share_group = groups[2:] if trainers > 1 else (None, None)
+        rank = dist.get_rank()
+        if rank == 0:
+            rollout_ranks = list(range(trainers, world))
+            trainer = SeparateTrainer(
+                cfg, data_group, weights_group, rollout_ranks, device, trainer_group, share_group
+            )
+            trainer.recheck = recheck
+            return trainer.fit(resume)
+        if rank < trainers:
+            replica = TrainerReplica(cfg, share_group, device, trainer_group)
+            replica.recheck = recheck  # it follows the leader's decisions
+            return replica.fit(resume)
+        RolloutWorker(cfg, rank - trainers, world - trainers, data_group, weights_group, device).run()
+        return None
 
 
 class TrainerReplica(NFTTrainer):

@@ -92,6 +92,7 @@ class NFTTrainer:
         self.built_at = time.perf_counter()
         self.build_s = self.built_at - built
         self.startup_s = self.build_s  # + loading, start-up messages (set at the loop's start)
+        self.save_s = 0.0  # the last checkpoint's seconds (part of what a mode switch costs)
 
     # ------------------------------------------------------------------ identity and state
     def model_fingerprint(self) -> str:
@@ -101,6 +102,7 @@ class NFTTrainer:
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def save(self) -> Path | None:
+        started = time.perf_counter()
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
         path = None
@@ -125,6 +127,7 @@ class NFTTrainer:
             path = save_checkpoint(self.output_dir / "checkpoints", self.step, tensors, objects, state)
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
+        self.save_s = time.perf_counter() - started
         return path
 
     def load(self, path: str | Path) -> None:
