@@ -89,8 +89,8 @@ class ReplayBuffer(Generic[T]):
 
     # ------------------------------------------------------------------ in and out
     def put(self, group: Group[T], overfill: bool = False) -> None:
-        """Append a group; `overfill` lets a trainer's own lent group in past the capacity (it trains
-        the buffer's groups next, so the excess is bounded by what it lends)."""
+        """Append a group; `overfill` lets the trainers' own lent groups in past the capacity (they
+        train the buffer's groups next, so the excess is bounded by one lend's groups)."""
         if len(self.groups) >= self.capacity and not overfill:
             raise BufferFull(f"the buffer holds {self.capacity} groups already; rollout must wait")
         self.groups.append(group)

@@ -155,7 +155,8 @@ def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up(model_dir: Path, t
     assert ex["mode"] == "hybrid" and _balances(ex["buffer"]) and ex["buffer"]["trained"] == 6 * 2 * 2
     hybrid = ex["hybrid"]
     assert hybrid["lends"] > 0 and hybrid["switches"] == 2 * hybrid["lends"]
-    assert 0 < hybrid["lent_groups_trained"] <= hybrid["lends"]
+    assert hybrid["lent_groups"] == hybrid["lends"], "one trainer process: one group per lend"
+    assert 0 < hybrid["lent_groups_trained"] <= hybrid["lent_groups"]
     first = hybrid["lends_logged"][0]
     assert first["lent_s"] > 0 and first["switch_s"] >= 0 and first["buffer_groups"] < 2
     assert max(int(k) for k in ex["buffer"]["staleness_histogram"]) <= 1
@@ -270,7 +271,7 @@ def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path,
 
 def test_two_trainer_processes_share_each_step(model_dir: Path, tmp_path: Path) -> None:
     """3 processes, 1 rollout: the leader takes each step from the buffer and sends the second
-    trainer its half; both train (one gradient average); the leader syncs (and may lend)."""
+    trainer its half; both train (one gradient average); the leader syncs; both are lent."""
     run = tmp_path / "run"
     args = (
         fast_overrides(model_dir, run, 4)
@@ -282,7 +283,10 @@ def test_two_trainer_processes_share_each_step(model_dir: Path, tmp_path: Path) 
     summary = last_json_line(proc.stdout)
     ex = summary["execution"]
     assert (ex["trainer_replicas"], ex["rollout_replicas"]) == (2, 1)
-    assert ex["hybrid"]["lent_groups_trained"] <= ex["hybrid"]["lends"], "only the leader lends"
+    hybrid = ex["hybrid"]
+    assert hybrid["lends"] > 0, "one rollout process of 30 sampling steps cannot keep up with training"
+    assert hybrid["lent_groups"] == 2 * hybrid["lends"], "each lend makes a group on both trainer processes"
+    assert hybrid["lent_groups_trained"] <= hybrid["lent_groups"]  # the last ones may end the run waiting
     assert _balances(ex["buffer"]) and ex["buffer"]["trained"] == 4 * 2 * 2 == summary["samples"]["trained"]
     assert max(int(k) for k in ex["buffer"]["staleness_histogram"]) <= 1
     rows = step_records(run)

@@ -104,11 +104,20 @@ class TrainerReplica(NFTTrainer):
 
     def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
         """Blocks until the leader sends the share (a leader that died closes the connection; one
-        that failed sends an empty share)."""
-        data, _ = transport.recv_bytes(0, self.share_group, transport.SHARE_TAG)
-        if not data:
-            raise RuntimeError(
-                f"the trainer leader (rank 0) failed at step {step + 1}; its error is in its output"
+        that failed sends an empty share); hybrid: meanwhile makes the groups the leader asks for."""
+        while True:
+            data, _ = transport.recv_bytes(0, self.share_group, transport.SHARE_TAG)
+            if not data:
+                raise RuntimeError(
+                    f"the trainer leader (rank 0) failed at step {step + 1}; its error is in its output"
+                )
+            group_id = transport.lend_request_of(data)
+            if group_id is None:
+                break
+            lent, lent_scored = make_group(self, group_id)  # with the rollout adapter, like the leader
+            payload = transport.pack_group(lent, lent_scored, self.step)
+            transport.send_bytes(
+                payload, 0, self.share_group, transport.LENT_TAG, self.cfg.execution.data_timeout_s
             )
         rollout, scored, _, _ = transport.unpack_group(data)
         self._t_generated = time.perf_counter()
@@ -147,6 +156,7 @@ class SeparateTrainer(NFTTrainer):
         self.stream_start = self.stream_next = 0
         self.skipped = 0  # stream groups that will never be trained (stale, lost on a resume)
         self.lent_made = self.lent_trained = 0
+        self.lend_calls = 0  # this run's: each lends every trainer process for one group
         self.lending_s = 0.0
         self.switches: list[dict[str, float]] = []
         self.rollout_info: dict[int, dict[str, float]] = {}  # rank -> its last reported timings
@@ -321,20 +331,31 @@ class SeparateTrainer(NFTTrainer):
         )
 
     def _lend_one_group(self) -> float:
-        """Generate and score one group with the current rollout adapter, put it in the buffer and
-        log the lend; returns its seconds."""
+        """Every trainer process generates and scores one group with the current rollout adapter
+        (the others on request, meanwhile); all go to the buffer and the lend is logged; returns
+        its seconds."""
         start = time.perf_counter()
         depth = len(self.buffer)
         with lora.using_adapter(self.transformer, lora.OLD):  # the switch there and back, timed alone
             pass
         switch_s = time.perf_counter() - start
-        group_id = scheduler.LENT_STREAM_START + self.lent_made
-        rollout, scored = make_group(self, group_id)
-        with self.ready:
-            self.lent_made += 1
-            self.buffer.put(
-                Group(group_id, self.version, len(rollout), (rollout, scored), time.time()), overfill=True
+        first_id = scheduler.LENT_STREAM_START + self.lent_made
+        timeout = self.cfg.execution.sync_timeout_s
+        for j in range(1, self.world_size):  # they wait for their share: they take it at once
+            transport.send_bytes(
+                transport.pack_lend_request(first_id + j), j, self.share_group, transport.SHARE_TAG, timeout
             )
+        made = [make_group(self, first_id)]
+        for j in range(1, self.world_size):
+            data, _ = transport.recv_bytes(j, self.share_group, transport.LENT_TAG)
+            lent, lent_scored, _, _ = transport.unpack_group(data)
+            made.append((lent, lent_scored))
+        with self.ready:
+            for offset, (rollout, scored) in enumerate(made):
+                group = Group(first_id + offset, self.version, len(rollout), (rollout, scored), time.time())
+                self.buffer.put(group, overfill=True)
+            self.lent_made += len(made)
+            self.lend_calls += 1
             self.ready.notify_all()
         seconds = time.perf_counter() - start
         self.lent_call_s = seconds
@@ -475,10 +496,11 @@ class SeparateTrainer(NFTTrainer):
             "max_buffer_depth": max(self.depths, default=0),
         }
         if self.lend:
-            lends = self.lent_made - self.lent_made_before  # this run's (a resumed run continues the totals)
             out["hybrid"] = {
-                "lends": lends,
-                "switches": 2 * lends,  # lend, then reclaim
+                "lends": self.lend_calls,
+                "switches": 2 * self.lend_calls,  # lend, then reclaim
+                "lent_groups": self.lent_made
+                - self.lent_made_before,  # this run's (a resumed run continues the totals)
                 "lent_groups_trained": self.lent_trained - self.lent_trained_before,
                 "lending_s": round(self.lending_s, 3),
                 "lends_logged": self.switches,

@@ -2,7 +2,8 @@
 
 A message is a length header followed by the bytes on one process group and tag; nothing is
 pickled. `pack_group`/`unpack_group` carry one scored prompt group from a rollout process to the
-trainer; `pack_weights`/`unpack_weights` carry the rollout adapter (or a stop) the other way.
+trainer (and a trainer's share of a step, or a lent group); `pack_weights`/`unpack_weights` carry
+the rollout adapter (or a stop) the other way; `pack_lend_request` asks a trainer to make a group.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..serving.wire import read_metadata
 
 DATA_TAG = 11
 WEIGHTS_TAG = 12
-SHARE_TAG = 13  # the trainer leader -> another trainer: its share of a step
+SHARE_TAG = 13  # the trainer leader -> another trainer: its share of a step, or a lend request
+LENT_TAG = 14  # another trainer -> the leader: the group it made when lent (hybrid)
 
 
 def send_bytes(data: bytes, dst: int, group: Any, tag: int, timeout_s: float | None = None) -> None:
@@ -94,6 +96,17 @@ def unpack_group(data: bytes) -> tuple[Rollout, ScoreResult, int, dict[str, floa
     parts = {k.removeprefix("part."): v for k, v in t.items() if k.startswith("part.")}
     info = {str(k): float(v) for k, v in json.loads(meta.get("info", "{}")).items()}
     return rollout, ScoreResult(t["total"], parts, failures), int(meta["version"]), info
+
+
+def pack_lend_request(group_id: int) -> bytes:
+    """The trainer leader asks another trainer to make the group at stream position `group_id`."""
+    return save_tensors({}, metadata={"lend_group_id": str(group_id)})
+
+
+def lend_request_of(data: bytes) -> int | None:
+    """The group id of a lend request; None for a share (a packed group)."""
+    found = read_metadata(data).get("lend_group_id")
+    return None if found is None else int(found)
 
 
 @dataclass
