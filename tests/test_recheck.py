@@ -142,5 +142,7 @@ def test_the_switch_estimate_counts_ending_and_restarting_the_mode(tmp_path: Pat
     (entry,) = recheck.log
     assert entry["step"] == 2
     assert entry["switch_cost_s"] >= round(recheck.startup_s + recheck.teardown_s, 3) - 1e-3
+    parts = entry["switch_estimate_parts_s"]
+    assert parts["starting"] >= 0.3 and parts["ending"] > 0 and parts["measured_switch"] == 0.0
     recheck.measured_switch_s.append(7.0)
     assert recheck.switch_cost(None) == 7.0

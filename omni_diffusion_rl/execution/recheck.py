@@ -180,8 +180,8 @@ class AutoRecheck:
             measured = mean_timings(self.window) if self.window else None
             group = trainer.share_group
         self.window = []  # the next re-check sees only the steps after this one, on every process
-        in_flight = 0.0 if measured is None or self.mode == "colocated" else measured.gen_s / 2
-        self.teardown_s = trainer.save_s + in_flight  # on average half a group is left to generate
+        in_flight = 0.0 if measured is None or self.mode == "colocated" else measured.gen_s
+        self.teardown_s = trainer.save_s + in_flight  # the rollout's stop waits for up to a group
         switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)
         if trainer.world_size > 1:  # one process decides (rounding could split the others)
             switch = self._follow_leader(switch, group, trainer.device)
@@ -227,6 +227,11 @@ class AutoRecheck:
                 "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
                 "running_predicted_s_per_prompt": round(values[labels[running]], 4),
                 "switch_cost_s": round(cost, 3),
+                "switch_estimate_parts_s": {
+                    "ending": round(self.teardown_s, 3),
+                    "starting": round(self.startup_s, 3),
+                    "measured_switch": round(max(self.measured_switch_s, default=0.0), 3),
+                },
                 "next": chosen,
                 "why": why,
                 "recheck_s": round(time.perf_counter() - start, 4),
