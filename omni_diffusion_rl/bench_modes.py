@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .execution.simulate import MODES
+from .subprocesses import run_process_tree
 
 RUN_MODES = ("auto", "colocated", "separate", "hybrid")
 QUIET = ["train.eval_at_start_and_end=false", "train.preview_every=0", "train.checkpoint_every=0"]
@@ -41,7 +41,7 @@ def _launch(config: str | None, overrides: list[str], port: int) -> dict[str, An
     command += ["--main_process_port", str(port), str(script), *([config] if config else []), *overrides]
     env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "true")}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    done = run_process_tree(command, timeout_s=3600, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark run failed ({' '.join(overrides[-3:])}):\n{done.stderr[-3000:]}")
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])

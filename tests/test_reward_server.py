@@ -24,6 +24,7 @@ from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import WeightedReward
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
+from omni_diffusion_rl.subprocesses import run_process_tree
 from omni_diffusion_rl.trainers.nft import NFTTrainer
 from omni_diffusion_rl.world import tiny_world as world
 
@@ -360,13 +361,11 @@ def test_two_processes_with_a_process_left_without_samples_match_one(model_dir: 
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
         launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         launch += ["--main_process_port", "29531", str(REPO / "recipes" / "train_nft.py")]
-        proc = subprocess.run(
+        proc = run_process_tree(
             [*launch, *fast_overrides(model_dir, double, 2), *extra],
-            cwd=REPO,
+            timeout_s=300,
             env={**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
+            cwd=REPO,
         )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows_1, rows_2 = step_records(single), step_records(double)

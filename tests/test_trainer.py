@@ -14,6 +14,7 @@ import torch
 
 from omni_diffusion_rl.checkpoint import CheckpointError
 from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.subprocesses import run_process_tree
 from omni_diffusion_rl.trainers.nft import NFTTrainer
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
@@ -97,7 +98,7 @@ def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_p
     _train(model_dir, single, 2)
     double = tmp_path / "double"
     env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    proc = run_process_tree(
         [
             sys.executable,
             "-m",
@@ -116,11 +117,9 @@ def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_p
             str(REPO / "recipes" / "train_nft.py"),
             *fast_overrides(model_dir, double, 2),
         ],
-        cwd=REPO,
+        timeout_s=300,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows_1, rows_2 = step_records(single), step_records(double)

@@ -1,0 +1,48 @@
+"""Running a multi-process job (a launcher and the processes it starts) to its end, or stopping all
+of it: a launcher killed on a timeout would otherwise leave its training processes running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def run_process_tree(
+    command: Sequence[str],
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `command` in its own session and capture its text output. Past `timeout_s`, every
+    process of the session is killed and subprocess.TimeoutExpired is raised (with the output)."""
+    proc = subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=dict(env) if env is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout_s, stdout, stderr) from None
+    except BaseException:  # interrupted: leave nothing behind
+        _kill_session(proc)
+        proc.communicate()
+        raise
+    _kill_session(proc)  # processes the launcher left behind
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the session has no process left
+        pass

@@ -1,0 +1,56 @@
+"""A launcher's whole process tree is stopped on a timeout (real processes, a few seconds)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl.subprocesses import run_process_tree
+
+# A "launcher" that starts a "worker", which writes its pid and sleeps far past the timeout.
+WORKER = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
+LAUNCHER = f"""
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", {WORKER!r}, sys.argv[1]])
+print("launched", flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_timeout_kills_the_launcher_and_what_it_started(tmp_path: Path) -> None:
+    pid_file = tmp_path / "worker.pid"
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        run_process_tree([sys.executable, "-c", LAUNCHER, str(pid_file)], timeout_s=3)
+    assert time.monotonic() - start < 20
+    assert "launched" in (caught.value.stdout or "")
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:  # a zombie until its parent is reaped
+        time.sleep(0.05)
+    assert not _alive(worker) or _is_zombie(worker), "the worker outlived its launcher's timeout"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return False
+
+
+def test_a_finished_run_returns_its_output_and_code() -> None:
+    done = run_process_tree([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout_s=30)
+    assert (done.returncode, done.stdout.strip()) == (3, "out")
