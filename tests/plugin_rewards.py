@@ -9,7 +9,7 @@ import torch
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import RewardOutput
+from omni_diffusion_rl.reward import RewardError, RewardOutput
 
 
 @rewards.register("test_prompt_length", overwrite=True)
@@ -61,4 +61,15 @@ class DiesAfter:
         DiesAfter.calls += 1
         if DiesAfter.calls >= int(os.environ.get("ODRL_TEST_DIE_AFTER", "1000000000")):
             os._exit(17)
+        return torch.ones(len(prompts))
+
+
+@rewards.register("test_error_on_rank", overwrite=True)
+class ErrorOnRank:
+    """Stops the run (RewardError) on the process whose RANK is ODRL_TEST_ERROR_RANK; 1.0 elsewhere."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        rank = os.environ.get("RANK")
+        if rank is not None and rank == os.environ.get("ODRL_TEST_ERROR_RANK"):
+            raise RewardError(f"test_error_on_rank: refused on rank {rank}")
         return torch.ones(len(prompts))

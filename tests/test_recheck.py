@@ -119,30 +119,39 @@ def test_first_pick_prefers_colocated_unless_another_mode_is_clearly_faster() ->
 
 
 def test_the_switch_estimate_counts_ending_and_restarting_the_mode(tmp_path: Path) -> None:
-    """Before any measured switch, a switch costs the running mode's last checkpoint, its start-up
-    from the segment's start (process groups, building, loading; here 0.3 s of it before the
-    trainer) and the new mode's slower first step; a measured switch replaces the estimate."""
-    overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "run", 3)
-    cfg = load_config(None, [*overrides, "train.checkpoint_every=1", "train.eval_at_start_and_end=false"])
-    recheck = AutoRecheck(
-        COSTS,
-        cfg,
-        lambda c: simulate_modes(c, cfg, 2),  # as if it had a second process
-        lambda c, mode, rollout: simulate_layout(c, cfg, 2, mode, rollout),
-        every=2,
-        margin=0.1,
-    )
-    recheck.segment_starting()
-    time.sleep(0.3)  # what run_auto does before the trainer: process groups, freeing memory
-    trainer = NFTTrainer(cfg)
-    trainer.recheck = recheck
-    trainer.fit()
-    assert recheck.startup_s >= 0.3 + trainer.build_s
-    assert 0 < recheck.teardown_s < 1.0, "colocated: the checkpoint at the re-check step, nothing in flight"
-    (entry,) = recheck.log
-    assert entry["step"] == 2
-    assert entry["switch_cost_s"] >= round(recheck.startup_s + recheck.teardown_s, 3) - 1e-3
-    parts = entry["switch_estimate_parts_s"]
-    assert parts["starting"] >= 0.3 and parts["ending"] > 0 and parts["measured_switch"] == 0.0
+    """Before any measured switch, a switch costs ending the running mode (the checkpoint it then
+    writes: none when the step's regular one is written) and its start-up from the segment's start
+    (process groups, building, loading; here 0.3 s of it before the trainer), plus the new mode's
+    slower first step; a measured switch replaces the estimate."""
+    model = tiny_model_dir(tmp_path / "model")
+    ending = {}
+    for every in (2, 3):  # re-checks at steps 3 and 6; checkpoints every 2 or 3 steps
+        overrides = fast_overrides(model, tmp_path / f"run{every}", 7)
+        cfg = load_config(
+            None, [*overrides, f"train.checkpoint_every={every}", "train.eval_at_start_and_end=false"]
+        )
+        recheck = AutoRecheck(
+            COSTS,
+            cfg,
+            lambda c, cfg=cfg: simulate_modes(c, cfg, 2),  # as if it had a second process
+            lambda c, mode, rollout, cfg=cfg: simulate_layout(c, cfg, 2, mode, rollout),
+            every=3,
+            margin=10.0,  # never switches
+        )
+        recheck.segment_starting()
+        time.sleep(0.3)  # what run_auto does before the trainer: process groups, freeing memory
+        trainer = NFTTrainer(cfg)
+        trainer.recheck = recheck
+        trainer.fit()
+        assert recheck.startup_s >= 0.3 + trainer.build_s
+        assert recheck.switch_cost(None) == pytest.approx(recheck.startup_s + recheck.teardown_s)
+        entries = recheck.log
+        assert [e["step"] for e in entries] == [3, 6]
+        ending[every] = [e["switch_estimate_parts_s"]["ending"] for e in entries]
+        assert all(e["switch_estimate_parts_s"]["starting"] >= 0.3 for e in entries)
+        assert all(e["switch_cost_s"] >= e["switch_estimate_parts_s"]["starting"] for e in entries)
+    # checkpoints every 2: a switch at step 3 would write one (sized by step 2's), at step 6 not
+    assert ending[2][0] > 0 and ending[2][1] == 0, "colocated: only the checkpoint, nothing in flight"
+    assert ending[3] == [0, 0], "both re-check steps already wrote their checkpoint"
     recheck.measured_switch_s.append(7.0)
     assert recheck.switch_cost(None) == 7.0

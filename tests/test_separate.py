@@ -12,6 +12,7 @@ import pytest
 
 from omni_diffusion_rl.bench_recheck import wrong_prior
 from omni_diffusion_rl.execution.recheck import first_pick
+from omni_diffusion_rl.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 
@@ -35,7 +36,7 @@ def _launch(  # noqa: ANN202
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(port), str(REPO / "recipes" / "train_nft.py"), *args]
     env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_process_tree(command, timeout_s=timeout, env=env, cwd=REPO)
 
 
 def test_separate_trains_from_the_buffer_and_accounts_for_every_sample(
@@ -179,7 +180,9 @@ def test_separate_resumes_with_balanced_accounting(model_dir: Path, tmp_path: Pa
     assert _balances(buf), buf
     assert buf["trained"] == 4 * 2 * 2 == summary["samples"]["trained"], "both runs' samples are counted"
     state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())["execution"]
-    assert state["lent_made"] == lent_before + summary["execution"]["hybrid"]["lends"], "lent ids continue"
+    assert state["lent_made"] == lent_before + summary["execution"]["hybrid"]["lent_groups"], (
+        "lent ids continue"
+    )
     assert state["stream_next"] >= 2 * 2, "the rollout stream continues past the first run's groups"
     assert [r["step"] for r in step_records(run)] == [1, 2, 3, 4]
 
@@ -326,15 +329,34 @@ def test_auto_follows_the_leader_with_two_trainer_processes(model_dir: Path, tmp
     assert [r["step"] for r in step_records(run)] == list(range(1, 25))
 
 
+def _fails_in_time(args: list[str], weights: str, env: dict[str, str], port: int, limit_s: int):  # noqa: ANN202
+    """A 3-process run with the test plug-in rewards `weights`: it must fail within `limit_s`."""
+    args = [*args, "reward.plugins=[tests.plugin_rewards]", f"reward.weights={weights}"]
+    start = time.monotonic()
+    proc = _launch(args, port, env={**env, "PYTHONPATH": str(REPO)}, timeout=limit_s + 30, processes=3)
+    assert proc.returncode != 0 and time.monotonic() - start < limit_s, proc.stderr[-3000:]
+    return proc
+
+
 def test_a_failed_step_on_the_leader_stops_every_trainer_process(model_dir: Path, tmp_path: Path) -> None:
     """2 trainers: the leader's step times out waiting for data; the other trainer, waiting for its
     share, is told and fails with it instead of waiting in the gradient collective."""
     args = fast_overrides(model_dir, tmp_path / "run", 4) + ["execution.mode=separate"]
     args += ["execution.data_timeout_s=1", "train.eval_at_start_and_end=false"]
-    args += ["reward.plugins=[tests.plugin_rewards]", "reward.weights={test_slow: 1.0}"]  # 3 s per group
-    env = {"ODRL_TEST_SLOW_S": "3", "PYTHONPATH": str(REPO)}
-    start = time.monotonic()
-    proc = _launch(args, 29573, env=env, timeout=150, processes=3)
-    assert proc.returncode != 0 and time.monotonic() - start < 120
+    proc = _fails_in_time(args, "{test_slow: 1.0}", {"ODRL_TEST_SLOW_S": "3"}, 29573, 120)  # 3 s per group
     assert "no full step of rollout data for 1 s" in proc.stderr
     assert "the trainer leader (rank 0) failed at step 1" in proc.stderr
+
+
+def test_a_trainer_process_failing_its_lent_group_stops_every_process(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """hybrid, 2 trainers: the second trainer's reward raises while it makes a lent group; it tells
+    the leader, which collects the answers, stops the rollout process and fails with it (before the
+    fix the leader waited for that group without a limit while the other waited in a collective)."""
+    args = fast_overrides(model_dir, tmp_path / "run", 6) + SLOW_ROLLOUT
+    args += ["execution.mode=hybrid", "execution.rollout_replicas=1", "train.eval_at_start_and_end=false"]
+    weights = "{color_match: 1.0, test_error_on_rank: 1.0}"
+    proc = _fails_in_time(args, weights, {"ODRL_TEST_ERROR_RANK": "1"}, 29575, 180)
+    assert "trainer process 1 failed making lent group" in proc.stderr
+    assert "test_error_on_rank: refused on rank 1" in proc.stderr

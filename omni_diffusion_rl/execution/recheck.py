@@ -136,7 +136,8 @@ class AutoRecheck:
         self.decided_at: float | None = None
         self.measured_switch_s: list[float] = []
         self.startup_s = 0.0  # the running mode's start-up (groups, building, loading, start messages)
-        self.teardown_s = 0.0  # ending it: the last checkpoint, and an async rollout's group in flight
+        self.teardown_s = 0.0  # ending it: its checkpoint, and an async rollout's group in flight
+        self.save_s = 0.0  # the largest checkpoint save seen, in any segment
         self.segment_started_at: float | None = None
 
     def segment_starting(self) -> None:
@@ -180,12 +181,21 @@ class AutoRecheck:
             measured = mean_timings(self.window) if self.window else None
             group = trainer.share_group
         self.window = []  # the next re-check sees only the steps after this one, on every process
-        in_flight = 0.0 if measured is None or self.mode == "colocated" else measured.gen_s
-        self.teardown_s = trainer.save_s + in_flight  # the rollout's stop waits for up to a group
+        self.teardown_s = self._ending_s(trainer, measured)
         switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)
         if trainer.world_size > 1:  # one process decides (rounding could split the others)
             switch = self._follow_leader(switch, group, trainer.device)
         return switch
+
+    def _ending_s(self, trainer: Any, measured: StepTimings | None) -> float:
+        """What ending the running mode at this step costs: the checkpoint it writes then (none
+        when this step's regular one is already written; sized by the largest save seen so far),
+        and for an async mode the rollout group in flight, which the stop waits for."""
+        self.save_s = max(self.save_s, trainer.save_s)
+        every = trainer.cfg.train.checkpoint_every
+        saves = not every or trainer.step % every
+        in_flight = 0.0 if measured is None or self.mode == "colocated" else measured.gen_s
+        return (self.save_s if saves else 0.0) + in_flight
 
     def _follow_leader(self, switch: bool, group: Any, device: torch.device) -> bool:
         """Rank 0's decision on every process of `group`."""

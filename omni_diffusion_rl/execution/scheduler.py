@@ -82,4 +82,5 @@ def should_lend(
         return False
     if buffered_groups >= lend_threshold * prompts_per_step:
         return False
-    return expected_wait_s(buffered_groups + in_flight_groups, prompts_per_step, rate) >= lent_call_s
+    wait_s = expected_wait_s(buffered_groups + in_flight_groups, prompts_per_step, rate)
+    return wait_s >= lent_call_s * (1 - 1e-9)  # equal (one group at one group's rate) despite rounding

@@ -114,11 +114,14 @@ class TrainerReplica(NFTTrainer):
             group_id = transport.lend_request_of(data)
             if group_id is None:
                 break
-            lent, lent_scored = make_group(self, group_id)  # with the rollout adapter, like the leader
-            payload = transport.pack_group(lent, lent_scored, self.step)
-            transport.send_bytes(
-                payload, 0, self.share_group, transport.LENT_TAG, self.cfg.execution.data_timeout_s
-            )
+            timeout = self.cfg.execution.data_timeout_s
+            try:
+                lent, lent_scored = make_group(self, group_id)  # with the rollout adapter, like the leader
+                payload = transport.pack_group(lent, lent_scored, self.step)
+            except BaseException:  # an empty lent group: the leader stops with this process
+                transport.send_bytes(b"", 0, self.share_group, transport.LENT_TAG, timeout)
+                raise
+            transport.send_bytes(payload, 0, self.share_group, transport.LENT_TAG, timeout)
         rollout, scored, _, _ = transport.unpack_group(data)
         self._t_generated = time.perf_counter()
         return rollout.to(self.device), scored
@@ -157,6 +160,7 @@ class SeparateTrainer(NFTTrainer):
         self.skipped = 0  # stream groups that will never be trained (stale, lost on a resume)
         self.lent_made = self.lent_trained = 0
         self.lend_calls = 0  # this run's: each lends every trainer process for one group
+        self.failed_trainers: set[int] = set()  # trainer processes that reported a failed lent group
         self.lending_s = 0.0
         self.switches: list[dict[str, float]] = []
         self.rollout_info: dict[int, dict[str, float]] = {}  # rank -> its last reported timings
@@ -268,6 +272,8 @@ class SeparateTrainer(NFTTrainer):
         """The step failed here: an empty share makes each other trainer process fail with it (in
         the collective that follows) instead of waiting for its share."""
         for j in range(1, self.world_size):
+            if j in self.failed_trainers:  # it failed first, and is not waiting for a share
+                continue
             try:
                 transport.send_bytes(
                     b"", j, self.share_group, transport.SHARE_TAG, self.cfg.execution.sync_timeout_s
@@ -320,7 +326,7 @@ class SeparateTrainer(NFTTrainer):
         rate = scheduler.RolloutRate(sum(1 / s for s in gen_s))
         lent_call = self.lent_call_s if self.lent_call_s is not None else max(gen_s, default=0.0)
         in_flight = len(self.rollout_ranks)  # each rollout process is making a group
-        return self.buffer.has_room(1, in_flight) and scheduler.should_lend(
+        return self.buffer.has_room(self.world_size, in_flight) and scheduler.should_lend(
             len(self.buffer),
             in_flight,
             self.cfg.data.prompts_per_step,
@@ -340,16 +346,7 @@ class SeparateTrainer(NFTTrainer):
             pass
         switch_s = time.perf_counter() - start
         first_id = scheduler.LENT_STREAM_START + self.lent_made
-        timeout = self.cfg.execution.sync_timeout_s
-        for j in range(1, self.world_size):  # they wait for their share: they take it at once
-            transport.send_bytes(
-                transport.pack_lend_request(first_id + j), j, self.share_group, transport.SHARE_TAG, timeout
-            )
-        made = [make_group(self, first_id)]
-        for j in range(1, self.world_size):
-            data, _ = transport.recv_bytes(j, self.share_group, transport.LENT_TAG)
-            lent, lent_scored, _, _ = transport.unpack_group(data)
-            made.append((lent, lent_scored))
+        made = self._lend_every_trainer(first_id)
         with self.ready:
             for offset, (rollout, scored) in enumerate(made):
                 group = Group(first_id + offset, self.version, len(rollout), (rollout, scored), time.time())
@@ -372,6 +369,46 @@ class SeparateTrainer(NFTTrainer):
                 }
             )
         return seconds
+
+    def _lend_every_trainer(self, first_id: int) -> list[tuple[Rollout, ScoreResult]]:
+        """Groups first_id, first_id + 1, ...: this process's, and one from each other trainer
+        process (asked in place of its next share). Every answer is collected before a failure here
+        or there is raised, so no trainer is left sending a group nobody takes."""
+        ex = self.cfg.execution
+        asked: list[int] = []
+        error: BaseException | None = None
+        for j in range(1, self.world_size):  # they wait for their share: they take the request at once
+            try:
+                request = transport.pack_lend_request(first_id + j)
+                transport.send_bytes(request, j, self.share_group, transport.SHARE_TAG, ex.sync_timeout_s)
+            except BaseException as e:
+                error = e
+                break
+            asked.append(j)
+        made: list[tuple[Rollout, ScoreResult]] = []
+        if error is None:
+            try:
+                made.append(make_group(self, first_id))
+            except BaseException as e:
+                error = e
+        for j in asked:
+            try:
+                data, _ = transport.recv_bytes(j, self.share_group, transport.LENT_TAG, ex.data_timeout_s)
+            except BaseException as e:
+                self.failed_trainers.add(j)
+                error = error or e
+                continue
+            if not data:
+                self.failed_trainers.add(j)
+                error = error or RuntimeError(
+                    f"trainer process {j} failed making lent group {first_id + j}; its error is in its output"
+                )
+                continue
+            lent, lent_scored, _, _ = transport.unpack_group(data)
+            made.append((lent, lent_scored))
+        if error is not None:
+            raise error
+        return made
 
     # ------------------------------------------------------------------ training and syncing
     def train_step(self) -> dict[str, float]:

@@ -33,32 +33,44 @@ def send_bytes(data: bytes, dst: int, group: Any, tag: int, timeout_s: float | N
     header = torch.tensor([len(data)], dtype=torch.int64)
     body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
     for tensor in (header, body):
-        if tensor is None:
-            continue
-        work = dist.isend(tensor, dst, group=group, tag=tag)
-        if timeout_s is None:
-            work.wait()
-            continue
-        try:  # gloo raises on timeout (other backends return False)
-            delivered = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if "imed out" not in str(e):
-                raise
-            delivered = False
-        if delivered is False:
-            raise TimeoutError(f"rank {dst} did not take a message within {timeout_s:g} s")
+        if tensor is not None:
+            _wait(
+                dist.isend(tensor, dst, group=group, tag=tag), timeout_s, f"rank {dst} did not take a message"
+            )
 
 
-def recv_bytes(src: int | None, group: Any, tag: int) -> tuple[bytes, int]:
-    """A whole message and the rank it came from (blocking; from any rank when src is None)."""
+def recv_bytes(src: int | None, group: Any, tag: int, timeout_s: float | None = None) -> tuple[bytes, int]:
+    """A whole message and the rank it came from (from any rank when src is None); with a timeout
+    (a given `src` only), a TimeoutError when none comes in time."""
+    if timeout_s is not None and src is None:
+        raise ValueError("a receive with a timeout needs the sender's rank")
     header = torch.zeros(1, dtype=torch.int64)
-    sender = dist.recv(header, src=src, group=group, tag=tag)
+    if timeout_s is None:
+        sender = dist.recv(header, src=src, group=group, tag=tag)
+    else:
+        _wait(dist.irecv(header, src=src, group=group, tag=tag), timeout_s, f"rank {src} sent no message")
+        sender = src
     size = int(header.item())
     if size == 0:
         return b"", sender
-    body = torch.empty(size, dtype=torch.uint8)
-    dist.recv(body, src=sender, group=group, tag=tag)  # the body comes from the header's sender
+    body = torch.empty(size, dtype=torch.uint8)  # the body comes from the header's sender
+    _wait(dist.irecv(body, src=sender, group=group, tag=tag), timeout_s, f"rank {sender} sent half a message")
     return body.numpy().tobytes(), sender
+
+
+def _wait(work: Any, timeout_s: float | None, what: str) -> None:
+    """Wait for a send or receive; past `timeout_s`, a TimeoutError saying `what` happened."""
+    if timeout_s is None:
+        work.wait()
+        return
+    try:  # gloo raises on timeout (other backends return False)
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "imed out" not in str(e):
+            raise
+        done = False
+    if done is False:
+        raise TimeoutError(f"{what} within {timeout_s:g} s")
 
 
 def pack_group(
