@@ -276,12 +276,11 @@ def test_two_trainer_processes_share_each_step(model_dir: Path, tmp_path: Path) 
     """3 processes, 1 rollout: the leader takes each step from the buffer and sends the second
     trainer its half; both train (one gradient average); the leader syncs; both are lent."""
     run = tmp_path / "run"
-    args = (
-        fast_overrides(model_dir, run, 4)
-        + SLOW_ROLLOUT
-        + ["execution.mode=hybrid", "execution.rollout_replicas=1"]
-    )
-    proc = _launch(args, 29567, timeout=240, processes=3)
+    args = fast_overrides(model_dir, run, 4) + ["execution.mode=hybrid", "execution.rollout_replicas=1"]
+    # scoring takes 0.4 s a group (test_slow): one rollout process cannot keep up with training
+    args += ["reward.plugins=[tests.plugin_rewards]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
+    env = {"ODRL_TEST_SLOW_S": "0.4", "PYTHONPATH": str(REPO)}
+    proc = _launch(args, 29567, env=env, timeout=240, processes=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = last_json_line(proc.stdout)
     ex = summary["execution"]
@@ -354,9 +353,10 @@ def test_a_trainer_process_failing_its_lent_group_stops_every_process(
     """hybrid, 2 trainers: the second trainer's reward raises while it makes a lent group; it tells
     the leader, which collects the answers, stops the rollout process and fails with it (before the
     fix the leader waited for that group without a limit while the other waited in a collective)."""
-    args = fast_overrides(model_dir, tmp_path / "run", 6) + SLOW_ROLLOUT
+    args = fast_overrides(model_dir, tmp_path / "run", 6)
     args += ["execution.mode=hybrid", "execution.rollout_replicas=1", "train.eval_at_start_and_end=false"]
-    weights = "{color_match: 1.0, test_error_on_rank: 1.0}"
-    proc = _fails_in_time(args, weights, {"ODRL_TEST_ERROR_RANK": "1"}, 29575, 180)
+    weights = "{color_match: 1.0, test_slow: 1.0, test_error_on_rank: 1.0}"  # rollout cannot keep up
+    env = {"ODRL_TEST_ERROR_RANK": "1", "ODRL_TEST_SLOW_S": "0.5"}
+    proc = _fails_in_time(args, weights, env, 29575, 180)
     assert "trainer process 1 failed making lent group" in proc.stderr
     assert "test_error_on_rank: refused on rank 1" in proc.stderr

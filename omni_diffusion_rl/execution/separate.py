@@ -533,11 +533,12 @@ class SeparateTrainer(NFTTrainer):
             "max_buffer_depth": max(self.depths, default=0),
         }
         if self.lend:
+            # this run's lent groups (a resumed run continues the totals)
+            lent_groups = self.lent_made - self.lent_made_before
             out["hybrid"] = {
                 "lends": self.lend_calls,
                 "switches": 2 * self.lend_calls,  # lend, then reclaim
-                "lent_groups": self.lent_made
-                - self.lent_made_before,  # this run's (a resumed run continues the totals)
+                "lent_groups": lent_groups,
                 "lent_groups_trained": self.lent_trained - self.lent_trained_before,
                 "lending_s": round(self.lending_s, 3),
                 "lends_logged": self.switches,
