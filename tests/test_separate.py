@@ -138,7 +138,10 @@ def test_a_send_nobody_takes_times_out_instead_of_hanging(tmp_path: Path) -> Non
     assert result.read_text() == "TimeoutError: rank 1 did not take a message within 1 s"
 
 
-SLOW_ROLLOUT = ["sampling.num_steps=30", "algorithm.timestep_fraction=0.05"]  # generation >> training
+# Scoring takes 0.4 s a group (test_slow), paid by whoever makes the group: the rollout process, or
+# a lent trainer. One rollout process then cannot keep up with training, and hybrid lends.
+SLOW_SCORING = ["reward.plugins=[tests.plugin_rewards]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
+SLOW_SCORING_ENV = {"ODRL_TEST_SLOW_S": "0.4", "PYTHONPATH": str(REPO)}
 
 
 def _balances(buf: dict) -> bool:
@@ -148,9 +151,9 @@ def _balances(buf: dict) -> bool:
 
 
 def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up(model_dir: Path, tmp_path: Path) -> None:
-    args = fast_overrides(model_dir, tmp_path / "run", 6) + SLOW_ROLLOUT
+    args = fast_overrides(model_dir, tmp_path / "run", 6) + SLOW_SCORING
     args += ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
-    proc = _launch(args, 29557, timeout=180)
+    proc = _launch(args, 29557, env=SLOW_SCORING_ENV, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ex = last_json_line(proc.stdout)["execution"]
     assert ex["mode"] == "hybrid" and _balances(ex["buffer"]) and ex["buffer"]["trained"] == 6 * 2 * 2
@@ -168,12 +171,11 @@ def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up(model_dir: Path, t
 def test_separate_resumes_with_balanced_accounting(model_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     base = fast_overrides(model_dir, run, 2) + ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
-    first = _launch([*base, *SLOW_ROLLOUT], 29559, timeout=180)
+    first = _launch([*base, *SLOW_SCORING], 29559, env=SLOW_SCORING_ENV, timeout=180)
     assert first.returncode == 0, first.stderr[-4000:]
-    lent_before = last_json_line(first.stdout)["execution"]["hybrid"]["lends"]
-    resumed = _launch(
-        [*base, *SLOW_ROLLOUT, "train.steps=4", "--resume", str(run / "checkpoints")], 29561, timeout=180
-    )
+    lent_before = last_json_line(first.stdout)["execution"]["hybrid"]["lent_groups"]
+    resume = ["train.steps=4", "--resume", str(run / "checkpoints")]
+    resumed = _launch([*base, *SLOW_SCORING, *resume], 29561, env=SLOW_SCORING_ENV, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     summary = last_json_line(resumed.stdout)
     buf = summary["execution"]["buffer"]
@@ -277,10 +279,7 @@ def test_two_trainer_processes_share_each_step(model_dir: Path, tmp_path: Path) 
     trainer its half; both train (one gradient average); the leader syncs; both are lent."""
     run = tmp_path / "run"
     args = fast_overrides(model_dir, run, 4) + ["execution.mode=hybrid", "execution.rollout_replicas=1"]
-    # scoring takes 0.4 s a group (test_slow): one rollout process cannot keep up with training
-    args += ["reward.plugins=[tests.plugin_rewards]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
-    env = {"ODRL_TEST_SLOW_S": "0.4", "PYTHONPATH": str(REPO)}
-    proc = _launch(args, 29567, env=env, timeout=240, processes=3)
+    proc = _launch([*args, *SLOW_SCORING], 29567, env=SLOW_SCORING_ENV, timeout=240, processes=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = last_json_line(proc.stdout)
     ex = summary["execution"]
@@ -343,7 +342,7 @@ def test_a_failed_step_on_the_leader_stops_every_trainer_process(model_dir: Path
     args = fast_overrides(model_dir, tmp_path / "run", 4) + ["execution.mode=separate"]
     args += ["execution.data_timeout_s=1", "train.eval_at_start_and_end=false"]
     proc = _fails_in_time(args, "{test_slow: 1.0}", {"ODRL_TEST_SLOW_S": "3"}, 29573, 120)  # 3 s per group
-    assert "no full step of rollout data for 1 s" in proc.stderr
+    assert "no full step of rollout data for 1 s" in proc.stderr, proc.stderr[-6000:]
     assert "the trainer leader (rank 0) failed at step 1" in proc.stderr
 
 

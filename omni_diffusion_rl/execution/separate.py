@@ -259,8 +259,14 @@ class SeparateTrainer(NFTTrainer):
         trainer processes get theirs."""
         try:
             batch = self._wait_for_step()
-        except BaseException:
-            self._release_replicas()
+        except BaseException as e:
+            if self.world_size > 1:  # said first: the launcher may stop this process once the others fail
+                print(
+                    f"odrl: step {step + 1} failed on the trainer leader: {type(e).__name__}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._release_replicas()
             raise
         self.batch = batch  # all of the step's groups (settled here), in the trainers' rank order
         mine = self._send_shares(batch)
