@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from ..checkpoint import atomic_write_text
 from ..config import ConfigError, ExperimentConfig
-from ..distributed import broadcast_ints, mean_over_processes
+from ..distributed import mean_over_processes
 from .costs import CostModel, Workload
 from .measure import costs_to_json, measure_costs
-from .recheck import AutoRecheck, first_pick, rollout_replicas_of, steady_seconds
+from .recheck import AutoRecheck, agree_on_switch, first_pick, rollout_replicas_of, steady_seconds
 from .simulate import MODES, SimResult, simulate
 
 PREDICTED_STEPS = 20
@@ -197,7 +197,7 @@ def run_auto(
             segments.append(_segment(run_cfg.execution.mode, summary))
         if recheck is None:
             break
-        switch_to, rollout = _agree(recheck.switch_to, recheck.switch_rollout, decisions)
+        switch_to, rollout = agree_on_switch(recheck.switch_to, recheck.switch_rollout, decisions)
         if switch_to is None:
             break
         recheck.switching(switch_to, rollout)
@@ -244,12 +244,6 @@ def _segment(mode: str, summary: dict[str, Any]) -> dict[str, Any]:
         out.update(rollout_replicas=ex["rollout_replicas"], trainer_replicas=ex["trainer_replicas"])
         out["buffer"] = ex["buffer"]
     return out
-
-
-def _agree(switch_to: str | None, rollout: int | None, group: Any) -> tuple[str | None, int | None]:
-    """Rank 0's decision (the mode, and its rollout processes), on every process."""
-    mode, replicas = broadcast_ints([MODES.index(switch_to) if switch_to else -1, rollout or 0], group)
-    return (None, None) if mode < 0 else (MODES[mode], replicas or None)
 
 
 def _free_memory() -> None:

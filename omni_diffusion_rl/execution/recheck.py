@@ -199,11 +199,12 @@ class AutoRecheck:
 
     def _follow_leader(self, switch: bool, group: Any, device: torch.device) -> bool:
         """Rank 0's decision on every process of `group`."""
-        code = [MODES.index(self.switch_to) if switch and self.switch_to else -1, self.switch_rollout or 0]
-        mode, rollout = broadcast_ints(code, group, device)
-        if mode < 0:
+        mode, rollout = agree_on_switch(
+            self.switch_to if switch else None, self.switch_rollout, group, device
+        )
+        if mode is None:
             return False
-        self.switch_to, self.switch_rollout = MODES[mode], rollout or None
+        self.switch_to, self.switch_rollout = mode, rollout
         self.decided_at = self.decided_at or time.perf_counter()
         return True
 
@@ -233,7 +234,7 @@ class AutoRecheck:
             {
                 "step": step,
                 "running": labels[running],
-                "measured": {k: round(v, 4) for k, v in _fields(measured)},
+                "measured": {k: round(v, 4) for k, v in dataclasses.asdict(measured).items()},
                 "predicted_s_per_prompt": {m: round(v, 4) for m, v in predicted.items()},
                 "running_predicted_s_per_prompt": round(values[labels[running]], 4),
                 "switch_cost_s": round(cost, 3),
@@ -262,6 +263,16 @@ class AutoRecheck:
         return base + max(0.0, result.first_step_s - steady_step)
 
 
+def agree_on_switch(
+    switch_to: str | None, rollout: int | None, group: Any = None, device: torch.device | None = None
+) -> tuple[str | None, int | None]:
+    """Rank 0's decision (the mode to switch to, or None; an async mode's rollout processes) on
+    every process of `group`."""
+    code = [MODES.index(switch_to) if switch_to else -1, rollout or 0]
+    mode, replicas = broadcast_ints(code, group, device)
+    return (None, None) if mode < 0 else (MODES[mode], replicas or None)
+
+
 def rollout_replicas_of(result: SimResult | None) -> int | None:
     """The rollout processes of a simulated async layout (None for colocated)."""
     return None if result is None else result.pool_replicas.get("rollout")
@@ -270,10 +281,6 @@ def rollout_replicas_of(result: SimResult | None) -> int | None:
 def _label(mode: str, rollout: int | None) -> str:
     """A mode and its split, as logged: `colocated`, or e.g. `separate (1 rollout)`."""
     return mode if rollout is None else f"{mode} ({rollout} rollout)"
-
-
-def _fields(timings: StepTimings) -> Any:
-    return ((k, v) for k, v in dataclasses.asdict(timings).items() if v is not None)
 
 
 def steady_seconds(result: SimResult | None) -> float:
