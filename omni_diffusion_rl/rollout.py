@@ -8,7 +8,7 @@ import torch
 
 from .models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
 from .reward import ScoreResult, WeightedReward
-from .sampling import sample_ode, time_grid
+from .sampling import policy_time_grid, sample_ode
 
 
 @dataclass
@@ -57,7 +57,11 @@ def generate(
     time_shift: float,
     solver: str,
 ) -> Rollout:
-    """len(noise) / len(prompts) samples per prompt (consecutive), integrated from `noise`."""
+    """len(noise) / len(prompts) samples per prompt (consecutive), integrated from `noise`.
+
+    The time grid is the policy's own (`policy_time_grid`): diffusers policies use their
+    scheduler's grid, the built-in tiny model the uniform one. Training reuses `Rollout.grid`.
+    """
     group_size = len(noise) // len(prompts)
     if group_size * len(prompts) != len(noise):
         raise ValueError(f"{len(noise)} noise samples do not split into groups for {len(prompts)} prompts")
@@ -65,7 +69,7 @@ def generate(
     cond = repeat_condition(policy.encode_prompts(prompts), group_size)
     cond = {k: v.to(device) for k, v in cond.items()}
     noise = noise.to(device)
-    grid = time_grid(num_steps, time_shift)
+    grid = policy_time_grid(policy, num_steps, time_shift)  # the diffusers scheduler's or uniform
     x0 = sample_ode(lambda x, t: policy.velocity(x, t.to(device), cond), noise, grid, solver)
     return Rollout(
         prompts=[p for p in prompts for _ in range(group_size)],

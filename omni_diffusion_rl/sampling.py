@@ -1,13 +1,32 @@
-"""Flow-matching ODE solvers on a (shifted) time grid; t = 1 is noise, t = 0 is data."""
+"""Flow-matching ODE solvers on a (shifted) time grid; t = 1 is noise, t = 0 is data.
+
+Two grids exist. `time_grid` is uniform in unshifted time, shift(linspace(1, 0, N + 1)), and is what
+the built-in tiny model samples and trains on. `flow_match_time_grid` reproduces the sigmas of
+diffusers' FlowMatchEulerDiscreteScheduler, shift(linspace(1, shift(1 / T), N)) followed by 0, which
+is what the SD3 pipelines (and the DiffusionNFT reference code) sample with; the diffusers adapters
+use it. `policy_time_grid` picks the grid a policy asks for.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SOLVERS = ("euler", "heun")
+
+FLOW_MATCH_UNSUPPORTED_OPTIONS = (
+    "use_dynamic_shifting",
+    "shift_terminal",
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "invert_sigmas",
+)
+"""FlowMatchEulerDiscreteScheduler config options that change its sigmas; `flow_match_time_grid`
+reproduces only the static-shift schedule, so a config that turns any of them on is refused."""
 
 
 def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -16,10 +35,77 @@ def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def time_grid(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """num_steps + 1 decreasing times from 1 to 0."""
+    """The uniform grid: num_steps + 1 decreasing times shift(linspace(1, 0, num_steps + 1)).
+
+    The built-in tiny model samples and trains on it. Its last step jumps from shift(1 / num_steps)
+    (0.25 for shift 3 and 10 steps) straight to 0, so training on grid[:-1] never sees smaller t.
+    """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1; got {num_steps}")
     return shift_time(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), shift).float()
+
+
+def check_flow_match_config(config: Mapping[str, Any]) -> int:
+    """Validate a FlowMatchEulerDiscreteScheduler config (a dict or diffusers FrozenDict).
+
+    Raises ValueError naming the first option that makes the scheduler's sigmas differ from the
+    static-shift schedule `flow_match_time_grid` computes (dynamic shifting, a terminal stretch,
+    karras / exponential / beta sigmas, inverted sigmas). Returns its `num_train_timesteps`
+    (1000 when absent). Its `shift` is not read: the caller passes the shift to use.
+    """
+    for option in FLOW_MATCH_UNSUPPORTED_OPTIONS:
+        if config.get(option):
+            raise ValueError(
+                f"scheduler config sets {option}={config[option]!r}; only the static-shift"
+                " FlowMatchEulerDiscreteScheduler schedule is supported (turn that option off)"
+            )
+    return int(config.get("num_train_timesteps", 1000))
+
+
+def flow_match_time_grid(num_steps: int, shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The FlowMatchEulerDiscreteScheduler grid: num_steps + 1 decreasing float32 times ending in 0.
+
+    Equal to `FlowMatchEulerDiscreteScheduler(num_train_timesteps=T, shift=shift)` followed by
+    `set_timesteps(num_steps)`, then `.sigmas` (static shift only; see `check_flow_match_config`),
+    computed here in float64 torch:
+
+    - at construction the scheduler shifts its training sigmas T/T, ..., 1/T, so sigma_max = 1 and
+      sigma_min = shift(1 / T);
+    - set_timesteps takes num_steps points linspace(sigma_max, sigma_min) and shifts them again, so
+      the last non-zero time is shift(shift(1 / T)) (the end point is shifted twice);
+    - a final 0 is appended.
+
+    Diffusers models (SD3 pipelines, the DiffusionNFT reference code) sample with this grid; its last
+    non-zero time is small (about 0.009 for shift 3, T = 1000), so training on grid[:-1] covers low
+    noise levels too, unlike the uniform `time_grid`.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1; got {num_steps}")
+    if num_train_timesteps < 2:
+        raise ValueError(f"num_train_timesteps must be >= 2; got {num_train_timesteps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0; got {shift}")
+    train_sigmas = torch.tensor([1.0, 1.0 / num_train_timesteps], dtype=torch.float64)
+    sigma_max, sigma_min = shift_time(train_sigmas, shift).tolist()  # the scheduler's __init__
+    # set_timesteps: linspace in timestep units (a single step keeps only sigma_max), then shift again
+    timesteps = torch.linspace(
+        sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps, dtype=torch.float64
+    )
+    sigmas = shift_time(timesteps / num_train_timesteps, shift)
+    return torch.cat([sigmas, sigmas.new_zeros(1)]).float()
+
+
+def policy_time_grid(policy: object, num_steps: int, shift: float) -> torch.Tensor:
+    """The grid `policy` samples (and trains) on: its own `time_grid(num_steps, shift)` when it has
+    one (the diffusers adapters return their scheduler's `flow_match_time_grid`), else the uniform
+    `time_grid` (the built-in tiny model)."""
+    method = getattr(policy, "time_grid", None)
+    grid = method(num_steps, shift) if callable(method) else time_grid(num_steps, shift)
+    if grid.shape != (num_steps + 1,):
+        raise ValueError(
+            f"{type(policy).__name__}.time_grid gave shape {tuple(grid.shape)}; expected ({num_steps + 1},)"
+        )
+    return grid
 
 
 @torch.no_grad()

@@ -7,11 +7,28 @@ velocity is v(x, t) = E[eps - x0 | x_t = x].
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
-from omni_diffusion_rl.sampling import SOLVERS, sample_ode, shift_time, time_grid
+from omni_diffusion_rl.models.diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy
+from omni_diffusion_rl.models.tiny_av import TinyAVPolicy, TinyAVTransformer
+from omni_diffusion_rl.rollout import generate
+from omni_diffusion_rl.sampling import (
+    FLOW_MATCH_UNSUPPORTED_OPTIONS,
+    SOLVERS,
+    check_flow_match_config,
+    flow_match_time_grid,
+    policy_time_grid,
+    sample_ode,
+    shift_time,
+    time_grid,
+)
+
+from .helpers import tiny_sd3
+from .test_diffusers_adapter import tiny_stable_audio
 
 # ---------------------------------------------------------------------------------------------------------
 # Time grid
@@ -47,6 +64,140 @@ def test_time_grid_shift_formula(shift: float) -> None:
 def test_time_grid_rejects_zero_steps() -> None:
     with pytest.raises(ValueError, match="num_steps"):
         time_grid(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The diffusers FlowMatchEulerDiscreteScheduler grid
+
+
+def scheduler_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas
+
+
+@pytest.mark.parametrize("num_steps", [1, 10, 40])
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_flow_match_grid_equals_the_scheduler_sigmas(num_steps: int, shift: float) -> None:
+    grid = flow_match_time_grid(num_steps, shift)
+    expected = scheduler_sigmas(num_steps, shift)
+    assert grid.dtype == torch.float32 and grid.shape == (num_steps + 1,)
+    torch.testing.assert_close(grid, expected, rtol=0, atol=1e-6)
+    assert grid[0].item() == 1.0 and grid[-1].item() == 0.0
+    assert bool((grid[1:] < grid[:-1]).all())
+
+
+def test_flow_match_grid_other_train_timesteps() -> None:
+    torch.testing.assert_close(
+        flow_match_time_grid(7, 2.0, 50), scheduler_sigmas(7, 2.0, 50), rtol=0, atol=1e-6
+    )
+
+
+def test_flow_match_grid_reaches_low_noise() -> None:
+    grid, uniform = flow_match_time_grid(10, 3.0), time_grid(10, 3.0)
+    assert grid[-2].item() < 0.02
+    assert uniform[-2].item() == pytest.approx(0.25)
+    # The scheduler shifts its end point twice: sigma_min = shift(1 / 1000) at construction, and
+    # set_timesteps shifts linspace(1, sigma_min, N) again.
+    twice = shift_time(shift_time(torch.tensor(1e-3, dtype=torch.float64), 3.0), 3.0).item()
+    assert grid[-2].item() == pytest.approx(twice, rel=1e-6)
+
+
+def test_flow_match_grid_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_steps"):
+        flow_match_time_grid(0)
+    with pytest.raises(ValueError, match="num_train_timesteps"):
+        flow_match_time_grid(4, 1.0, 1)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("use_dynamic_shifting", True),
+        ("shift_terminal", 0.1),
+        ("use_karras_sigmas", True),
+        ("use_exponential_sigmas", True),
+        ("use_beta_sigmas", True),
+        ("invert_sigmas", True),
+    ],
+)
+def test_unsupported_scheduler_options_raise(option: str, value: object) -> None:
+    assert option in FLOW_MATCH_UNSUPPORTED_OPTIONS
+    config = {"num_train_timesteps": 1000, "shift": 3.0, option: value}
+    with pytest.raises(ValueError, match=option):
+        check_flow_match_config(config)
+    with pytest.raises(ValueError, match=option):
+        DiffusersImagePolicy(tiny_sd3(), scheduler_config=config)
+    # the same option switched off is fine; num_train_timesteps is read
+    off = None if option == "shift_terminal" else False
+    assert check_flow_match_config({"num_train_timesteps": 500, option: off}) == 500
+
+
+def _recording(policy: object) -> list[torch.Tensor]:
+    """Patch policy.velocity to record the times it is called at."""
+    seen: list[torch.Tensor] = []
+    velocity = policy.velocity
+
+    def record(x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        seen.append(t.detach().cpu().clone())
+        return velocity(x, t, cond)
+
+    policy.velocity = record
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["image", "audio"])
+def test_diffusers_policy_generates_on_the_scheduler_grid(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    policy = (
+        DiffusersImagePolicy(tiny_sd3()) if kind == "image" else DiffusersAudioPolicy(tiny_stable_audio())
+    )
+    seen = _recording(policy)
+    noise = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        rollout = generate(policy, ["a red cat", "a drum"], [0, 1], noise, 10, 3.0, "euler")
+    expected = scheduler_sigmas(10, 3.0)
+    torch.testing.assert_close(rollout.grid, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.stack([t[0] for t in seen]), expected[:-1], rtol=0, atol=1e-6)
+    assert torch.equal(policy_time_grid(policy, 10, 3.0), rollout.grid)
+
+
+def test_tiny_model_keeps_the_uniform_grid() -> None:
+    torch.manual_seed(0)
+    policy = TinyAVPolicy(TinyAVTransformer(dim=32, depth=1, heads=2, mlp_ratio=2))
+    assert not hasattr(policy, "time_grid")
+    noise = torch.randn(2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        rollout = generate(policy, ["a red cat", "a drum"], [0, 1], noise, 4, 3.0, "euler")
+    assert torch.equal(rollout.grid, time_grid(4, 3.0))
+    assert torch.equal(policy_time_grid(object(), 4, 3.0), time_grid(4, 3.0))
+
+
+def test_from_pretrained_reads_the_pipeline_scheduler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny_sd3().save_pretrained(tmp_path / "transformer")
+    tiny_stable_audio().save_pretrained(tmp_path / "audio" / "transformer")
+    # no scheduler folder: the scheduler's defaults
+    assert DiffusersImagePolicy.from_pretrained(tmp_path, vae_subfolder=None).num_train_timesteps == 1000
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=500, shift=3.0).save_pretrained(
+        tmp_path / "scheduler"
+    )
+    policy = DiffusersImagePolicy.from_pretrained(tmp_path, vae_subfolder=None)
+    assert policy.num_train_timesteps == 500
+    torch.testing.assert_close(policy.time_grid(10, 3.0), scheduler_sigmas(10, 3.0, 500), rtol=0, atol=1e-6)
+    with pytest.warns(UserWarning, match="differs from the scheduler config's shift"):
+        policy.time_grid(10, 1.0)
+    FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(
+        tmp_path / "scheduler"
+    )
+    with pytest.raises(ValueError, match="use_dynamic_shifting"):
+        DiffusersImagePolicy.from_pretrained(tmp_path, vae_subfolder=None)
+    # Stable Audio's pipeline scheduler is another class: its folder is not read
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=500).save_pretrained(tmp_path / "audio" / "scheduler")
+    audio = DiffusersAudioPolicy.from_pretrained(tmp_path / "audio", vae_subfolder=None)
+    assert audio.num_train_timesteps == 1000 and audio.scheduler_config == {}
 
 
 # ---------------------------------------------------------------------------------------------------------

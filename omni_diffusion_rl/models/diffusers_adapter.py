@@ -5,19 +5,25 @@ turned into a `Condition` by a `PromptEncoder`: `HashedPromptEncoder` (offline, 
 tests and CPU smoke runs) or `TransformersPromptEncoder` (a real local `transformers` text encoder).
 Every prompt encoder returns the same two keys, `encoder_hidden_states` [B, L, D] and `pooled` [B, P];
 each policy maps them onto its transformer's inputs.
+
+Both policies sample (and train) on diffusers' FlowMatchEulerDiscreteScheduler time grid
+(`time_grid`), not the project's uniform one.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 import zlib
+from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..media import MediaBatch
+from ..sampling import check_flow_match_config, flow_match_time_grid
 from .policy import Condition
 
 HIDDEN_KEY = "encoder_hidden_states"
@@ -298,15 +304,30 @@ class TransformersPromptEncoder:
 
 
 class _DiffusersPolicy:
-    """Shared plumbing: prompt encoding, device/dtype moves, VAE latent unscaling, loading."""
+    """Shared plumbing: prompt encoding, device/dtype moves, VAE latent unscaling, loading, time grid.
+
+    `scheduler_config` is a FlowMatchEulerDiscreteScheduler config (e.g. a pipeline's
+    `scheduler/scheduler_config.json`), or None for that scheduler's defaults. Only its
+    `num_train_timesteps` is used, by `time_grid`; options that change the scheduler's sigmas
+    (dynamic shifting, karras / exponential / beta sigmas, ...) raise ValueError here.
+    """
 
     lora_target_modules: ClassVar[list[str]] = []
     _transformer_class: ClassVar[str] = ""
     _vae_class: ClassVar[str] = ""
+    _scheduler_class: ClassVar[str | None] = None  # the pipeline scheduler whose config from_pretrained reads
     _hidden_width_key: ClassVar[str] = ""
     _pooled_width_key: ClassVar[str] = ""
 
-    def __init__(self, transformer: nn.Module, vae: nn.Module | None, prompt_encoder: PromptEncoder | None):
+    def __init__(
+        self,
+        transformer: nn.Module,
+        vae: nn.Module | None,
+        prompt_encoder: PromptEncoder | None,
+        scheduler_config: Mapping[str, Any] | None = None,
+    ):
+        self.scheduler_config: dict[str, Any] = dict(scheduler_config or {})
+        self.num_train_timesteps = check_flow_match_config(self.scheduler_config)
         self.transformer = transformer
         self.vae = vae
         if vae is not None:
@@ -317,6 +338,25 @@ class _DiffusersPolicy:
         self.prompt_encoder: PromptEncoder = prompt_encoder or HashedPromptEncoder(
             self.hidden_width, self.pooled_width
         )
+
+    def time_grid(self, num_steps: int, shift: float) -> torch.Tensor:
+        """The FlowMatchEulerDiscreteScheduler grid (`sampling.flow_match_time_grid`) for `shift`.
+
+        These are the sigmas an SD3 pipeline samples with, shift(linspace(1, shift(1 / T), N)) then 0
+        (T = the scheduler config's num_train_timesteps), so rollouts and training see the noise
+        levels the model is usually sampled on, down to shift(shift(1 / T)) (0.009 for shift 3). `shift`
+        (the config's `sampling.time_shift`) is applied wherever the scheduler applies its own
+        `shift`, i.e. the grid is that of FlowMatchEulerDiscreteScheduler(shift=shift); a different
+        `shift` in the scheduler config is overridden (with a warning).
+        """
+        config_shift = self.scheduler_config.get("shift")
+        if config_shift is not None and float(config_shift) != float(shift):
+            warnings.warn(
+                f"sampling shift {shift} differs from the scheduler config's shift {config_shift};"
+                f" sampling with {shift}",
+                stacklevel=2,
+            )
+        return flow_match_time_grid(num_steps, shift, self.num_train_timesteps)
 
     def to(
         self: _PolicyT, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -368,6 +408,7 @@ class _DiffusersPolicy:
         torch_dtype: torch.dtype | None = None,
         local_files_only: bool | None = None,
         policy_kwargs: dict[str, Any] | None = None,
+        scheduler_subfolder: str | None = "scheduler",
         **load_kwargs: Any,
     ) -> _PolicyT:
         """Load the transformer (and the VAE unless `vae_subfolder` is None) with diffusers.
@@ -376,6 +417,8 @@ class _DiffusersPolicy:
         a hub id. A missing local path raises FileNotFoundError without touching the hub; with
         HF_HUB_OFFLINE=1 hub ids resolve from the local cache only. `load_kwargs` (revision, variant,
         ...) go to both diffusers `from_pretrained` calls; `policy_kwargs` to the policy constructor.
+        For the image policy the pipeline's scheduler config (`scheduler_subfolder`) is read when it
+        can be found, for `time_grid`; when it cannot, the scheduler's defaults are used.
         """
         import diffusers
 
@@ -389,7 +432,47 @@ class _DiffusersPolicy:
             vae_source = _resolve_source(path_or_hub_id, vae_subfolder, f"{cls._vae_class} (vae_subfolder)")
             vae_kwargs = _load_kwargs(vae_subfolder, local_files_only, torch_dtype=torch_dtype, **load_kwargs)
             vae = _load(vae_cls, vae_source, cls._vae_class, vae_kwargs)
-        return cls(transformer, vae=vae, prompt_encoder=prompt_encoder, **(policy_kwargs or {}))
+        policy_kwargs = dict(policy_kwargs or {})
+        if "scheduler_config" not in policy_kwargs and scheduler_subfolder is not None:
+            revision = load_kwargs.get("revision")
+            policy_kwargs["scheduler_config"] = cls._load_scheduler_config(
+                source, scheduler_subfolder, kwargs["local_files_only"], revision
+            )
+        return cls(transformer, vae=vae, prompt_encoder=prompt_encoder, **policy_kwargs)
+
+    @classmethod
+    def _load_scheduler_config(
+        cls, source: str, subfolder: str, local_files_only: bool, revision: str | None
+    ) -> dict[str, Any] | None:
+        """The pipeline's `_scheduler_class` config, or None when there is none to read.
+
+        None when the class reads no scheduler config, a local directory or the hub / cache has no
+        `subfolder/scheduler_config.json`, or the saved scheduler is of another class (with a warning).
+        """
+        if cls._scheduler_class is None:
+            return None
+        import diffusers
+
+        loader = getattr(diffusers, cls._scheduler_class)
+        if os.path.isdir(source) and not os.path.isfile(os.path.join(source, subfolder, loader.config_name)):
+            return None
+        try:
+            config = loader.load_config(
+                source, subfolder=subfolder, local_files_only=local_files_only, revision=revision
+            )
+        except OSError:
+            if os.path.isdir(source):
+                raise
+            return None
+        name = config.get("_class_name", cls._scheduler_class)
+        if name != cls._scheduler_class:
+            warnings.warn(
+                f"'{source}' has a {name} scheduler, not {cls._scheduler_class};"
+                f" sampling on the default {cls._scheduler_class} grid",
+                stacklevel=3,
+            )
+            return None
+        return dict(config)
 
 
 class DiffusersImagePolicy(_DiffusersPolicy):
@@ -401,11 +484,14 @@ class DiffusersImagePolicy(_DiffusersPolicy):
     [B, pooled_projection_dim] (fed as `pooled_projections`). decode() with an AutoencoderKL undoes its
     scaling/shift factors and maps [-1, 1] pixels to [0, 1]; without a VAE the first three latent
     channels are read as pixels in [-1, 1]. Either way the result is a 1-frame video.
+    time_grid() is the SD3 pipelines' FlowMatchEulerDiscreteScheduler grid; from_pretrained reads the
+    pipeline's `scheduler` config for it.
     """
 
     lora_target_modules: ClassVar[list[str]] = SD3_LORA_TARGETS
     _transformer_class = "SD3Transformer2DModel"
     _vae_class = "AutoencoderKL"
+    _scheduler_class = "FlowMatchEulerDiscreteScheduler"
     _hidden_width_key = "joint_attention_dim"
     _pooled_width_key = "pooled_projection_dim"
 
@@ -416,8 +502,9 @@ class DiffusersImagePolicy(_DiffusersPolicy):
         prompt_encoder: PromptEncoder | None = None,
         latent_size: int | tuple[int, int] | None = None,
         fps: float = 8.0,
+        scheduler_config: Mapping[str, Any] | None = None,
     ):
-        super().__init__(transformer, vae, prompt_encoder)
+        super().__init__(transformer, vae, prompt_encoder, scheduler_config)
         config = transformer.config
         size = config["sample_size"] if latent_size is None else latent_size
         height, width = (size, size) if isinstance(size, int) else size
@@ -471,6 +558,12 @@ class DiffusersAudioPolicy(_DiffusersPolicy):
     This adapter's job is the forward / LoRA path, not a conversion of the pretrained schedule.
     Stable Audio's real conditioning (T5 + seconds_start/end embeddings) is also not reproduced.
 
+    Time grid: StableAudioPipeline samples with CosineDPMSolverMultistepScheduler (EDM sigmas), but
+    since this adapter treats the model as a rectified flow, time_grid() is the same
+    FlowMatchEulerDiscreteScheduler grid as the image policy's. The pipeline's `scheduler` config is
+    therefore not read (that scheduler's defaults, num_train_timesteps = 1000, unless
+    `scheduler_config` is given).
+
     decode() with an AutoencoderOobleck gives its waveform (at its sampling rate); without a VAE the
     latent channels are the waveform. Both are clipped to [-1, 1].
     """
@@ -488,8 +581,9 @@ class DiffusersAudioPolicy(_DiffusersPolicy):
         prompt_encoder: PromptEncoder | None = None,
         latent_length: int | None = None,
         sample_rate: int | None = None,
+        scheduler_config: Mapping[str, Any] | None = None,
     ):
-        super().__init__(transformer, vae, prompt_encoder)
+        super().__init__(transformer, vae, prompt_encoder, scheduler_config)
         config = transformer.config
         length = int(config["sample_size"] if latent_length is None else latent_length)
         self._latent_shape = (int(config["in_channels"]), length)
