@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 import wave
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -61,6 +63,8 @@ class MediaBatch:
 SHEET_GAP = 2  # pixels between tiles and around the edge of a contact sheet
 SHEET_BACKGROUND = (24, 24, 24)
 SHEET_TEXT = (235, 235, 235)
+REFERENCE_GAP = 4 * SHEET_GAP  # pixels between a row's reference frames and its sample frames
+DEFAULT_REFERENCE_TITLE = "left: reference render of the prompt | right: generated sample"
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> str:
@@ -156,79 +160,197 @@ def save_png(path: str | os.PathLike[str], image: torch.Tensor, scale: int = 1) 
     return atomic_write(path, lambda handle: picture.save(handle, format="PNG"))
 
 
-def contact_sheet(video: torch.Tensor, labels: list[str] | None = None, scale: int = 8) -> Image.Image:
+def _check_reference(reference: torch.Tensor, batch: int, size: tuple[int, int] | None) -> None:
+    """Raise ValueError unless `reference` is [batch, F', 3, H, W] with F' >= 1 and, if `size` is given,
+    (H, W) == `size`."""
+    if reference.ndim != 5:
+        raise ValueError(f"reference must be [B, F', 3, H, W]; got shape {tuple(reference.shape)}")
+    ref_batch, ref_frames, channels, height, width = reference.shape
+    if ref_batch != batch:
+        raise ValueError(f"reference batch {ref_batch} != video batch {batch}")
+    if ref_frames < 1:
+        raise ValueError(f"reference needs at least one frame per sample; got shape {tuple(reference.shape)}")
+    if channels != 3:
+        raise ValueError(f"reference must have 3 colour channels; got shape {tuple(reference.shape)}")
+    if size is not None and (height, width) != tuple(size):
+        raise ValueError(
+            f"reference frames are {height}x{width} (HxW) but the video frames are {size[0]}x{size[1]}"
+        )
+
+
+def contact_sheet(
+    video: torch.Tensor,
+    labels: list[str] | None = None,
+    scale: int = 8,
+    reference: torch.Tensor | None = None,
+    title: str | None = None,
+) -> Image.Image:
     """Tile [B, F, 3, H, W] into one image: a row per sample, a column per frame.
 
     Tiles are `scale` times the frame size, separated and framed by SHEET_GAP pixels. With labels, each
     row gets a text band above it (PIL's built-in font; labels may span several lines) and the sheet is
     widened if a label is wider than the tiles.
+
+    `reference` ([B, F', 3, H, W]; F' may differ from F, H and W may not) is drawn in each row to the left
+    of that row's sample frames, REFERENCE_GAP pixels away from them, so each row reads as two blocks.
+    `title` is a text line (or several) drawn once at the top; the sheet widens to fit it too.
     """
     if video.ndim != 5:
         raise ValueError(f"video must be [B, F, 3, H, W]; got shape {tuple(video.shape)}")
-    batch, num_frames, _, height, width = video.shape
+    batch, num_frames, channels, height, width = video.shape
+    if channels != 3:
+        raise ValueError(f"video must have 3 colour channels; got shape {tuple(video.shape)}")
+    if scale < 1:
+        raise ValueError(f"scale must be >= 1; got {scale}")
     if labels is not None and len(labels) != batch:
         raise ValueError(f"got {len(labels)} labels for {batch} samples")
+    ref_frames = 0
+    if reference is not None:
+        _check_reference(reference, batch, (height, width))
+        ref_frames = reference.shape[1]
     tile_w, tile_h = width * scale, height * scale
-    grid_w = num_frames * tile_w + (num_frames + 1) * SHEET_GAP
+    step = tile_w + SHEET_GAP
+    # The reference block (if any) starts at the left edge; the sample block follows after REFERENCE_GAP.
+    sample_left = SHEET_GAP + (ref_frames * step - SHEET_GAP + REFERENCE_GAP if ref_frames else 0)
+    grid_w = sample_left + num_frames * step
 
     font = ImageFont.load_default()
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     label_boxes = [measure.multiline_textbbox((0, 0), text, font=font) for text in labels or []]
     band_h = max((box[3] for box in label_boxes), default=0) + SHEET_GAP if labels else 0
-    text_w = max((box[2] for box in label_boxes), default=0) + 2 * SHEET_GAP
+    text_w = max((box[2] for box in label_boxes), default=0) + 2 * SHEET_GAP if labels else 0
+    title_h = title_w = 0
+    if title:
+        title_box = measure.multiline_textbbox((0, 0), title, font=font)
+        title_h = title_box[3] + 2 * SHEET_GAP
+        title_w = title_box[2] + 2 * SHEET_GAP
 
-    sheet_w = max(grid_w, text_w) if labels else grid_w
+    sheet_w = max(grid_w, text_w, title_w)
     row_h = band_h + tile_h + SHEET_GAP
-    sheet = Image.new("RGB", (sheet_w, SHEET_GAP + batch * row_h), SHEET_BACKGROUND)
+    sheet = Image.new("RGB", (sheet_w, SHEET_GAP + title_h + batch * row_h), SHEET_BACKGROUND)
     draw = ImageDraw.Draw(sheet)
+    if title:
+        draw.multiline_text((SHEET_GAP, SHEET_GAP), title, fill=SHEET_TEXT, font=font)
     for row in range(batch):
-        top = SHEET_GAP + row * row_h
+        top = SHEET_GAP + title_h + row * row_h
         if labels:
             draw.multiline_text((SHEET_GAP, top), labels[row], fill=SHEET_TEXT, font=font)
+        if reference is not None:
+            for col in range(ref_frames):
+                sheet.paste(_to_pil(reference[row, col], scale), (SHEET_GAP + col * step, top + band_h))
         for col in range(num_frames):
-            left = SHEET_GAP + col * (tile_w + SHEET_GAP)
-            sheet.paste(_to_pil(video[row, col], scale), (left, top + band_h))
+            sheet.paste(_to_pil(video[row, col], scale), (sample_left + col * step, top + band_h))
     return sheet
 
 
-def _reward_label(index: int, prompt: str, rewards: dict[str, list[float | None]]) -> str:
-    """Two-line label: the sample number and prompt, then each reward to three decimals (None: failed)."""
-    scores = "  ".join(
-        f"{name}={'failed' if value[index] is None else format(value[index], '.3f')}"
-        for name, value in rewards.items()
-    )
-    return f"{index:02d} {prompt}" + (f"\n{scores}" if scores else "")
+def _format_score(value: float | None, digits: int) -> str:
+    """`value` to `digits` decimals, or "failed" for a sample that could not be scored (None, NaN, inf)."""
+    if value is None or not math.isfinite(value):
+        return "failed"
+    return format(value, f".{digits}f")
+
+
+def _sheet_names(names: list[str]) -> dict[str, str]:
+    """Each name shortened to the part after its last "/" for the sheet, unless that part is empty or
+    another name shortens to the same text (then the full name is kept, so no two columns read alike)."""
+    short = {name: name.rsplit("/", 1)[-1] or name for name in names}
+    counts = Counter(short.values())
+    return {name: text if counts[text] == 1 else name for name, text in short.items()}
+
+
+def _reward_label(
+    index: int,
+    prompt: str,
+    rewards: dict[str, list[float | None]],
+    metrics: dict[str, list[float | None]] | None = None,
+) -> str:
+    """A row label: the sample number and prompt; then each reward to three decimals; then, with metrics,
+    each metric to two decimals under its short name (see _sheet_names). A score that is None, NaN or
+    inf reads "failed"; a line with nothing to show is left out."""
+    lines = [f"{index:02d} {prompt}"]
+    scores = "  ".join(f"{name}={_format_score(values[index], 3)}" for name, values in rewards.items())
+    if scores:
+        lines.append(scores)
+    if metrics:
+        short = _sheet_names(list(metrics))
+        lines.append(
+            "  ".join(f"{short[name]}={_format_score(values[index], 2)}" for name, values in metrics.items())
+        )
+    return "\n".join(lines)
+
+
+def _json_scores(
+    kind: str, name: str, values: Sequence[float | None] | torch.Tensor, count: int
+) -> list[float | None]:
+    """One score per sample as JSON-ready floats: None, NaN and inf (a sample that could not be scored)
+    become None; anything else that is not a number, or the wrong count, raises ValueError."""
+    try:
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().double()
+            items = values.tolist() if values.ndim == 1 else list(values)
+        else:
+            items = list(values)
+    except TypeError as error:
+        raise ValueError(f"{kind} {name!r} must be one value per sample; got {values!r}") from error
+    if len(items) != count:
+        raise ValueError(f"{kind} {name!r} has {len(items)} values for {count} samples")
+    scores: list[float | None] = []
+    for i, value in enumerate(items):
+        if value is None:
+            scores.append(None)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{kind} {name!r}: sample {i} is {value!r}, not a number or None") from error
+        scores.append(number if math.isfinite(number) else None)
+    return scores
 
 
 def save_previews(
     out_dir: str | os.PathLike[str],
     media: MediaBatch,
     prompts: list[str],
-    rewards: dict[str, list[float | None]] | None = None,
+    rewards: Mapping[str, Sequence[float | None] | torch.Tensor] | None = None,
+    metrics: Mapping[str, Sequence[float | None] | torch.Tensor] | None = None,
+    reference: torch.Tensor | None = None,
+    reference_title: str | None = None,
 ) -> dict[str, str]:
     """Write a preview folder for a batch and return {file name: path} for every file written.
 
-    Files: `sheet.png` (contact sheet labelled with prompt and rewards; video only), `sample_{i:02d}.gif`
-    and/or `sample_{i:02d}.wav` per sample, and `index.json` listing prompts, rewards and file names.
+    Files: `sheet.png` (contact sheet labelled with prompt, rewards and metrics; video only),
+    `sample_{i:02d}.gif` and/or `sample_{i:02d}.wav` per sample, `reference_{i:02d}.gif` per sample with a
+    reference, and `index.json` listing prompts, rewards, metrics and file names.
+
+    `rewards` and `metrics` map a name to one score per sample (a list or a tensor). A score that is None,
+    NaN or inf (a sample the scorer could not score) is written as JSON null and shown as "failed".
+    `reference` ([B, F', 3, H, W]) is a render of each prompt to compare against: it is drawn left of the
+    samples on the sheet under the title `reference_title` (DEFAULT_REFERENCE_TITLE if None; "" for no
+    title). Shapes are checked before anything is written.
     """
     count = len(media)
     if len(prompts) != count:
         raise ValueError(f"got {len(prompts)} prompts for {count} samples")
-    scores: dict[str, list[float | None]] = {}
-    for name, values in (rewards or {}).items():
-        values = [float(v) for v in values]
-        if len(values) != count:
-            raise ValueError(f"reward {name!r} has {len(values)} values for {count} samples")
-        scores[name] = values
+    scores = {name: _json_scores("reward", name, values, count) for name, values in (rewards or {}).items()}
+    measured = {name: _json_scores("metric", name, values, count) for name, values in (metrics or {}).items()}
+    if reference is not None:
+        size = None if media.video is None else (media.video.shape[3], media.video.shape[4])
+        _check_reference(reference, count, size)
+
+    sheet: Image.Image | None = None
+    if media.video is not None:
+        labels = [_reward_label(i, prompts[i], scores, measured) for i in range(count)]
+        title = None
+        if reference is not None:
+            title = DEFAULT_REFERENCE_TITLE if reference_title is None else reference_title
+        sheet = contact_sheet(media.video, labels, reference=reference, title=title)
 
     folder = os.fspath(out_dir)
     os.makedirs(folder, exist_ok=True)
     written: dict[str, str] = {}
     sheet_name: str | None = None
-    if media.video is not None:
+    if sheet is not None:
         sheet_name = "sheet.png"
-        labels = [_reward_label(i, prompts[i], scores) for i in range(count)]
-        sheet = contact_sheet(media.video, labels)
         path = os.path.join(folder, sheet_name)
         written[sheet_name] = atomic_write(path, lambda handle: sheet.save(handle, format="PNG"))
 
@@ -238,6 +360,7 @@ def save_previews(
             "index": i,
             "prompt": prompts[i],
             "rewards": {name: values[i] for name, values in scores.items()},
+            "metrics": {name: values[i] for name, values in measured.items()},
         }
         if media.video is not None:
             name = f"sample_{i:02d}.gif"
@@ -247,6 +370,10 @@ def save_previews(
             name = f"sample_{i:02d}.wav"
             written[name] = save_wav(os.path.join(folder, name), media.audio[i], media.sample_rate)
             entry["wav"] = name
+        if reference is not None:
+            name = f"reference_{i:02d}.gif"
+            written[name] = save_gif(os.path.join(folder, name), reference[i], media.fps)
+            entry["reference_gif"] = name
         samples.append(entry)
 
     index = {
@@ -256,6 +383,8 @@ def save_previews(
         "sheet": sheet_name,
         "prompts": list(prompts),
         "rewards": scores,
+        "metrics": measured,
+        "reference": reference is not None,
         "samples": samples,
     }
     text = json.dumps(index, indent=2).encode("utf-8")
