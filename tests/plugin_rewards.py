@@ -73,3 +73,11 @@ class ErrorOnRank:
         if rank is not None and rank == os.environ.get("ODRL_TEST_ERROR_RANK"):
             raise RewardError(f"test_error_on_rank: refused on rank {rank}")
         return torch.ones(len(prompts))
+
+
+@rewards.register("test_nan_on_red", overwrite=True)
+class NanOnRed:
+    """NaN for prompts that mention red (a scorer that cannot score some samples); 1.0 otherwise."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        return torch.tensor([float("nan") if "red" in p else 1.0 for p in prompts])

@@ -52,8 +52,7 @@ def server() -> ServerProcess:
 
 def _scene_media(n: int, seed: int = 0) -> tuple[MediaBatch, list[str]]:
     gen = torch.Generator().manual_seed(seed)
-    prompts, latents = world.synthetic_batch(n, gen, label_noise=0.5)
-    video, amps = world.unpack_latent(latents)
+    prompts, video, amps = world.synthetic_clips(n, gen, label_noise=0.5)
     media = MediaBatch(
         video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
     )

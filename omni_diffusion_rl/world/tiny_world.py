@@ -9,6 +9,7 @@ synthesises the waveform from it (a fixed, differentiable "vocoder").
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -84,16 +85,38 @@ def active_audio_frames(when: str) -> list[int]:
     return list(range(half)) if when == "early" else list(range(half, AUDIO_FRAMES))
 
 
+MIN_RADIUS, MAX_RADIUS = 3.0, 4.5
+
+
+def shape_mask(shape: str, cy: float, cx: float, radius: float, size: int = VIDEO_SIZE) -> torch.Tensor:
+    """[size, size] bool: the pixels a circle or square of `radius` centred at (cy, cx) covers."""
+    yy, xx = torch.meshgrid(torch.arange(size) + 0.5, torch.arange(size) + 0.5, indexing="ij")
+    if shape == "circle":
+        return (yy - cy) ** 2 + (xx - cx) ** 2 <= radius**2
+    return ((yy - cy).abs() <= radius * 0.85) & ((xx - cx).abs() <= radius * 0.85)
+
+
+@functools.lru_cache(maxsize=2)
+def all_shape_masks(size: int = VIDEO_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every distinct mask the world draws, at every centre where the largest shape fits in the frame
+    (a little wider than the centres `render_scene` picks): [M, size * size] bool, and each mask's
+    index into SHAPES [M]."""
+    masks: dict[bytes, tuple[torch.Tensor, int]] = {}
+    margin = math.ceil(MAX_RADIUS) - 1
+    for cy, cx in itertools.product(range(margin, size - margin), repeat=2):
+        for radius in torch.linspace(MIN_RADIUS, MAX_RADIUS, 31).tolist():
+            for kind, shape in enumerate(SHAPES):
+                mask = shape_mask(shape, cy + 0.5, cx + 0.5, radius, size).flatten()
+                masks.setdefault(mask.numpy().tobytes(), (mask, kind))
+    return torch.stack([m for m, _ in masks.values()]), torch.tensor([k for _, k in masks.values()])
+
+
 def render_scene(scene: Scene, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Video [F, 3, H, W] in [0, 1] and audio amplitudes [AUDIO_FRAMES, AUDIO_BINS] in [0, 1]."""
     video = torch.full((VIDEO_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE), BACKGROUND)
     cy, cx = (torch.randint(5, VIDEO_SIZE - 5, (2,), generator=gen) + 0.5).tolist()
-    radius = 3.0 + 1.5 * torch.rand((), generator=gen).item()
-    yy, xx = torch.meshgrid(torch.arange(VIDEO_SIZE) + 0.5, torch.arange(VIDEO_SIZE) + 0.5, indexing="ij")
-    if scene.shape == "circle":
-        mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= radius**2
-    else:
-        mask = ((yy - cy).abs() <= radius * 0.85) & ((xx - cx).abs() <= radius * 0.85)
+    radius = MIN_RADIUS + (MAX_RADIUS - MIN_RADIUS) * torch.rand((), generator=gen).item()
+    mask = shape_mask(scene.shape, cy, cx, radius)
     color = torch.tensor(COLORS[scene.color]).view(3, 1, 1)
     for f in active_video_frames(scene.when):
         video[f] = torch.where(mask, color, video[f])
@@ -118,49 +141,50 @@ def synthesize_audio(amps: torch.Tensor) -> torch.Tensor:
     return wave.clamp(-1, 1).unsqueeze(1)
 
 
-VIDEO_DIM = VIDEO_FRAMES * 3 * VIDEO_SIZE * VIDEO_SIZE
-AUDIO_DIM = AUDIO_FRAMES * AUDIO_BINS
-LATENT_DIM = VIDEO_DIM + AUDIO_DIM
+ATTRIBUTE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "color": tuple(COLORS),
+    "shape": SHAPES,
+    "pitch": tuple(PITCH_BINS),
+    "when": tuple(WHEN_PHRASES),
+}
 
 
-def pack_latent(video: torch.Tensor, amps: torch.Tensor) -> torch.Tensor:
-    """One tensor [B, LATENT_DIM] in [-1, 1] holding both modalities, so one loss covers both."""
-    return torch.cat([video.flatten(1) * 2 - 1, amps.flatten(1) * 2 - 1], dim=1)
+def synthetic_clips(
+    batch_size: int, gen: torch.Generator, label_noise: dict[str, float] | float = 0.0
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Prompts, video [B, F, 3, H, W] and audio amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] of random
+    scenes.
 
-
-def unpack_latent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Video [B, F, 3, H, W] in [0, 1] and amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] in [0, 1]."""
-    video = ((x[:, :VIDEO_DIM] + 1) / 2).clamp(0, 1)
-    amps = ((x[:, VIDEO_DIM:] + 1) / 2).clamp(0, 1)
-    return (
-        video.reshape(-1, VIDEO_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE),
-        amps.reshape(-1, AUDIO_FRAMES, AUDIO_BINS),
-    )
-
-
-def synthetic_batch(
-    batch_size: int, gen: torch.Generator, label_noise: float = 0.0
-) -> tuple[list[str], torch.Tensor]:
-    """Prompts and packed latents of random scenes.
-
-    With probability `label_noise` each of colour, pitch and timing of the clip is redrawn at
-    random, independently of the prompt: a base model trained on it follows prompts only partly,
-    which leaves room for post-training to show.
+    With probability `label_noise[attribute]` (one number: the same for every attribute) the clip's
+    colour, shape, pitch or timing is redrawn at random, each independently of the prompt and of the
+    others: a base model trained on such clips follows each attribute of a prompt only partly, which
+    leaves post-training room on every attribute.
     """
+    noise = label_noise if isinstance(label_noise, dict) else dict.fromkeys(ATTRIBUTE_OPTIONS, label_noise)
+    unknown = sorted(set(noise) - set(ATTRIBUTE_OPTIONS))
+    if unknown:
+        raise ValueError(f"label_noise: unknown attributes {unknown}; use {', '.join(ATTRIBUTE_OPTIONS)}")
     prompts, videos, amps = [], [], []
     for _ in range(batch_size):
         scene = ALL_SCENES[int(torch.randint(len(ALL_SCENES), (1,), generator=gen))]
         shown = scene
-        for attr, options in (
-            ("color", list(COLORS)),
-            ("pitch", list(PITCH_BINS)),
-            ("when", list(WHEN_PHRASES)),
-        ):
-            if torch.rand((), generator=gen).item() < label_noise:
+        for attr, options in ATTRIBUTE_OPTIONS.items():
+            if torch.rand((), generator=gen).item() < noise.get(attr, 0.0):
                 pick = options[int(torch.randint(len(options), (1,), generator=gen))]
                 shown = Scene(**{**shown.__dict__, attr: pick})
         v, a = render_scene(shown, gen)
         prompts.append(scene.prompt)
         videos.append(v)
         amps.append(a)
-    return prompts, pack_latent(torch.stack(videos), torch.stack(amps))
+    return prompts, torch.stack(videos), torch.stack(amps)
+
+
+def render_prompts(prompts: list[str], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The world's own clips of tiny-world prompts: video [B, F, 3, H, W] and waveform [B, 1, S], or
+    None when a prompt is not a tiny-world prompt (then there is no reference to show)."""
+    scenes = [parse_prompt(p) for p in prompts]
+    if not scenes or any(s is None for s in scenes):
+        return None
+    rendered = [render_scene(s, gen) for s in scenes if s is not None]
+    amps = torch.stack([a for _, a in rendered])
+    return torch.stack([v for v, _ in rendered]), synthesize_audio(amps)
