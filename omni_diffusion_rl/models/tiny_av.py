@@ -92,8 +92,48 @@ class Block(nn.Module):
         return x + gate2 * self.ff_out(F.gelu(self.ff_in(h)))
 
 
+class LatentLayout:
+    """The tiny model's latent, a compressed description of a clip (as a VAE's latent would be):
+    [picture 3 x S x S | visibility per video frame | spectrum over the audio bins | loudness per
+    audio frame], all in [-1, 1]. The fixed decoder shows the picture in each frame as much as that
+    frame's visibility says, and plays the spectrum as loud as each audio frame's loudness says.
+    A world clip (one shape, in some frames, one tone, in some frames) is encoded exactly; so is a
+    frame flooded with colour or a tone that lasts the whole clip: the latent does not stop a policy
+    from gaming its rewards, the rewards must.
+    """
+
+    def __init__(self, video_frames: int, video_size: int, audio_frames: int, audio_bins: int) -> None:
+        self.video_frames, self.video_size = video_frames, video_size
+        self.audio_frames, self.audio_bins = audio_frames, audio_bins
+        self.picture_dim = 3 * video_size * video_size
+        self.sizes = [self.picture_dim, video_frames, audio_bins, audio_frames]
+        self.dim = sum(self.sizes)
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[B, dim] -> picture [B, picture_dim], visibility [B, F], spectrum [B, K], loudness [B, T]."""
+        return list(x.split(self.sizes, dim=1))
+
+    def decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Video [B, F, 3, S, S] in [0, 1] and audio amplitudes [B, T, K] in [0, 1]."""
+        picture, visible, spectrum, loudness = (((part + 1) / 2).clamp(0, 1) for part in self.split(x))
+        s = self.video_size
+        picture = picture.view(-1, 1, 3, s, s)
+        video = world.BACKGROUND + visible[:, :, None, None, None] * (picture - world.BACKGROUND)
+        return video, loudness[:, :, None] * spectrum[:, None, :]
+
+    def encode(self, video: torch.Tensor, amps: torch.Tensor) -> torch.Tensor:
+        """The latent of clips made of one picture and one sound: video [B, F, 3, S, S], amplitudes
+        [B, T, K], both in [0, 1] (world.render_scene's clips are encoded exactly)."""
+        shown = (video - world.BACKGROUND).abs().flatten(2).amax(-1) > 1e-3  # [B, F]
+        brightest = (video - world.BACKGROUND).abs().flatten(2).sum(-1).argmax(1)
+        picture = video[torch.arange(len(video)), brightest]
+        parts = [picture.flatten(1), shown.to(video.dtype), amps.amax(1), amps.amax(2)]
+        return torch.cat(parts, dim=1) * 2 - 1
+
+
 class TinyAVTransformer(ModelMixin, ConfigMixin):
-    """Velocity model for the packed tiny-world latent [B, LATENT_DIM]."""
+    """Velocity model for the tiny latent (`LatentLayout`): picture patches, one timing token
+    (visibility and loudness) and one pitch token (the spectrum), attended jointly with the words."""
 
     @register_to_config
     def __init__(
@@ -109,14 +149,19 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
         mlp_ratio: int = 4,
         vocab_size: int = 1024,
         max_text_tokens: int = 16,
+        prediction: str = "sample",
     ) -> None:
         super().__init__()
-        self.patches_per_frame = (video_size // patch_size) ** 2
-        self.num_video_tokens = video_frames * self.patches_per_frame
+        if prediction not in ("velocity", "sample"):
+            raise ValueError(f"prediction must be 'velocity' or 'sample'; got {prediction!r}")
+        self.layout = LatentLayout(video_frames, video_size, audio_frames, audio_bins)
+        self.grid = video_size // patch_size
         self.patch_dim = 3 * patch_size * patch_size
-        num_latent_tokens = self.num_video_tokens + audio_frames
-        self.video_in = nn.Linear(self.patch_dim, dim)
-        self.audio_in = nn.Linear(audio_bins, dim)
+        timing_dim = video_frames + audio_frames
+        num_latent_tokens = self.grid**2 + 2
+        self.picture_in = nn.Linear(self.patch_dim, dim)
+        self.timing_in = nn.Linear(timing_dim, dim)
+        self.pitch_in = nn.Linear(audio_bins, dim)
         self.word_embedding = nn.Embedding(vocab_size, dim)
         self.latent_pos = nn.Parameter(torch.randn(1, num_latent_tokens, dim) * 0.02)
         self.text_pos = nn.Parameter(torch.randn(1, max_text_tokens, dim) * 0.02)
@@ -127,29 +172,35 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
         self.final_modulation = nn.Linear(dim, 2 * dim)
         nn.init.zeros_(self.final_modulation.weight)
         nn.init.zeros_(self.final_modulation.bias)
-        self.video_out = nn.Linear(dim, self.patch_dim)
-        self.audio_out = nn.Linear(dim, audio_bins)
+        self.picture_out = nn.Linear(dim, self.patch_dim)
+        self.timing_out = nn.Linear(dim, timing_dim)
+        self.pitch_out = nn.Linear(dim, audio_bins)
 
-    def _patchify(self, video: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        b, p, g = video.shape[0], c.patch_size, c.video_size // c.patch_size
-        v = video.view(b, c.video_frames, 3, g, p, g, p).permute(0, 1, 3, 5, 2, 4, 6)
-        return v.reshape(b, self.num_video_tokens, self.patch_dim)
+    def _patchify(self, picture: torch.Tensor) -> torch.Tensor:
+        b, p, g = picture.shape[0], self.config.patch_size, self.grid
+        v = picture.view(b, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5)
+        return v.reshape(b, g * g, self.patch_dim)
 
     def _unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        b, p, g = tokens.shape[0], c.patch_size, c.video_size // c.patch_size
-        v = tokens.view(b, c.video_frames, g, g, 3, p, p).permute(0, 1, 4, 2, 5, 3, 6)
+        b, p, g = tokens.shape[0], self.config.patch_size, self.grid
+        v = tokens.view(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5)
         return v.reshape(b, -1)
 
     def forward(
         self, x: torch.Tensor, t: torch.Tensor, text_ids: torch.Tensor, text_mask: torch.Tensor
     ) -> torch.Tensor:
+        """The velocity at (x, t); with prediction='sample' the network predicts x0 and the velocity
+        is (x - x0) / max(t, 0.05)."""
         c = self.config
-        video_dim = c.video_frames * 3 * c.video_size**2
-        video = x[:, :video_dim].reshape(-1, c.video_frames, 3, c.video_size, c.video_size)
-        audio = x[:, video_dim:].reshape(-1, c.audio_frames, c.audio_bins)
-        latent_tokens = torch.cat([self.video_in(self._patchify(video)), self.audio_in(audio)], dim=1)
+        picture, visible, spectrum, loudness = self.layout.split(x)
+        latent_tokens = torch.cat(
+            [
+                self.picture_in(self._patchify(picture)),
+                self.timing_in(torch.cat([visible, loudness], dim=1))[:, None],
+                self.pitch_in(spectrum)[:, None],
+            ],
+            dim=1,
+        )
         latent_tokens = latent_tokens + self.latent_pos
         words = self.word_embedding(text_ids) + self.text_pos[:, : text_ids.shape[1]]
         mask_f = text_mask.unsqueeze(-1).to(words.dtype)
@@ -162,9 +213,20 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
             tokens = block(tokens, cond, key_mask)
         shift, scale = self.final_modulation(F.silu(cond))[:, None].chunk(2, dim=-1)
         out = self.final_norm(tokens[:, words.shape[1] :]) * (1 + scale) + shift
-        video_v = self._unpatchify(self.video_out(out[:, : self.num_video_tokens]))
-        audio_v = self.audio_out(out[:, self.num_video_tokens :]).flatten(1)
-        return torch.cat([video_v, audio_v], dim=1)
+        n = self.grid**2
+        timing = self.timing_out(out[:, n])
+        y = torch.cat(
+            [
+                self._unpatchify(self.picture_out(out[:, :n])),
+                timing[:, : c.video_frames],
+                self.pitch_out(out[:, n + 1]),
+                timing[:, c.video_frames :],
+            ],
+            dim=1,
+        )
+        if c.prediction == "sample":
+            return (x - y) / t.to(x.dtype).clamp(min=0.05)[:, None]
+        return y
 
 
 class TinyAVPolicy:
@@ -188,7 +250,7 @@ class TinyAVPolicy:
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        return (world.LATENT_DIM,)
+        return (self.transformer.layout.dim,)
 
     def encode_prompts(self, prompts: list[str]) -> Condition:
         ids, mask = self.tokenizer(prompts)
@@ -198,7 +260,7 @@ class TinyAVPolicy:
         return self.transformer(x_t, t, cond["text_ids"], cond["text_mask"])
 
     def decode(self, x0: torch.Tensor) -> MediaBatch:
-        video, amps = world.unpack_latent(x0.float())
+        video, amps = self.transformer.layout.decode(x0.float())
         return MediaBatch(
             video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
         )
