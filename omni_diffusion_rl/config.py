@@ -79,7 +79,12 @@ class AlgorithmConfig:
         choices=("continuous", "positive_only", "negative_only", "one_only", "binary"),
     )
     per_group_std: bool = _spec(False, "normalise by each group's std instead of the batch std")
-    kl_coef: float = _spec(0.0, "weight of ||v_theta - v_ref||^2 (0 skips the reference forward)", ge=0)
+    kl_coef: float = _spec(
+        0.5,
+        "weight of mean ||v_theta - v_ref||^2 (keeps the picture's quality and variety; 0 skips the "
+        "reference forward)",
+        ge=0,
+    )
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
     decay_schedule: str = _spec(
         "linear_to_0_5", "soft update of `old`", choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999")
@@ -88,7 +93,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _spec(6e-4, "AdamW learning rate (the tiny default; reference recipes use 3e-4)", gt=0)
+    lr: float = _spec(2e-3, "AdamW learning rate (the tiny default; reference recipes use 3e-4)", gt=0)
     weight_decay: float = _spec(1e-4, "AdamW weight decay", ge=0)
     grad_clip: float = _spec(1.0, "max gradient norm (0 disables)", ge=0)
 
@@ -99,13 +104,23 @@ class DataConfig:
     eval_prompts: str = _spec("builtin:tiny_world_heldout", "held-out prompts for before/after evaluation")
     prompts_per_step: int = _spec(8, "prompt groups per optimizer step (over all processes)", ge=1)
     group_size: int = _spec(8, "samples per prompt (K); advantages need at least 2", ge=2)
-    eval_samples: int = _spec(64, "held-out samples for the before/after evaluation", ge=1)
+    eval_samples: int = _spec(
+        256, "held-out samples for the before/after evaluation (eval_samples / prompts per prompt)", ge=1
+    )
 
 
 @dataclass
 class RewardConfig:
     weights: dict[str, float] = _spec(
-        {"color_match": 1.0, "pitch_match": 1.0, "timing_match": 1.0, "av_sync": 1.0},
+        {
+            "color_match": 1.0,
+            "shape_match": 1.0,
+            "pitch_match": 1.0,
+            "timing_match": 1.0,
+            "av_sync": 0.5,
+            "clean_background": 0.5,
+            "group_diversity": 0.5,
+        },
         "registered reward name -> weight; the reward is the weighted mean",
     )
     options: dict[str, dict[str, Any]] = _spec(
@@ -137,8 +152,18 @@ class RewardConfig:
 
 
 @dataclass
+class EvalConfig:
+    metrics: list[str] = _spec(
+        ["tiny_world_judge"],
+        "registered scorers logged on the held-out prompts and never trained on (tiny_world_judge: the "
+        "tiny world's per-attribute accuracy and health signs; for real models e.g. [imagebind])",
+    )
+    options: dict[str, dict[str, Any]] = _spec({}, "metric name -> keyword arguments for it")
+
+
+@dataclass
 class TrainConfig:
-    steps: int = _spec(80, "optimizer steps", ge=1)
+    steps: int = _spec(240, "optimizer steps", ge=1)
     seed: int = _spec(0, "seed for prompts, noise and initialisation", ge=0)
     output_dir: str = _spec("runs/tiny_t2av_nft", "where metrics, previews and checkpoints go")
     log_every: int = _spec(1, "steps between metric records", ge=1)
@@ -209,6 +234,7 @@ class ExperimentConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
@@ -387,6 +413,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"execution: {e}") from e
     import_plugins(cfg.reward.plugins)
+    check_eval_metrics(cfg)
     if cfg.reward.url:
         if not cfg.reward.url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.url: '{cfg.reward.url}' must start with http:// or https://")
@@ -399,6 +426,36 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             raise ConfigError(
                 f"reward.weights.{name}: unknown reward '{name}'; registered: {', '.join(registered)} "
                 "(register your own with @omni_diffusion_rl.registry.rewards.register or an entry point)"
+            )
+
+
+def check_eval_metrics(cfg: ExperimentConfig) -> None:
+    """eval.metrics names registered scorers, once each, fit for the model family."""
+    from .registry import rewards
+
+    registered = rewards.names()
+    seen: set[str] = set()
+    for name in cfg.eval.metrics:
+        if name not in registered:
+            raise ConfigError(
+                f"eval.metrics: unknown scorer '{name}'; registered: {', '.join(registered)} (any "
+                "registered reward can be an eval metric; register your own with "
+                "@omni_diffusion_rl.registry.rewards.register or an entry point)"
+            )
+        if name in seen:
+            raise ConfigError(f"eval.metrics: '{name}' is named twice")
+        seen.add(name)
+    if "tiny_world_judge" in cfg.eval.metrics and cfg.model.family != "tiny_av":
+        raise ConfigError(
+            f"eval.metrics: tiny_world_judge judges the built-in tiny world's clips only; with "
+            f"model.family={cfg.model.family} name other scorers (e.g. eval.metrics=[imagebind]) or none "
+            "(eval.metrics=[])"
+        )
+    for name in cfg.eval.options:
+        if name not in cfg.eval.metrics:
+            raise ConfigError(
+                f"eval.options.{name}: options for a metric that eval.metrics does not name "
+                f"({', '.join(cfg.eval.metrics) or 'none'})"
             )
 
 

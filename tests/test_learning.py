@@ -1,4 +1,5 @@
-"""A short DiffusionNFT run on the shipped base model raises the reward it is trained on."""
+"""A short DiffusionNFT run on the shipped base model raises the reward it is trained on, and the
+judge that it does not train on agrees."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def test_short_run_raises_reward_on_its_prompts(tmp_path: Path) -> None:
             "train.preview_every=0",
             "train.checkpoint_every=0",
             "train.progress=false",
+            "reward.weights={color_match: 1.0}",
         ],
     )
     summary = NFTTrainer(cfg).fit()
-    assert summary["heldout_reward_after"] > summary["heldout_reward_before"] + 0.05, summary
+    assert summary["heldout_reward_after"] > summary["heldout_reward_before"] + 0.1, summary
+    before, after = summary["heldout_tiny_world_judge_before"], summary["heldout_tiny_world_judge_after"]
+    assert after["color"] > before["color"], summary

@@ -93,7 +93,8 @@ def test_wandb_without_an_accelerator_and_a_run_continued_by_id(tmp_path: Path) 
         ) as log:
             log.log({"reward/mean": float(step)}, step=step)
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith("-odrltest0001") for r in runs)
+    # wandb names a run folder after its id, with a -1 suffix when both parts start in one second
+    assert len(runs) == 2 and all("-odrltest0001" in r.name for r in runs)
     assert all(list(r.glob("*.wandb")) for r in runs), "each part has its data file"
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [0, 1]
 

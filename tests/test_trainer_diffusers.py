@@ -41,6 +41,7 @@ def test_nft_on_a_tiny_sd3_transformer(tmp_path: Path) -> None:
             "sampling.num_steps=3",
             "sampling.eval_num_steps=3",
             "reward.weights={test_brightness: 1.0}",
+            "eval.metrics=[]",  # the tiny world's judge does not apply to an image model
             f"train.output_dir={run}",
             "train.steps=2",
             "train.preview_every=1",
@@ -50,6 +51,7 @@ def test_nft_on_a_tiny_sd3_transformer(tmp_path: Path) -> None:
     summary = NFTTrainer(cfg).fit()
     assert 0.0 <= summary["heldout_reward_after"] <= 1.0
     index = json.loads((run / "previews" / "step_00001" / "index.json").read_text())
-    assert index["prompts"] == ["a bright sky", "a dark room"]
+    assert index["prompts"] == ["a bright sky"] * 2 + ["a dark room"] * 2  # two samples a prompt
+    assert index["reference"] is False  # the world's renders are for the tiny world only
     policy = load_policy(run / "checkpoints")
     assert policy.latent_shape == (4, 8, 8)

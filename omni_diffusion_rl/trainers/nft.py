@@ -28,13 +28,23 @@ from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ExperimentConfig
 from ..distributed import all_gather_cat, all_reduce_sum
+from ..evaluation import (
+    before_after_summary,
+    build_metrics,
+    check_scored,
+    heldout_noise,
+    heldout_prompts,
+    samples_of_rank,
+    score_heldout,
+    summarize,
+)
 from ..media import save_previews
 from ..models import build_nft_policy, lora
 from ..prompts import load_prompts
 from ..reward import RewardError, ScoreResult, WeightedReward
-from ..rollout import Rollout, cat_results, generate, score
-from ..serving.wire import scores_to_json
+from ..rollout import Rollout, cat_results, generate
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
+from ..world import tiny_world
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
 
@@ -76,6 +86,7 @@ class NFTTrainer:
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.reward = WeightedReward.from_config(cfg.reward)
+        self.metrics = build_metrics(cfg.eval.metrics, cfg.eval.options)  # logged, never trained on
         self.sample_counts: dict[str, int] = {}
         self._metric_names: list[str] = []
         self._t_generated = 0.0
@@ -148,6 +159,12 @@ class NFTTrainer:
         self.sample_counts = dict(state.get("sample_counts", {}))
         self.wandb_run_id = state.get("wandb_run_id") or self.wandb_run_id
         self.load_extra_state(state)
+
+    def close_scorers(self) -> None:
+        """Close the reward and the eval metrics (threads, connections)."""
+        self.reward.close()
+        for metric in self.metrics:
+            metric.close()
 
     def finish_run(self) -> dict[str, Any]:
         """Called once after the last step: more for the summary (execution modes stop their
@@ -339,7 +356,7 @@ class NFTTrainer:
                 sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
         out = self._weighted_mean_over_ranks(sums, float(len(rollout)))
         self.apply_gradients(out, weight=float(len(rollout)))
-        decay = old_adapter_decay(a.decay_schedule, step)
+        decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
         lora.soft_update_old(self.transformer, decay)
         out["old_decay"] = decay
         return out
@@ -445,40 +462,38 @@ class NFTTrainer:
     # ------------------------------------------------------------------ evaluation and previews
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out reward with the trained adapter, fixed prompts and fixed noise (seed-independent)."""
-        n = self.cfg.data.eval_samples
-        prompts = [self.eval_prompts[i % len(self.eval_prompts)] for i in range(n)]
-        mine = list(range(self.rank, n, self.world_size))
-        gen = step_generator(0, 0, 0, "eval")
-        noise_all = torch.randn((n, *self.policy.latent_shape), generator=gen)
-        s = self.cfg.sampling
-        rollout = generate(
-            self.policy,
-            [prompts[i] for i in mine],
-            mine,
-            noise_all[mine],
-            s.eval_num_steps,
-            s.time_shift,
-            s.solver,
-        )
-        scored = score(self.policy, self.reward, rollout)
-        ok = self._gather(scored.ok)
-        if not ok.any():
-            raise RewardError(
-                f"no held-out sample could be scored: {sorted(set(scored.failures.values()))[:5]}"
+        """The training reward and the eval metrics on the held-out set (fixed prompts and noise,
+        whatever the seed), generated with the trained adapter; see `evaluation`."""
+        n, prompts = self.cfg.data.eval_samples, self.eval_prompts
+        mine = samples_of_rank(prompts, n, self.rank, self.world_size)
+        columns: dict[str, torch.Tensor] = {}
+        if mine:
+            sample_prompts = heldout_prompts(prompts, n)
+            s = self.cfg.sampling
+            rollout = generate(
+                self.policy,
+                [sample_prompts[i] for i in mine],
+                mine,
+                heldout_noise(n, self.policy.latent_shape)[mine],
+                s.eval_num_steps,
+                s.time_shift,
+                s.solver,
             )
-        out = {"reward": float(self._gather(scored.total)[ok].mean())}
-        out.update({name: float(self._gather(v)[ok].mean()) for name, v in scored.parts.items()})
-        if not ok.all():
-            out["unscored_samples"] = float((~ok).sum())
-        return out
+            media = self.policy.decode(rollout.x0)
+            columns = score_heldout(media, rollout.prompts, self.reward, self.metrics)
+        summary = summarize(self._gather_parts(columns), self.metrics)
+        check_scored(summary, "the held-out set")
+        return summary
 
     @torch.no_grad()
-    def preview(self, tag: str, num: int = 4) -> Path | None:
+    def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
+        """Samples of held-out prompts with their rewards and eval metrics (a failed score is shown as
+        failed); for the tiny world the sheet puts the world's own render of each prompt beside them."""
         if not self.is_main:
             return None
-        stride = max(1, len(self.eval_prompts) // num)
-        prompts = self.eval_prompts[::stride][:num]  # spread over the held-out set
+        stride = max(1, len(self.eval_prompts) // prompts_shown)
+        chosen = self.eval_prompts[::stride][:prompts_shown]  # spread over the held-out set
+        prompts = [p for p in chosen for _ in range(samples_per_prompt)]
         s = self.cfg.sampling
         noise = torch.randn(
             (len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview")
@@ -487,10 +502,23 @@ class NFTTrainer:
             self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
         )
         media = self.policy.decode(rollout.x0)
-        scored = self.reward(media, prompts, check=False)  # a failed preview sample is shown as failed
+        columns = score_heldout(media, prompts, self.reward, self.metrics)
+        rewards = {k: v for k, v in columns.items() if k == "reward" or k.startswith("reward/")}
+        metrics = {k: v for k, v in columns.items() if k not in rewards}
+        reference = None
+        if self.cfg.model.family == "tiny_av":
+            rendered = tiny_world.render_prompts(prompts, step_generator(0, 0, 0, "preview"))
+            reference = None if rendered is None else rendered[0]
         out = self.output_dir / "previews" / tag
-        values = {"reward": scored.total, **scored.parts}
-        save_previews(out, media, prompts, {k: scores_to_json(v) for k, v in values.items()})
+        save_previews(
+            out,
+            media,
+            prompts,
+            rewards,
+            metrics,
+            reference=reference,
+            reference_title="left: the world's own render of the prompt | right: the model's sample",
+        )
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -516,6 +544,7 @@ class NFTTrainer:
         start = time.perf_counter()
         if cfg.train.eval_at_start_and_end and self.eval_before is None:
             self.eval_before = self.evaluate()
+            logger.log({f"eval/{k}": v for k, v in self.eval_before.items()}, step=self.step)
             if cfg.train.preview_every:
                 self.preview(f"step_{self.step:05d}")
         evaluating_s = time.perf_counter() - start
@@ -552,7 +581,7 @@ class NFTTrainer:
                     self.save()
                 switching = self.recheck is not None and self.recheck.after_step(self, metrics)
         except BaseException:
-            self.reward.close()  # connections and the scoring thread; the error propagates
+            self.close_scorers()  # connections and the scoring thread; the error propagates
             raise
         finally:
             bar.close()
@@ -574,23 +603,14 @@ class NFTTrainer:
             summary.update(self.finish_run())
         except BaseException:
             logger.close()
-            self.reward.close()
+            self.close_scorers()
             raise
         if cfg.train.eval_at_start_and_end and not switching:  # a switch continues the run elsewhere
             after = self.evaluate()
-            before = self.eval_before or {}
-            summary.update(
-                {
-                    "heldout_reward_before": round(before.get("reward", float("nan")), 4),
-                    "heldout_reward_after": round(after["reward"], 4),
-                    "heldout_gain": round(after["reward"] - before.get("reward", float("nan")), 4),
-                    "components_before": {k: round(v, 4) for k, v in before.items() if k != "reward"},
-                    "components_after": {k: round(v, 4) for k, v in after.items() if k != "reward"},
-                }
-            )
-            logger.log({"eval/heldout_reward": after["reward"]}, step=self.step)
+            summary = {**before_after_summary(self.eval_before or {}, after, self.metrics), **summary}
+            logger.log({f"eval/{k}": v for k, v in after.items()}, step=self.step)
         logger.close()
-        self.reward.close()
+        self.close_scorers()
         summary["samples"] = dict(self.sample_counts)
         if self.is_main:
             plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
