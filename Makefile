@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench bench-modes bench-learning bench-recheck lint pretrain clean
+.PHONY: setup demo test test-fast bench bench-modes bench-learning bench-recheck lint pretrain clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: setup
 test: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q
+
+# The inner loop: everything but the multi-process and benchmark tests (about 90 s on 2 cores).
+test-fast: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -m "not slow"
 
 bench: setup
 	$(BIN)/odrl bench nft-step --output runs/bench/nft_step.json

@@ -8,8 +8,9 @@ ImageBind). A scorer that fails on a sample leaves that sample out of its mean a
 (`<metric>/failed_samples`); it is never scored 0.
 
 The held-out set is fixed whatever the seed: sample i has prompt prompts[i % P] and noise row i of
-`heldout_noise` (P: all the prompts, or fewer when there are not two samples for each). Samples of one prompt form a group (diversity is measured within it); with several
-processes each takes whole groups.
+`heldout_noise` (P: all the prompts, or fewer when there are not two samples for each). Samples of
+one prompt form a group (diversity is measured within it); with several processes each takes
+whole groups.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ import torch
 
 from omni_diffusion_rl.bench import ARMS, run_nft_step_bench
 
+pytestmark = pytest.mark.slow  # benchmark runs: left out of `make test-fast`
+
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:

@@ -12,6 +12,8 @@ from omni_diffusion_rl.bench_learning import max_lag, mean_std, noise_band, run_
 
 from .helpers import fast_overrides, tiny_model_dir
 
+pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
+
 
 def test_within_noise_rule_on_hand_made_numbers() -> None:
     mean, std = mean_std([1.0, 2.0, 3.0])

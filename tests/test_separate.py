@@ -16,6 +16,8 @@ from omni_diffusion_rl.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 
+pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
