@@ -114,8 +114,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Verified (tensors, objects, state) of a checkpoint written by save_checkpoint."""
+def load_checkpoint(
+    path: str | Path, objects: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """Verified (tensors, objects, state) of a checkpoint written by save_checkpoint.
+
+    objects=False leaves objects.pt (optimizer and RNG states, a pickle) unread and returns {} for
+    it: sampling and evaluation need only the tensors and the JSON state, so a checkpoint someone
+    shared cannot run code through them."""
     path = resolve_checkpoint(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
@@ -134,5 +140,6 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             f"checkpoint {path} has format {state.get('format')}; this version reads {FORMAT_VERSION}"
         )
     tensors = load_file(str(path / "tensors.safetensors"))
-    objects = torch.load(path / "objects.pt", weights_only=False)
-    return tensors, objects, state
+    if not objects:
+        return tensors, {}, state
+    return tensors, torch.load(path / "objects.pt", weights_only=False), state

@@ -81,7 +81,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .eval_targets import evaluate_target, target_config
-    from .evaluation import format_table
+    from .evaluation import format_table, json_safe
 
     overrides = [t for t in args.targets if "=" in t and not Path(t).exists()]
     targets = [t for t in args.targets if t not in overrides]
@@ -94,6 +94,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg = target_config(target, args.config, overrides)
         results[target] = evaluate_target(target, cfg, with_reward=not args.no_reward)
     print(format_table(results))
+    results = json_safe(results)  # a value nothing could score is null, not NaN
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1), encoding="utf-8")
@@ -121,7 +122,9 @@ def cmd_probe_rewards(args: argparse.Namespace) -> int:
 
 
 def _label_noise(text: str) -> dict[str, float]:
-    """'0.4' (every attribute) or 'color=0.5,shape=0.3,...' -> {attribute: probability}."""
+    """'0.4' (every attribute) or 'color=0.5,shape=0.3' (the others keep the shipped recipe's) ->
+    {attribute: probability}."""
+    from .world.pretrain import DEFAULT_LABEL_NOISE
     from .world.tiny_world import ATTRIBUTE_OPTIONS
 
     try:
@@ -136,7 +139,7 @@ def _label_noise(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(
             f"label noise: attributes among {', '.join(ATTRIBUTE_OPTIONS)}, values in [0, 1]; got {text}"
         )
-    return noise
+    return {**DEFAULT_LABEL_NOISE, **noise}
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -364,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-noise",
         type=_label_noise,
         default=None,
-        help="chance that a clip's attribute ignores the prompt: 0.4 for all, or color=0.5,shape=0.3,... "
-        "(default: the shipped model's recipe)",
+        help="chance that a clip's attribute ignores the prompt: 0.4 for all, or color=0.5,shape=0.3 "
+        "(attributes not named keep the shipped model's recipe, 0.5)",
     )
     pretrain.add_argument("--seed", type=int, default=0)
     pretrain.set_defaults(func=cmd_pretrain)

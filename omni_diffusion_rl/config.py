@@ -444,6 +444,11 @@ def check_eval_metrics(cfg: ExperimentConfig) -> None:
             )
         if name in seen:
             raise ConfigError(f"eval.metrics: '{name}' is named twice")
+        if name in cfg.reward.weights:
+            raise ConfigError(
+                f"eval.metrics: '{name}' is also in reward.weights; an eval metric must be one the run does "
+                "not train on (take it out of one of them)"
+            )
         seen.add(name)
     if "tiny_world_judge" in cfg.eval.metrics and cfg.model.family != "tiny_av":
         raise ConfigError(

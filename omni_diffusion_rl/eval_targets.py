@@ -39,7 +39,7 @@ def target_config(target: str, config_path: str | None, overrides: list[str]) ->
             raise ConfigError(f"config file {path} does not exist")
         data = _yaml(path.read_text(encoding="utf-8")) or {}
     if target not in (WORLD, *BASE) and is_checkpoint(Path(target)):
-        _, _, state = load_checkpoint(target)
+        _, _, state = load_checkpoint(target, objects=False)
         saved = state.get("config")
         if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
             raise CheckpointError(f"checkpoint {target} has no model configuration in its state.json")

@@ -16,6 +16,7 @@ whole groups.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ import torch
 
 from .media import MediaBatch
 from .reward import RewardError, ScoreResult, WeightedReward
+
+logger = logging.getLogger(__name__)
 
 _HELDOUT_SEED = 20_251_201
 
@@ -68,7 +71,14 @@ class MetricScorer:
         self.combined = WeightedReward({self.name: self.scorer}, {self.name: 1.0}, max_failed_fraction=1.0)
 
     def __call__(self, media: MediaBatch, prompts: list[str]) -> ScoreResult:
-        return self.combined(media, prompts, check=False)
+        """The metric on a batch; a scorer that breaks the reward contract fails the whole batch
+        (NaN, with the reason) instead of stopping the run it only reports on."""
+        try:
+            return self.combined(media, prompts, check=False)
+        except RewardError as e:
+            logger.error("eval metric '%s' failed on a batch of %d: %s", self.name, len(media), e)
+            nan = torch.full((len(media),), math.nan)
+            return ScoreResult(nan, {self.name: nan.clone()}, dict.fromkeys(range(len(media)), str(e)))
 
     def close(self) -> None:
         self.combined.close()
@@ -76,13 +86,26 @@ class MetricScorer:
 
 def build_metrics(names: list[str], options: dict[str, dict[str, Any]] | None = None) -> list[MetricScorer]:
     """Each named scorer created from the reward registry with its keyword arguments."""
+    from .config import ConfigError
     from .registry import rewards as registry
 
     options = options or {}
-    metrics = []
+    metrics: list[MetricScorer] = []
     for name in names:
-        scorer = registry.create(name, **options.get(name, {}))
-        metrics.append(MetricScorer(name, scorer, str(getattr(scorer, "headline", name))))
+        try:
+            scorer = registry.create(name, **options.get(name, {}))
+        except (TypeError, ValueError, OSError) as e:
+            raise ConfigError(
+                f"eval.metrics: '{name}' could not be created with eval.options.{name}="
+                f"{options.get(name, {})} ({type(e).__name__}: {e})"
+            ) from e
+        headline = str(getattr(scorer, "headline", name))
+        taken = {m.headline for m in metrics} | {m.name for m in metrics}
+        if headline in taken:
+            raise ConfigError(
+                f"eval.metrics: '{name}' reports '{headline}', which another metric reports too"
+            )
+        metrics.append(MetricScorer(name, scorer, headline))
     return metrics
 
 
@@ -91,17 +114,24 @@ def score_heldout(
     prompts: list[str],
     reward: WeightedReward | None,
     metrics: list[MetricScorer],
+    reasons: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-sample columns [B] (NaN where a sample could not be scored): `reward`, `reward/<part>`,
-    `<metric>` and `<metric>/<component>` for every eval metric."""
+    `<metric>` and `<metric>/<component>` for every eval metric. The reasons of failed samples are
+    appended to `reasons` when given."""
     columns: dict[str, torch.Tensor] = {}
+    failures: dict[int, str] = {}
     if reward is not None:
         scored = reward(media, prompts, check=False)
         columns["reward"] = scored.total
         columns.update({f"reward/{k}": v for k, v in scored.parts.items()})
+        failures.update(scored.failures)
     for metric in metrics:
         scored = metric(media, prompts)
         columns.update(scored.parts)  # '<metric>' and '<metric>/<component>'
+        failures.update(scored.failures)
+    if reasons is not None:
+        reasons.extend(sorted(set(failures.values())))
     return columns
 
 
@@ -109,7 +139,7 @@ def summarize(columns: dict[str, torch.Tensor], metrics: list[MetricScorer]) -> 
     """Means over the samples each column could score, and `<metric>/failed_samples` per metric."""
     out: dict[str, float] = {}
     for name, values in columns.items():
-        finite = values[~values.isnan()]
+        finite = values[values.isfinite()]
         out[name] = float(finite.mean()) if len(finite) else math.nan
     for metric in metrics:
         if metric.name in columns:
@@ -119,10 +149,11 @@ def summarize(columns: dict[str, torch.Tensor], metrics: list[MetricScorer]) -> 
     return out
 
 
-def check_scored(summary: dict[str, float], what: str) -> None:
+def check_scored(summary: dict[str, float], what: str, reasons: list[str] | None = None) -> None:
     """RewardError when the training reward scored no held-out sample at all."""
     if "reward" in summary and math.isnan(summary["reward"]):
-        raise RewardError(f"no sample of {what} could be scored by the training reward")
+        why = f": {'; '.join(sorted(set(reasons))[:5])}" if reasons else ""
+        raise RewardError(f"no sample of {what} could be scored by the training reward{why}")
 
 
 def before_after_summary(
@@ -133,14 +164,17 @@ def before_after_summary(
     then the training reward and its parts."""
     out: dict[str, Any] = {}
     for metric in metrics:
+        if metric.headline == metric.name:
+            continue  # reported as 'score' among its components below
         for when, values in (("before", before), ("after", after)):
             out[f"heldout_{metric.headline}_{when}"] = _rounded(values.get(metric.name, math.nan))
     for metric in metrics:
         prefix = f"{metric.name}/"
         for when, values in (("before", before), ("after", after)):
-            out[f"heldout_{metric.name}_{when}"] = {
-                k[len(prefix) :]: _rounded(v) for k, v in values.items() if k.startswith(prefix)
-            }
+            parts = {k[len(prefix) :]: _rounded(v) for k, v in values.items() if k.startswith(prefix)}
+            if metric.headline == metric.name:
+                parts = {"score": _rounded(values.get(metric.name, math.nan)), **parts}
+            out[f"heldout_{metric.name}_{when}"] = parts
     reward_before, reward_after = before.get("reward", math.nan), after.get("reward", math.nan)
     out["heldout_reward_before"] = _rounded(reward_before)
     out["heldout_reward_after"] = _rounded(reward_after)
@@ -155,7 +189,16 @@ def before_after_summary(
 
 
 def _rounded(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 4)
+    return None if not math.isfinite(value) else round(value, 4)
+
+
+def json_safe(results: Any) -> Any:
+    """NaN and infinities as None (JSON null) throughout nested dicts."""
+    if isinstance(results, dict):
+        return {k: json_safe(v) for k, v in results.items()}
+    if isinstance(results, float) and not math.isfinite(results):
+        return None
+    return results
 
 
 def format_table(results: dict[str, dict[str, float]]) -> str:
@@ -217,8 +260,12 @@ def evaluate_heldout(
         if batches[-1] and len(batches[-1]) + len(group) > max_batch:
             batches.append([])
         batches[-1] += group
-    parts = []
+    parts: list[dict[str, torch.Tensor]] = []
+    reasons: list[str] = []
     for index in batches:
         batch_prompts = [sample_prompts[i] for i in index]
-        parts.append(score_heldout(make_media(batch_prompts, noise[index]), batch_prompts, reward, metrics))
-    return summarize(join_columns(parts), metrics)
+        media = make_media(batch_prompts, noise[index])
+        parts.append(score_heldout(media, batch_prompts, reward, metrics, reasons))
+    summary = summarize(join_columns(parts), metrics)
+    check_scored(summary, "the held-out set", reasons)
+    return summary

@@ -19,7 +19,7 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
     if checkpoint is None:
         policy, _ = build_policy(ModelConfig(pretrained=pretrained))
         return policy
-    tensors, _, state = load_checkpoint(checkpoint)
+    tensors, _, state = load_checkpoint(checkpoint, objects=False)  # no pickle read to sample
     policy = build_nft_policy(ModelConfig(**state["config"]["model"]))
     lora.load_nft_adapter_tensors(policy.transformer, tensors)
     lora.set_active_adapter(policy.transformer, lora.TRAINED)

@@ -215,3 +215,62 @@ def test_positional_words_after_an_option_are_kept() -> None:
     assert args.overrides == ["train.steps=3"] and args.resume == "runs/x"
     with pytest.raises(SystemExit):
         parse_args(["eval", "base", "--no-reward", "--bogus"])
+
+
+class _Payload:
+    """Unpickling this creates the file its path names: the proof that a load ran code."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204 - pickle protocol
+        return (Path.touch, (Path(self.path),))
+
+
+def test_sampling_and_evaluating_a_checkpoint_never_unpickles_it(
+    trained: tuple[Path, dict], tmp_path: Path
+) -> None:
+    import hashlib
+    import shutil
+
+    import torch
+
+    from omni_diffusion_rl.checkpoint import MANIFEST, resolve_checkpoint
+    from omni_diffusion_rl.inference import load_policy
+
+    shared = tmp_path / "shared"
+    shutil.copytree(resolve_checkpoint(trained[0] / "checkpoints"), shared)
+    marker = tmp_path / "ran"
+    torch.save({"optimizer": _Payload(str(marker))}, shared / "objects.pt")
+    manifest = json.loads((shared / MANIFEST).read_text())  # a forger recomputes the hash too
+    data = (shared / "objects.pt").read_bytes()
+    manifest["files"]["objects.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (shared / MANIFEST).write_text(json.dumps(manifest))
+    load_policy(shared)
+    target_config(str(shared), None, ["data.eval_samples=4"])
+    assert not marker.exists()
+
+
+def test_a_metric_without_a_headline_keeps_its_score_in_the_summary() -> None:
+    from omni_diffusion_rl.evaluation import MetricScorer, before_after_summary
+
+    class Plain:
+        def score(self, media, prompts):  # noqa: ANN001, ANN202
+            raise AssertionError("not called")
+
+    metric = MetricScorer("plain", Plain(), "plain")
+    summary = before_after_summary({"plain": 0.5, "plain/x": 0.2}, {"plain": float("nan")}, [metric])
+    assert summary["heldout_plain_before"] == {"score": 0.5, "x": 0.2}
+    assert summary["heldout_plain_after"] == {"score": None}
+
+
+def test_a_metric_that_is_also_trained_on_is_refused() -> None:
+    with pytest.raises(ConfigError, match="also in reward.weights"):
+        load_config(None, ["eval.metrics=[color_match]"])
+
+
+def test_bad_metric_options_are_a_config_error(model_dir: Path) -> None:
+    from omni_diffusion_rl.evaluation import build_metrics
+
+    with pytest.raises(ConfigError, match="eval.options.tiny_world_judge"):
+        build_metrics(["tiny_world_judge"], {"tiny_world_judge": {"no_such_option": 1}})

@@ -105,7 +105,7 @@ def _measure(
 
     gen_fixed, gen_unit = _least_squares(gen_rows, gen_y)
     train_fixed, train_sample, train_unit = _least_squares(train_rows, train_y)
-    trainer.reward.close()
+    trainer.close_scorers()
     points = {}
     if short_steps == long_steps:  # one length: the measured points themselves (see costs.py)
         points = {

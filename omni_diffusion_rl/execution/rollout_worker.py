@@ -129,4 +129,4 @@ class RolloutWorker:
                 group_id += self.replicas
         finally:
             transport.send_bytes(b"", 0, self.data_group, transport.DATA_TAG)  # done marker
-            self.builder.reward.close()
+            self.builder.close_scorers()

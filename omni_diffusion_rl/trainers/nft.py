@@ -29,11 +29,13 @@ from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ExperimentConfig
 from ..distributed import all_gather_cat, all_reduce_sum
 from ..evaluation import (
+    MetricScorer,
     before_after_summary,
     build_metrics,
     check_scored,
     heldout_noise,
     heldout_prompts,
+    join_columns,
     samples_of_rank,
     score_heldout,
     summarize,
@@ -86,7 +88,7 @@ class NFTTrainer:
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.reward = WeightedReward.from_config(cfg.reward)
-        self.metrics = build_metrics(cfg.eval.metrics, cfg.eval.options)  # logged, never trained on
+        self._metrics: list[MetricScorer] | None = None  # eval metrics, built when first needed
         self.sample_counts: dict[str, int] = {}
         self._metric_names: list[str] = []
         self._t_generated = 0.0
@@ -160,10 +162,18 @@ class NFTTrainer:
         self.wandb_run_id = state.get("wandb_run_id") or self.wandb_run_id
         self.load_extra_state(state)
 
+    @property
+    def metrics(self) -> list[MetricScorer]:
+        """The eval metrics (logged, never trained on); built on first use, so processes that never
+        evaluate (rollout workers, cost measurement) never load them."""
+        if self._metrics is None:
+            self._metrics = build_metrics(self.cfg.eval.metrics, self.cfg.eval.options)
+        return self._metrics
+
     def close_scorers(self) -> None:
         """Close the reward and the eval metrics (threads, connections)."""
         self.reward.close()
-        for metric in self.metrics:
+        for metric in self._metrics or []:
             metric.close()
 
     def finish_run(self) -> dict[str, Any]:
@@ -466,24 +476,54 @@ class NFTTrainer:
         whatever the seed), generated with the trained adapter; see `evaluation`."""
         n, prompts = self.cfg.data.eval_samples, self.eval_prompts
         mine = samples_of_rank(prompts, n, self.rank, self.world_size)
-        columns: dict[str, torch.Tensor] = {}
-        if mine:
+        parts: list[dict[str, torch.Tensor]] = []
+        reasons: list[str] = []
+        error = None
+        try:
             sample_prompts = heldout_prompts(prompts, n)
-            s = self.cfg.sampling
-            rollout = generate(
-                self.policy,
-                [sample_prompts[i] for i in mine],
-                mine,
-                heldout_noise(n, self.policy.latent_shape)[mine],
-                s.eval_num_steps,
-                s.time_shift,
-                s.solver,
-            )
-            media = self.policy.decode(rollout.x0)
-            columns = score_heldout(media, rollout.prompts, self.reward, self.metrics)
-        summary = summarize(self._gather_parts(columns), self.metrics)
-        check_scored(summary, "the held-out set")
+            noise = heldout_noise(n, self.policy.latent_shape)
+            for index in self._eval_batches(mine, sample_prompts):
+                parts.append(
+                    self._score_heldout_batch([sample_prompts[i] for i in index], noise[index], reasons)
+                )
+        except Exception as e:
+            error = e
+        self._agree_on_failure(error, "evaluating the held-out set")  # the others would wait to gather
+        summary = summarize(self._gather_parts(join_columns(parts)), self.metrics)
+        check_scored(summary, "the held-out set", reasons)
         return summary
+
+    def _eval_batches(self, mine: list[int], sample_prompts: list[str]) -> list[list[int]]:
+        """This process's held-out samples in batches of whole prompt groups, each no larger than a
+        training step's rollout (which is known to fit) unless one group is."""
+        limit = self.cfg.data.prompts_per_step * self.cfg.data.group_size
+        batches: list[list[int]] = []
+        groups: dict[str, list[int]] = {}
+        for i in mine:
+            groups.setdefault(sample_prompts[i], []).append(i)
+        for group in groups.values():
+            if not batches or len(batches[-1]) + len(group) > limit:
+                batches.append([])
+            batches[-1] += group
+        return batches
+
+    def _score_heldout_batch(self, prompts: list[str], noise: torch.Tensor, reasons: list[str]) -> dict:
+        s = self.cfg.sampling
+        rollout = generate(
+            self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
+        )
+        return score_heldout(self.policy.decode(rollout.x0), prompts, self.reward, self.metrics, reasons)
+
+    def _evaluate_logged(self, logger: MetricsLogger) -> dict[str, float]:
+        """evaluate() logged as eval/...; when it fails, the logger and the scorers are closed first."""
+        try:
+            result = self.evaluate()
+        except BaseException:
+            logger.close()
+            self.close_scorers()
+            raise
+        logger.log({f"eval/{k}": v for k, v in result.items()}, step=self.step)
+        return result
 
     @torch.no_grad()
     def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
@@ -543,8 +583,7 @@ class NFTTrainer:
         )
         start = time.perf_counter()
         if cfg.train.eval_at_start_and_end and self.eval_before is None:
-            self.eval_before = self.evaluate()
-            logger.log({f"eval/{k}": v for k, v in self.eval_before.items()}, step=self.step)
+            self.eval_before = self._evaluate_logged(logger)
             if cfg.train.preview_every:
                 self.preview(f"step_{self.step:05d}")
         evaluating_s = time.perf_counter() - start
@@ -606,9 +645,8 @@ class NFTTrainer:
             self.close_scorers()
             raise
         if cfg.train.eval_at_start_and_end and not switching:  # a switch continues the run elsewhere
-            after = self.evaluate()
+            after = self._evaluate_logged(logger)
             summary = {**before_after_summary(self.eval_before or {}, after, self.metrics), **summary}
-            logger.log({f"eval/{k}": v for k, v in after.items()}, step=self.step)
         logger.close()
         self.close_scorers()
         summary["samples"] = dict(self.sample_counts)

@@ -103,7 +103,7 @@ def probe_rewards(reward: WeightedReward, seed: int = 0) -> dict[str, dict[str, 
     (four each) and on each adversarial case: {reward: {case: mean}}, for `odrl probe-rewards`."""
     from ..media import MediaBatch
 
-    scenes = world.ALL_SCENES * 4  # a prompt's samples side by side, as in a training group
+    scenes = world.ALL_SCENES * 4  # four samples of each prompt, grouped by prompt as in training
     prompts = [s.prompt for s in scenes]
     table: dict[str, dict[str, float]] = {}
     for case in ["world", *CASES]:
