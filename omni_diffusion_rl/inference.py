@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint
 from .config import ModelConfig
 from .media import MediaBatch
 from .models import build_nft_policy, build_policy, lora
@@ -19,12 +19,28 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
     if checkpoint is None:
         policy, _ = build_policy(ModelConfig(pretrained=pretrained))
         return policy
-    tensors, _, state = load_checkpoint(checkpoint, objects=False)  # no pickle read to sample
-    policy = build_nft_policy(ModelConfig(**state["config"]["model"]))
-    lora.load_nft_adapter_tensors(policy.transformer, tensors)
+    tensors, _, state = load_checkpoint(checkpoint, objects=False)  # no training state read to sample
+    policy = build_nft_policy(checkpoint_model_config(state, checkpoint))
+    try:
+        lora.load_nft_adapter_tensors(policy.transformer, tensors)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {checkpoint}: {e}") from e
     lora.set_active_adapter(policy.transformer, lora.TRAINED)
     policy.transformer.eval()
     return policy
+
+
+def checkpoint_model_config(state: dict, checkpoint: str | Path) -> ModelConfig:
+    """The model configuration a checkpoint's state.json records, or a CheckpointError."""
+    model = state.get("config", {}).get("model") if isinstance(state.get("config"), dict) else None
+    if not isinstance(model, dict):
+        raise CheckpointError(f"checkpoint {checkpoint}: state.json records no model configuration")
+    try:
+        return ModelConfig(**model)
+    except TypeError as e:
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: state.json has a model configuration this version does not know ({e})"
+        ) from e
 
 
 @torch.no_grad()

@@ -36,9 +36,10 @@ def test_round_trip(tmp_path: Path) -> None:
     assert path == tmp_path / "ckpt" / "step_0000003"
     assert sorted(p.name for p in path.iterdir()) == [
         "manifest.json",
-        "objects.pt",
         "state.json",
         "tensors.safetensors",
+        "training_state.json",
+        "training_state.safetensors",
     ]
     got_tensors, got_objects, got_state = load_checkpoint(path)
     assert set(got_tensors) == set(tensors)
@@ -55,7 +56,12 @@ def test_round_trip(tmp_path: Path) -> None:
     assert got_state["format"] == checkpoint_module.FORMAT_VERSION
     manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["step"] == 3
-    assert set(manifest["files"]) == {"objects.pt", "state.json", "tensors.safetensors"}
+    assert set(manifest["files"]) == {
+        "state.json",
+        "tensors.safetensors",
+        "training_state.json",
+        "training_state.safetensors",
+    }
 
 
 def test_latest_pointer(tmp_path: Path) -> None:
@@ -138,15 +144,16 @@ def test_tampered_state_json_of_the_same_size(tmp_path: Path) -> None:
 
 def test_missing_file_listed_in_manifest(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path / "ckpt", 1, *_payload(1))
-    (path / "objects.pt").unlink()
-    with pytest.raises(CheckpointError, match="missing objects.pt"):
+    (path / "training_state.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing training_state.safetensors"):
         load_checkpoint(path)
+    assert load_checkpoint(path, objects=False)[2]["step"] == 1  # sampling needs no training state
 
 
 def test_unreadable_manifest(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path / "ckpt", 1, *_payload(1))
     (path / "manifest.json").write_text("{not json", encoding="utf-8")
-    with pytest.raises(CheckpointError, match="unreadable"):
+    with pytest.raises(CheckpointError, match="not valid JSON"):
         load_checkpoint(path)
 
 
@@ -159,7 +166,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(
     def crash(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", crash)
+    monkeypatch.setattr(checkpoint_module, "encode_state", crash)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(root, 2, *_payload(2))
     assert not (root / "step_0000002").exists()
@@ -171,3 +178,120 @@ def test_crash_during_save_keeps_the_previous_checkpoint(
     save_checkpoint(root, 2, *_payload(2))
     assert load_checkpoint(root)[2]["step"] == 2
     assert not list(root.glob(".tmp*"))
+
+
+def test_pruning_keeps_what_latest_names(tmp_path: Path) -> None:
+    """A lower step saved after higher ones (a second run in the folder) is not pruned away."""
+    root = tmp_path / "ckpt"
+    for step in (60, 80, 10):
+        save_checkpoint(root, step, *_payload(step), keep_last=2)
+    assert (root / "latest").read_text(encoding="utf-8").strip() == "step_0000010"
+    assert load_checkpoint(root)[2]["step"] == 10
+
+
+def test_training_state_round_trips_optimizer_and_rng_without_pickle(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    param = torch.nn.Parameter(torch.randn(3, 2))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, betas=(0.8, 0.95))
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    objects = {
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+    }
+    path = save_checkpoint(tmp_path / "ckpt", 1, {"w": torch.zeros(1)}, objects, {"step": 1})
+    _, got, _ = load_checkpoint(path)
+    assert got["python_rng"] == objects["python_rng"]
+    assert got["numpy_rng"][0] == "MT19937" and got["numpy_rng"][1].dtype == np.uint32
+    assert np.array_equal(got["numpy_rng"][1], objects["numpy_rng"][1])
+    assert torch.equal(got["torch_rng"], objects["torch_rng"])
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, 2))], lr=1.0)
+    fresh.load_state_dict(got["optimizer"])
+    assert fresh.param_groups[0]["betas"] == (0.8, 0.95) and fresh.param_groups[0]["lr"] == 1e-3
+    assert torch.equal(
+        fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+    random.setstate(got["python_rng"])
+    np.random.set_state(got["numpy_rng"])
+
+
+def _rewrite_manifest(path: Path, edit: Any) -> None:
+    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    (path / "manifest.json").write_text(json.dumps(edit(manifest)), encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: [], "no 'files' table"),
+        (lambda m: {"files": "x"}, "no 'files' table"),
+        (lambda m: {"files": {**m["files"], "state.json": 3}}, "malformed entry for state.json"),
+        (lambda m: {"files": {**m["files"], "../outside": {"bytes": 1, "sha256": "0"}}}, "not a file of"),
+        (lambda m: {"files": {k: v for k, v in m["files"].items() if k != "tensors.safetensors"}}, "missing"),
+    ],
+)
+def test_hand_edited_manifest_is_a_clear_error(tmp_path: Path, edit: Any, message: str) -> None:
+    path = save_checkpoint(tmp_path / "ckpt", 1, *_payload(1))
+    _rewrite_manifest(path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path)
+
+
+def test_garbage_tensor_file_with_a_matching_manifest_is_a_clear_error(tmp_path: Path) -> None:
+    import hashlib
+
+    path = save_checkpoint(tmp_path / "ckpt", 1, *_payload(1))
+    data = b"\xff" * 64
+    (path / "tensors.safetensors").write_bytes(data)
+    _rewrite_manifest(
+        path,
+        lambda m: {
+            "files": {
+                **m["files"],
+                "tensors.safetensors": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+            }
+        },
+    )
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("pointer", ["../elsewhere/step_0000001", "/tmp/step_0000001", "step_1"])
+def test_latest_pointing_outside_the_run_is_refused(tmp_path: Path, pointer: str) -> None:
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, *_payload(1))
+    (root / "latest").write_text(pointer + "\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match="may only name a checkpoint next to it"):
+        load_checkpoint(root)
+
+
+def test_format_1_checkpoint_samples_but_never_unpickles(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path / "ckpt", 1, *_payload(1))
+    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    (path / "state.json").write_text(json.dumps({**state, "format": 1}), encoding="utf-8")
+    import hashlib
+
+    data = (path / "state.json").read_bytes()
+    _rewrite_manifest(
+        path,
+        lambda m: {
+            "files": {
+                **m["files"],
+                "state.json": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+            }
+        },
+    )
+    assert load_checkpoint(path, objects=False)[2]["step"] == 1
+    with pytest.raises(CheckpointError, match="never unpickled"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_path_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x", encoding="utf-8")
+    with pytest.raises(CheckpointError, match="is a file"):
+        load_checkpoint(tmp_path / "f")

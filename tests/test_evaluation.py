@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.config import ConfigError, config_from_dict, load_config
 from omni_diffusion_rl.eval_targets import evaluate_target, target_config
 from omni_diffusion_rl.evaluation import heldout_prompts, prompt_groups, samples_of_rank
 from omni_diffusion_rl.trainers.nft import NFTTrainer
@@ -227,7 +227,7 @@ class _Payload:
         return (Path.touch, (Path(self.path),))
 
 
-def test_sampling_and_evaluating_a_checkpoint_never_unpickles_it(
+def test_sampling_evaluating_and_resuming_a_checkpoint_never_unpickle_it(
     trained: tuple[Path, dict], tmp_path: Path
 ) -> None:
     import hashlib
@@ -248,6 +248,10 @@ def test_sampling_and_evaluating_a_checkpoint_never_unpickles_it(
     (shared / MANIFEST).write_text(json.dumps(manifest))
     load_policy(shared)
     target_config(str(shared), None, ["data.eval_samples=4"])
+    state = json.loads((shared / "state.json").read_text())
+    trainer = NFTTrainer(config_from_dict({**state["config"], "train": {"output_dir": str(tmp_path / "r")}}))
+    trainer.load(shared)  # --resume reads the training state from JSON + safetensors
+    assert trainer.step == state["step"] and trainer.optimizer.state_dict()["state"]
     assert not marker.exists()
 
 

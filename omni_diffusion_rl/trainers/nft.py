@@ -151,11 +151,14 @@ class NFTTrainer:
                 f"checkpoint {path} was made for another model configuration ({saved}); "
                 f"this run uses {dataclasses.asdict(self.cfg.model)}"
             )
-        lora.load_nft_adapter_tensors(self.transformer, tensors)
-        self.optimizer.load_state_dict(objects["optimizer"])
-        torch.set_rng_state(objects["torch_rng"])
-        random.setstate(objects["python_rng"])
-        np.random.set_state(objects["numpy_rng"])
+        try:
+            lora.load_nft_adapter_tensors(self.transformer, tensors)
+            self.optimizer.load_state_dict(objects["optimizer"])
+            torch.set_rng_state(objects["torch_rng"])
+            random.setstate(objects["python_rng"])
+            np.random.set_state(objects["numpy_rng"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from e
         self.step = int(state["step"])
         self.eval_before = state.get("eval_before")
         self.sample_counts = dict(state.get("sample_counts", {}))
