@@ -26,7 +26,7 @@ from .subprocesses import run_process_tree
 
 RUN_MODES = ("auto", "colocated", "separate", "hybrid")
 QUIET = ["train.eval_at_start_and_end=false", "train.preview_every=0", "train.checkpoint_every=0"]
-QUIET += ["train.progress=false", "tracking.wandb=false"]
+QUIET += ["train.progress=false", "tracking.wandb=false", "train.overwrite=true"]  # bench-owned folders
 SETTINGS = {
     "short": ["sampling.num_steps=10", "algorithm.timestep_fraction=0.6"],
     "long": ["sampling.num_steps=40", "algorithm.timestep_fraction=0.15"],

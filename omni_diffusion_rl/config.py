@@ -7,6 +7,7 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -165,7 +166,10 @@ class EvalConfig:
 class TrainConfig:
     steps: int = _spec(240, "optimizer steps", ge=1)
     seed: int = _spec(0, "seed for prompts, noise and initialisation", ge=0)
-    output_dir: str = _spec("runs/tiny_t2av_nft", "where metrics, previews and checkpoints go")
+    output_dir: str = _spec("runs/tiny_t2av_nft", "where metrics, previews and checkpoints go (one run each)")
+    overwrite: bool = _spec(
+        False, "start over in an output_dir that holds a run: delete its checkpoints, metrics and previews"
+    )
     log_every: int = _spec(1, "steps between metric records", ge=1)
     preview_every: int = _spec(20, "steps between previews (0 disables)", ge=0)
     checkpoint_every: int = _spec(20, "steps between checkpoints (0: only at the end)", ge=0)
@@ -279,6 +283,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: {value!r} is not a finite number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -360,17 +366,41 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from e
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def check_input_file(path: Path, what: str) -> None:
+    """A clear ConfigError unless `path` is an existing regular file."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory; give a file")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+
+
+def read_text_bounded(path: Path, limit: int = MAX_CONFIG_BYTES) -> str:
+    """UTF-8 text of a config-sized file, refusing files over `limit` bytes."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(f"{path} is larger than {limit >> 20} MiB; is it really a config?")
+    return data.decode("utf-8")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """The config from an optional YAML file and `key=value` overrides, fully checked."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        check_input_file(path, "config file")
         try:
-            data = _yaml(path.read_text(encoding="utf-8")) or {}
+            data = _yaml(read_text_bounded(path)) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid UTF-8 YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {path} holds a {type(data).__name__}, not a mapping of sections "
+                "(e.g. 'train:' with 'steps: 20' under it)"
+            )
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
@@ -385,6 +415,8 @@ def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
 
 def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
+    if not cfg.train.output_dir.strip():
+        raise ConfigError("train.output_dir is empty; give a folder for the run, e.g. runs/my_run")
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is needed")
     for name, weight in cfg.reward.weights.items():

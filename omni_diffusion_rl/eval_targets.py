@@ -12,7 +12,16 @@ from typing import Any
 import torch
 
 from .checkpoint import MANIFEST, CheckpointError, load_checkpoint, resolve_checkpoint
-from .config import ConfigError, ExperimentConfig, _set_dotted, _yaml, config_from_dict, parse_override
+from .config import (
+    ConfigError,
+    ExperimentConfig,
+    _set_dotted,
+    _yaml,
+    check_input_file,
+    config_from_dict,
+    parse_override,
+    read_text_bounded,
+)
 from .evaluation import MediaMaker, build_metrics, evaluate_heldout
 from .media import MediaBatch
 from .prompts import load_prompts
@@ -35,9 +44,10 @@ def target_config(target: str, config_path: str | None, overrides: list[str]) ->
     data: dict[str, Any] = {}
     if config_path is not None:
         path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        data = _yaml(path.read_text(encoding="utf-8")) or {}
+        check_input_file(path, "config file")
+        data = _yaml(read_text_bounded(path)) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping of sections")
     if target not in (WORLD, *BASE) and is_checkpoint(Path(target)):
         _, _, state = load_checkpoint(target, objects=False)
         saved = state.get("config")

@@ -16,6 +16,9 @@ class PromptFileError(ValueError):
     """A prompt source that cannot be used."""
 
 
+MAX_PROMPT_FILE_BYTES = 64 << 20
+
+
 def load_prompts(source: str) -> list[str]:
     """Prompts from 'builtin:NAME' or a text file; blank lines and '#' comments are skipped."""
     if source.startswith("builtin:"):
@@ -25,8 +28,14 @@ def load_prompts(source: str) -> list[str]:
             )
         return list(BUILTIN[source])
     path = Path(source)
+    if path.is_dir():
+        raise PromptFileError(
+            f"prompt file {path} is a directory; give a UTF-8 text file with one prompt a line"
+        )
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist (or use one of {', '.join(BUILTIN)})")
+    if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
+        raise PromptFileError(f"prompt file {path} is over {MAX_PROMPT_FILE_BYTES >> 20} MiB; split it")
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:

@@ -69,5 +69,5 @@ def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PromptFileError, match="does not exist") as info:
         load_prompts(str(path))
     assert str(path) in str(info.value)
-    with pytest.raises(PromptFileError, match="does not exist"):
+    with pytest.raises(PromptFileError, match="is a directory; give a UTF-8 text file"):
         load_prompts(str(tmp_path))  # a directory is not a prompt file

@@ -5,11 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
     from ..config import ModelConfig
     from .policy import FlowPolicy
+
+
+class ModelLoadError(ConfigError):
+    """model.pretrained cannot be loaded (missing folder, hub id not available offline, ...)."""
 
 
 def _has_local(source: str, subfolder: str) -> bool:
@@ -23,6 +29,19 @@ def build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     subfolder; a `vae` subfolder decodes latents when present, and for sd3 a `text_encoder` (+
     `tokenizer`) subfolder encodes prompts (otherwise prompts are hashed offline).
     """
+    try:
+        return _build_policy(cfg)
+    except (OSError, ValueError) as e:  # a missing folder, an offline or unknown hub id, a bad config.json
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(
+            f"model.pretrained={cfg.pretrained} (family {cfg.family}) could not be loaded: "
+            f"{str(e).rstrip('.')}. Give a local directory written by save_pretrained, 'builtin' for the "
+            "tiny model, or a hub id that is in the local cache (downloads are off when HF_HUB_OFFLINE=1)"
+        ) from e
+
+
+def _build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     if cfg.family == "tiny_av":
         from .tiny_av import DEFAULT_LORA_TARGETS, TinyAVPolicy
 
@@ -49,7 +68,10 @@ def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> Fl
 
     policy, default_targets = build_policy(cfg)
     policy.transformer.to(device).requires_grad_(False)
-    lora.add_nft_adapters(
-        policy.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or default_targets
-    )
+    try:
+        lora.add_nft_adapters(
+            policy.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or default_targets
+        )
+    except lora.LoraTargetError as e:
+        raise ConfigError(str(e)) from e
     return policy

@@ -28,15 +28,32 @@ def _lora_layers(model: nn.Module) -> list[BaseTunerLayer]:
     return cached
 
 
+class LoraTargetError(ValueError):
+    """model.lora_targets names no module the model has (or one LoRA cannot adapt)."""
+
+
+def _target_message(model: nn.Module, target_modules: list[str], reason: str) -> str:
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    )
+    return (
+        f"model.lora_targets={target_modules}: {reason}. Name modules of this model, e.g. the linear "
+        f"layers {linear[:12]} (empty: the family's default)"
+    )
+
+
 def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: list[str]) -> None:
     """Inject the `default` and `old` adapters; `old` starts as an exact copy of `default`."""
     for name in (TRAINED, OLD):
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, init_lora_weights=True)
         with warnings.catch_warnings():  # peft warns that a second adapter is intended
             warnings.simplefilter("ignore", UserWarning)
-            inject_adapter_in_model(config, model, adapter_name=name)
+            try:
+                inject_adapter_in_model(config, model, adapter_name=name)
+            except ValueError as e:  # peft: no target matched, or a module type it cannot adapt
+                raise LoraTargetError(_target_message(model, target_modules, str(e).split(". ")[0])) from e
     if not _lora_layers(model):
-        raise ValueError(f"no module of the model matched lora target_modules={target_modules}")
+        raise LoraTargetError(_target_message(model, target_modules, "nothing matched"))
     copy_adapter(model, TRAINED, OLD)
     set_active_adapter(model, TRAINED)
 

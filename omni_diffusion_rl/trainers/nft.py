@@ -26,7 +26,7 @@ from ..algorithms.advantages import group_advantages, optimality_probability
 from ..algorithms.nft import nft_loss
 from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config import ExperimentConfig
+from ..config import ConfigError, ExperimentConfig
 from ..distributed import all_gather_cat, all_reduce_sum
 from ..evaluation import (
     MetricScorer,
@@ -78,7 +78,7 @@ class NFTTrainer:
             self.world_size = accelerator.num_processes if accelerator else 1
         self.is_main = self.rank == 0
         if cfg.data.prompts_per_step % self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the "
                 f"{self.world_size} processes so that each generates whole prompt groups"
             )

@@ -1,0 +1,139 @@
+"""What a new user hits with bad input: one run per folder, clear errors instead of tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl.checkpoint import resolve_checkpoint
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.run_dir import prepare_run_dir
+
+from .helpers import ENV, REPO, fast_overrides, odrl, tiny_model_dir
+
+
+def _train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    command = odrl("train", *args)
+    return subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def test_a_second_run_into_a_run_folder_is_refused_and_the_first_run_survives(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    first = _train(*fast_overrides(model_dir, run, steps=4), "train.checkpoint_every=2")
+    assert first.returncode == 0, first.stderr
+    metrics = (run / "metrics.jsonl").read_text()
+    second = _train(*fast_overrides(model_dir, run, steps=1))
+    assert second.returncode == 2
+    assert "already holds a run (checkpoints up to step_0000004" in second.stderr
+    assert f"--resume {run / 'checkpoints'}" in second.stderr and "train.overwrite=true" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert (run / "metrics.jsonl").read_text() == metrics  # nothing erased
+    assert resolve_checkpoint(run / "checkpoints").name == "step_0000004"
+    # Starting over on purpose leaves one consistent run behind.
+    again = _train(*fast_overrides(model_dir, run, steps=1), "train.overwrite=true")
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001"]
+    steps = [json.loads(line).get("step") for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) <= 1
+
+
+def test_overwrite_deletes_only_what_a_run_writes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000003").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "failed_samples.jsonl").write_text("{}\n")
+    (run / "my_notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_run_dir(run, resume=None, overwrite=False, is_main=True)
+    prepare_run_dir(run, resume=str(run / "checkpoints"), overwrite=False, is_main=True)  # resuming is fine
+    prepare_run_dir(run, resume=None, overwrite=True, is_main=True)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "my_notes.txt"]
+    assert not list((run / "checkpoints").iterdir())
+
+
+def test_an_output_folder_that_is_a_file_fails_at_start(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        prepare_run_dir(tmp_path / "f", resume=None, overwrite=False, is_main=True)
+    with pytest.raises(ConfigError, match="cannot write there"):
+        prepare_run_dir(tmp_path / "f" / "run", resume=None, overwrite=False, is_main=True)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lr=.inf", "optim.lr: inf is not a finite number"),
+        ("algorithm.beta=.inf", "algorithm.beta: inf is not a finite number"),
+        ("reward.weights={color_match: .nan}", "reward.weights.color_match: nan is not a finite number"),
+        ("train.output_dir=", "train.output_dir is empty"),
+        ("train.output_dir='  '", "train.output_dir is empty"),
+    ],
+)
+def test_non_finite_and_empty_values_are_refused(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n", "just words\n"])
+def test_a_config_that_is_not_a_mapping_is_a_clear_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="not a mapping of sections"):
+        load_config(path, ["train.steps=3"])
+
+
+def test_a_directory_given_as_config_or_prompt_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory; give a file"):
+        load_config(tmp_path)
+    done = _train(f"data.prompts={tmp_path}", f"train.output_dir={tmp_path / 'run'}", timeout=60)
+    assert done.returncode == 2 and "is a directory" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["simulate", "--steps", "0"],
+        ["sample", "--steps", "0", "--prompt", "a red circle"],
+        ["bench", "nft-step", "--repeats", "0"],
+    ],
+)
+def test_zero_counts_on_the_command_line_are_usage_errors(args: list[str]) -> None:
+    done = subprocess.run(odrl(*args), capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
+    assert done.returncode == 2, done.stdout
+    assert "must be at least 1" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_prompts_not_divisible_by_processes_is_one_clear_error(model_dir: Path, tmp_path: Path) -> None:
+    overrides = [o for o in fast_overrides(model_dir, tmp_path / "run") if "prompts_per_step" not in o]
+    launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    script = str(REPO / "recipes" / "train_nft.py")
+    done = subprocess.run(
+        [odrl()[0], *launch, "--main_process_port", "29517", script, *overrides, "data.prompts_per_step=3"],
+        capture_output=True,
+        text=True,
+        env={**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=180,
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("data.prompts_per_step=3 must be divisible by the 2 processes") == 1
+    assert f'File "{REPO / "omni_diffusion_rl"}' not in done.stderr  # a sentence, no traceback of ours
+
+
+def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_path: Path) -> None:
+    missing = _train(f"model.pretrained={tmp_path / 'nowhere'}", f"train.output_dir={tmp_path / 'a'}")
+    assert missing.returncode == 2 and "nowhere" in missing.stderr and "Traceback" not in missing.stderr
+    hub = _train("model.pretrained=someone/not-downloaded", f"train.output_dir={tmp_path / 'b'}", timeout=60)
+    assert hub.returncode == 2 and "someone/not-downloaded" in hub.stderr and "Traceback" not in hub.stderr
+    targets = _train("model.lora_targets=[no_such_layer]", f"train.output_dir={tmp_path / 'c'}", timeout=60)
+    assert targets.returncode == 2 and "no_such_layer" in targets.stderr and "Traceback" not in targets.stderr
