@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, describe, load_config
+from .export import EXPORT_HELP, add_export_arguments, run_export
 
 EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(describe())
 
@@ -27,9 +28,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
     cfg = load_config(args.config, args.overrides)
+    from .run_dir import prepare_run_dir
     from .trainers.nft import NFTTrainer
 
+    prepare_run_dir(cfg.train.output_dir, args.resume, cfg.train.overwrite, is_main=_launcher_rank() == 0)
     accelerator = _make_accelerator(cfg.tracking.wandb)
+    accelerator.wait_for_everyone()  # the main process has cleared the folder (train.overwrite)
 
     def run_mode(cfg, resume, recheck):  # noqa: ANN001, ANN202 - one mode on this process
         if cfg.execution.mode in ("separate", "hybrid"):
@@ -299,6 +303,16 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2 ({e})") from e
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="odrl", description="Post-train diffusion generators with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -322,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--pretrained", default="builtin", help="base model when no checkpoint is given")
     sample.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     sample.add_argument("--prompts-file", help="UTF-8 file, one prompt per line")
-    sample.add_argument("--steps", type=int, default=20)
+    sample.add_argument("--steps", type=_positive_int, default=20, help="sampling steps")
     sample.add_argument("--solver", default="euler", choices=("euler", "heun"))
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--output", type=Path, default=Path("runs/samples"))
@@ -362,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pretrain = sub.add_parser("pretrain", help="pre-train the tiny built-in base model on synthetic clips")
     pretrain.add_argument("--output", default=None, help="directory (default: the shipped builtin location)")
-    pretrain.add_argument("--steps", type=int, default=6000)
+    pretrain.add_argument("--steps", type=_positive_int, default=6000)
     pretrain.add_argument(
         "--label-noise",
         type=_label_noise,
@@ -387,12 +401,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--plugin", action="append", help="import this module first (it registers rewards)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8400, help="0 picks a free port (see the ready line)")
-    serve.add_argument("--max-batch", type=int, default=32, help="samples per model call and per request")
+    serve.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=32,
+        help="samples per model call and per request",
+    )
     serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill, at most")
     serve.add_argument("--max-request-mb", type=float, default=256.0, help="larger requests get 413")
-    serve.add_argument("--max-in-flight", type=int, default=256, help="more concurrent requests get 503")
+    serve.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=256,
+        help="more concurrent requests get 503",
+    )
     serve.add_argument("--token-env", default="ODRL_REWARD_TOKEN", help="environment variable with the token")
     serve.set_defaults(func=cmd_serve_reward)
+
+    export = sub.add_parser("export", help=EXPORT_HELP)
+    add_export_arguments(export)
+    export.set_defaults(func=run_export)
 
     simulate = sub.add_parser(
         "simulate",
@@ -402,14 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--preset", default="seed-4xh800", choices=("seed-4xh800",))
     simulate.add_argument("--costs", help="JSON with 'costs', 'workloads' and 'lengths' instead of a preset")
-    simulate.add_argument("--steps", type=int, default=20, help="optimizer steps simulated per mode")
+    simulate.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=20,
+        help="optimizer steps simulated per mode",
+    )
     simulate.add_argument(
         "--measure",
         metavar="CONFIG",
         help="measure unit costs of this training config here (2 processes: 2+0 / 1+1)",
     )
     simulate.add_argument(
-        "--long-steps", type=int, help="sampling steps of the long setting (default 4x the config's)"
+        "--long-steps",
+        type=_positive_int,
+        help="sampling steps of the long setting (default 4x the config's)",
     )
     simulate.add_argument("overrides", nargs="*", help="section.key=value overrides for --measure")
     simulate.add_argument("--output", type=Path, default=Path("runs/simulate/report.json"))
@@ -430,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--steps",
-        type=int,
+        type=_positive_int,
         help="modes, learning, recheck: optimizer steps per run (default: modes 8, learning 20, recheck 16)",
     )
     bench.add_argument("overrides", nargs="*", help="modes, learning, recheck: section.key=value overrides")
@@ -442,8 +477,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
     bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
-    bench.add_argument("--repeats", type=int, help="rounds (default: nft-step, reward-server 5; recheck 2)")
-    bench.add_argument("--batch-size", type=int, default=32)
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        help="rounds (default: nft-step, reward-server 5; recheck 2)",
+    )
+    bench.add_argument("--batch-size", type=_positive_int, default=32)
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -473,8 +512,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, PromptFileError, RegistryError, CheckpointError, RewardError) as e:
-        print(f"odrl: {type(e).__name__}: {e}", file=sys.stderr)
+        rank = _launcher_rank()
+        if rank == 0 or not isinstance(e, (ConfigError, PromptFileError)):  # the same on every rank
+            where = f" (process {rank})" if rank else ""
+            print(f"odrl: {type(e).__name__}{where}: {e}", file=sys.stderr)
         return 2
+
+
+def _launcher_rank() -> int:
+    """This process's rank as a launcher (accelerate, torchrun) set it; 0 when run alone."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 if __name__ == "__main__":
