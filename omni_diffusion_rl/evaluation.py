@@ -115,10 +115,11 @@ def score_heldout(
     reward: WeightedReward | None,
     metrics: list[MetricScorer],
     reasons: list[str] | None = None,
+    sample_failures: dict[int, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-sample columns [B] (NaN where a sample could not be scored): `reward`, `reward/<part>`,
     `<metric>` and `<metric>/<component>` for every eval metric. The reasons of failed samples are
-    appended to `reasons` when given."""
+    appended to `reasons`, and put by sample index into `sample_failures`, when given."""
     columns: dict[str, torch.Tensor] = {}
     failures: dict[int, str] = {}
     if reward is not None:
@@ -132,6 +133,8 @@ def score_heldout(
         failures.update(scored.failures)
     if reasons is not None:
         reasons.extend(sorted(set(failures.values())))
+    if sample_failures is not None:
+        sample_failures.update(failures)
     return columns
 
 

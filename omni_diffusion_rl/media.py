@@ -263,6 +263,7 @@ def _reward_label(
     prompt: str,
     rewards: dict[str, list[float | None]],
     metrics: dict[str, list[float | None]] | None = None,
+    failure: str | None = None,
 ) -> str:
     """A row label: the sample number and prompt; then each reward to three decimals; then, with metrics,
     each metric to two decimals under its short name (see _sheet_names). A score that is None, NaN or
@@ -276,6 +277,8 @@ def _reward_label(
         lines.append(
             "  ".join(f"{short[name]}={_format_score(values[index], 2)}" for name, values in metrics.items())
         )
+    if failure:
+        lines.append(f"failed: {failure[:80]}")
     return "\n".join(lines)
 
 
@@ -315,6 +318,7 @@ def save_previews(
     metrics: Mapping[str, Sequence[float | None] | torch.Tensor] | None = None,
     reference: torch.Tensor | None = None,
     reference_title: str | None = None,
+    failures: Mapping[int, str] | None = None,
 ) -> dict[str, str]:
     """Write a preview folder for a batch and return {file name: path} for every file written.
 
@@ -326,8 +330,10 @@ def save_previews(
     NaN or inf (a sample the scorer could not score) is written as JSON null and shown as "failed".
     `reference` ([B, F', 3, H, W]) is a render of each prompt to compare against: it is drawn left of the
     samples on the sheet under the title `reference_title` (DEFAULT_REFERENCE_TITLE if None; "" for no
-    title). Shapes are checked before anything is written.
+    title). `failures` maps a sample's index to why a scorer failed on it (shown on the sheet, written
+    to index.json as `failed`). Shapes are checked before anything is written.
     """
+    failures = dict(failures or {})
     count = len(media)
     if len(prompts) != count:
         raise ValueError(f"got {len(prompts)} prompts for {count} samples")
@@ -339,7 +345,7 @@ def save_previews(
 
     sheet: Image.Image | None = None
     if media.video is not None:
-        labels = [_reward_label(i, prompts[i], scores, measured) for i in range(count)]
+        labels = [_reward_label(i, prompts[i], scores, measured, failures.get(i)) for i in range(count)]
         title = None
         if reference is not None:
             title = DEFAULT_REFERENCE_TITLE if reference_title is None else reference_title
@@ -362,6 +368,8 @@ def save_previews(
             "rewards": {name: values[i] for name, values in scores.items()},
             "metrics": {name: values[i] for name, values in measured.items()},
         }
+        if i in failures:
+            entry["failed"] = failures[i]
         if media.video is not None:
             name = f"sample_{i:02d}.gif"
             written[name] = save_gif(os.path.join(folder, name), media.video[i], media.fps)

@@ -137,3 +137,26 @@ def test_async_rewards_keep_their_loop_across_calls() -> None:
         result = combined.submit(media, ["p", "q"]).result() if call == 2 else combined(media, ["p", "q"])
         assert result.failures == {} and result.total.tolist() == [float(call)] * 2
     combined.close()
+
+
+def test_a_reward_that_fails_on_preview_samples_shows_them_as_failed(model_dir: Path, tmp_path: Path) -> None:
+    """A plug-in giving NaN for red held-out prompts: previews and eval mark those samples failed (with
+    the reason) and the run goes on."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{RED}\n{BLUE}\n")
+    overrides = fast_overrides(model_dir, tmp_path / "run", steps=1)
+    overrides += [
+        f"data.eval_prompts={prompts}",
+        "train.preview_every=1",
+        "reward.weights={color_match: 1.0, test_nan_on_red: 1.0}",
+        "reward.max_failed_fraction=1.0",
+    ]
+    trainer = NFTTrainer(load_config(None, overrides))
+    trainer.fit()
+    index = json.loads((tmp_path / "run" / "previews" / "step_00001" / "index.json").read_text())
+    failed = [s for s in index["samples"] if "failed" in s]
+    assert failed and all(RED in s["prompt"] for s in failed)
+    assert all("test_nan_on_red: non-finite score" in s["failed"] for s in failed)
+    assert all(s["rewards"]["reward"] is None for s in failed)
+    assert all(s["rewards"]["reward"] is not None for s in index["samples"] if "failed" not in s)
+    assert (tmp_path / "run" / "previews" / "step_00001" / "sheet.png").is_file()

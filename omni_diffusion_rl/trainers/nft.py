@@ -545,7 +545,8 @@ class NFTTrainer:
             self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
         )
         media = self.policy.decode(rollout.x0)
-        columns = score_heldout(media, prompts, self.reward, self.metrics)
+        failures: dict[int, str] = {}
+        columns = score_heldout(media, prompts, self.reward, self.metrics, sample_failures=failures)
         rewards = {k: v for k, v in columns.items() if k == "reward" or k.startswith("reward/")}
         metrics = {k: v for k, v in columns.items() if k not in rewards}
         reference = None
@@ -561,6 +562,7 @@ class NFTTrainer:
             metrics,
             reference=reference,
             reference_title="left: the world's own render of the prompt | right: the model's sample",
+            failures=failures,
         )
         return out
 
