@@ -190,13 +190,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
-    import importlib
-
+    from .config import import_plugins
     from .registry import rewards
     from .serving.server import ServeSettings, main_serve
 
-    for module in args.plugin or []:
-        importlib.import_module(module)
+    import_plugins(args.plugin or [])
     try:
         options = json.loads(args.options) if args.options else {}
     except json.JSONDecodeError as e:
@@ -398,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint", help="checkpoint= for each served reward (e.g. a CLAP directory)")
     serve.add_argument("--device", help="device= for each served reward (e.g. cuda:0)")
     serve.add_argument("--options", help='JSON keyword arguments per reward: {"clap": {"max_seconds": 5}}')
-    serve.add_argument("--plugin", action="append", help="import this module first (it registers rewards)")
+    serve.add_argument(
+        "--plugin", action="append", help="import this module or .py file first (it registers rewards)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8400, help="0 picks a free port (see the ready line)")
     serve.add_argument(

@@ -497,16 +497,32 @@ def check_eval_metrics(cfg: ExperimentConfig) -> None:
 
 
 def import_plugins(modules: list[str]) -> None:
-    """Import modules that register plug-ins; a module that cannot be imported is a ConfigError."""
+    """Import modules that register plug-ins: a module name (installed, or on PYTHONPATH) or a path
+    to a .py file. One that cannot be imported is a ConfigError."""
     import importlib
+    import importlib.util
+    import sys
 
     for module in modules:
         try:
-            importlib.import_module(module)
+            if not module.endswith(".py"):
+                importlib.import_module(module)
+                continue
+            path = Path(module).resolve()
+            check_input_file(path, "reward.plugins file")
+            name = f"odrl_plugin_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
+            if getattr(sys.modules.get(name), "__file__", None) == str(path):
+                continue  # imported already (every config load checks the plugins)
+            spec = importlib.util.spec_from_file_location(name, path)
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[name] = loaded
+            spec.loader.exec_module(loaded)
+        except ConfigError:
+            raise
         except Exception as e:
             raise ConfigError(
-                f"reward.plugins: cannot import '{module}' ({type(e).__name__}: {e}); it must be importable "
-                "from this environment (installed, or on PYTHONPATH)"
+                f"reward.plugins: cannot import '{module}' ({type(e).__name__}: {e}); name an importable "
+                "module (installed, or on PYTHONPATH) or a .py file, e.g. reward.plugins=[./my_rewards.py]"
             ) from e
 
 

@@ -53,6 +53,10 @@ def target_config(target: str, config_path: str | None, overrides: list[str]) ->
         saved = state.get("config")
         if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
             raise CheckpointError(f"checkpoint {target} has no model configuration in its state.json")
+        # A shared checkpoint names no code to import: its reward.plugins are left out (give them with
+        # --config or reward.plugins=[...] to score with a plug-in reward).
+        reward = saved.get("reward") if isinstance(saved.get("reward"), dict) else {}
+        saved = {**saved, "reward": {k: v for k, v in reward.items() if k != "plugins"}}
         data = {**saved, **{k: v for k, v in data.items() if k in EVAL_SECTIONS}}
     for text in overrides:
         key, value = parse_override(text)

@@ -179,6 +179,12 @@ class WeightedReward:
                 served = probe.info().get("rewards", [])
             finally:
                 probe.close()
+            if not set(served) & set(cfg.weights):
+                raise RewardError(
+                    f"reward.url={cfg.url} serves {sorted(served)}, but reward.weights uses none of them "
+                    f"({', '.join(cfg.weights)}): the server would never be asked. Weight a served reward, "
+                    f"e.g. reward.weights={{{(served or ['NAME'])[0]}: 1.0}}, or leave reward.url out"
+                )
         components: dict[str, Reward] = {}
         for name in cfg.weights:
             if name in served:

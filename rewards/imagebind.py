@@ -21,6 +21,12 @@ pytorchvideo and a CUDA torch, and none of them is needed here):
     pip install --no-deps imagebind-unofficial==0.1.1 timm==1.0.31
     pip install einops==0.8.2 iopath==0.1.10 ftfy==6.3.1 regex
 
+Without torchvision, an importable timm breaks the `accelerate` command (its `estimate` subcommand
+imports timm, whose layers import torchvision). So `make setup` puts ImageBind's code and timm in a
+side folder instead, `<venv>/imagebind-site` (`pip install --no-deps --target`), which only this
+loader searches; `ODRL_IMAGEBIND_SITE=/path` names another one. An ImageBind importable from sys.path
+(a GPU install with torchvision) is found as well.
+
 Weights: download https://dl.fbaipublicfiles.com/imagebind/imagebind_huge.pth yourself and pass its path:
 
     reward: {weights: {imagebind: 1.0}, options: {imagebind: {checkpoint: /models/imagebind_huge.pth,
@@ -58,6 +64,8 @@ from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import RewardOutput
 from rewards import imagebind_preprocess as prep
 
+SITE_ENV = "ODRL_IMAGEBIND_SITE"
+DEFAULT_SITE = os.path.join(sys.prefix, "imagebind-site")
 INSTALL_COMMAND = (
     "pip install --no-deps imagebind-unofficial==0.1.1 timm==1.0.31 && "
     "pip install einops==0.8.2 iopath==0.1.10 ftfy==6.3.1 regex"
@@ -65,7 +73,8 @@ INSTALL_COMMAND = (
 CHECKPOINT_URL = "https://dl.fbaipublicfiles.com/imagebind/imagebind_huge.pth"
 MODES = ("audio_video", "text_audio", "text_video", "all")
 COMPONENTS = ("audio_video", "text_audio", "text_video")
-MODEL_DEPENDENCIES = ("einops", "iopath", "ftfy", "regex", "timm")
+MODEL_DEPENDENCIES = ("einops", "iopath", "ftfy", "regex")  # importable from sys.path
+SIDE_PACKAGES = ("imagebind", "timm")  # from the side folder when there is one, else sys.path
 BPE_FILE = os.path.join("bpe", "bpe_simple_vocab_16e6.txt.gz")
 
 # A random-init ImageBindModel small enough for tests and smoke runs (about 2 M parameters, most of them
@@ -110,13 +119,26 @@ def _missing(message: str) -> ImportError:
     return ImportError(f"reward 'imagebind': {message}. Install it with: {INSTALL_COMMAND}")
 
 
+def default_search_path() -> list[str]:
+    """Where `imagebind` and `timm` are looked for: $ODRL_IMAGEBIND_SITE, else the venv's side folder
+    (when it exists), then sys.path."""
+    site = os.environ.get(SITE_ENV) or (DEFAULT_SITE if os.path.isdir(DEFAULT_SITE) else None)
+    return [site, *sys.path] if site else list(sys.path)
+
+
+def imagebind_available() -> bool:
+    """Whether ImageBind's code can be found (it may still lack a dependency)."""
+    return importlib.machinery.PathFinder.find_spec("imagebind", default_search_path()) is not None
+
+
 def load_imagebind(search_path: list[str] | None = None) -> ImageBindModules:
     """Import ImageBind's real model modules without `imagebind/__init__` and timm's torchvision imports.
 
-    search_path: folders to look for the `imagebind` package in (default: sys.path).
-    Raises ImportError naming the install command when the package or a dependency is missing, or when
-    the `imagebind` found is PyPI's empty placeholder package.
+    search_path: folders to look for the `imagebind` and `timm` packages in (default:
+    default_search_path()). Raises ImportError naming the install command when the package or a
+    dependency is missing, or when the `imagebind` found is PyPI's empty placeholder package.
     """
+    search_path = default_search_path() if search_path is None else search_path
     spec = importlib.machinery.PathFinder.find_spec("imagebind", search_path)
     if spec is None or not spec.submodule_search_locations:
         raise _missing("the ImageBind package is not installed")
@@ -129,11 +151,13 @@ def load_imagebind(search_path: list[str] | None = None) -> ImageBindModules:
             "(PyPI's 'imagebind' is an empty placeholder; uninstall it: the code is in imagebind-unofficial)"
         )
     absent = [name for name in MODEL_DEPENDENCIES if importlib.util.find_spec(name) is None]
+    if importlib.machinery.PathFinder.find_spec("timm", search_path) is None:
+        absent.append("timm")
     if absent:
         raise _missing(f"ImageBind's model code needs packages that are not installed: {', '.join(absent)}")
     with _LOCK:
         if package_dir not in _LOADED:
-            _LOADED[package_dir] = _import_models(spec, bpe_path)
+            _LOADED[package_dir] = _import_models(spec, bpe_path, search_path)
         return _LOADED[package_dir]
 
 
@@ -145,14 +169,16 @@ def _register_uninitialised_package(name: str, path: list[str] | None) -> None:
     sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
-def _import_models(spec: importlib.machinery.ModuleSpec, bpe_path: str) -> ImageBindModules:
+def _import_models(
+    spec: importlib.machinery.ModuleSpec, bpe_path: str, search_path: list[str]
+) -> ImageBindModules:
     before = set(sys.modules)
     try:
         if "imagebind" not in sys.modules:
             sys.modules["imagebind"] = importlib.util.module_from_spec(spec)
         if "timm.layers" not in sys.modules:
             if "timm" not in sys.modules:
-                _register_uninitialised_package("timm", None)
+                _register_uninitialised_package("timm", search_path)
             _register_uninitialised_package("timm.layers", sys.modules["timm"].__path__)
             layers = sys.modules["timm.layers"]
             # The two bindings timm/layers/__init__.py makes, from timm's own pure-torch modules.

@@ -6,7 +6,6 @@ Preprocessing tests need no ImageBind; the model tests are skipped when the pack
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -26,11 +25,12 @@ from rewards.imagebind import (
     TINY_ARCHITECTURE,
     ImageBindReward,
     build_model,
+    imagebind_available,
     load_imagebind,
 )
 
 PROMPTS = ["a dog barks", "rain on a window", "a violin plays"]
-HAVE_IMAGEBIND = importlib.util.find_spec("imagebind") is not None
+HAVE_IMAGEBIND = imagebind_available()
 needs_imagebind = pytest.mark.skipif(
     not HAVE_IMAGEBIND and not os.environ.get("ODRL_REQUIRE_IMAGEBIND"),
     reason=f"imagebind-unofficial is not installed ({INSTALL_COMMAND})",

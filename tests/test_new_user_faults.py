@@ -137,3 +137,48 @@ def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_pa
     assert hub.returncode == 2 and "someone/not-downloaded" in hub.stderr and "Traceback" not in hub.stderr
     targets = _train("model.lora_targets=[no_such_layer]", f"train.output_dir={tmp_path / 'c'}", timeout=60)
     assert targets.returncode == 2 and "no_such_layer" in targets.stderr and "Traceback" not in targets.stderr
+
+
+def test_a_reward_server_that_serves_none_of_the_weights_is_refused() -> None:
+    from omni_diffusion_rl.reward import RewardError, WeightedReward
+    from omni_diffusion_rl.serving.process import ServerProcess
+
+    with ServerProcess(["av_sync"], "--port", "0", env=ENV, cwd=REPO) as srv:
+        cfg = load_config(None, ["reward.weights={color_match: 1.0}", f"reward.url={srv.url}"]).reward
+        with pytest.raises(RewardError, match=r"serves \['av_sync'\], but reward.weights uses none of them"):
+            WeightedReward.from_config(cfg)
+        used = load_config(None, ["reward.weights={color_match: 1.0, av_sync: 1.0}", f"reward.url={srv.url}"])
+        WeightedReward.from_config(used.reward).close()
+
+
+def test_a_plugin_file_registers_its_reward_and_a_shared_checkpoint_imports_none(tmp_path: Path) -> None:
+    from omni_diffusion_rl.eval_targets import target_config
+    from omni_diffusion_rl.registry import rewards
+
+    marker = tmp_path / "imported"
+    plugin = tmp_path / "my_rewards.py"
+    plugin.write_text(
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from omni_diffusion_rl.registry import rewards\n"
+        f"Path({str(marker)!r}).write_text('x')\n"
+        "@rewards.register('test_file_plugin', overwrite=True)\n"
+        "class Level:\n"
+        "    def score(self, media, prompts):\n"
+        "        return torch.ones(len(prompts))\n"
+    )
+    cfg = load_config(None, [f"reward.plugins=[{plugin}]", "reward.weights={test_file_plugin: 1.0}"])
+    assert "test_file_plugin" in rewards.names() and marker.exists()
+    with pytest.raises(ConfigError, match="reward.plugins file .* does not exist"):
+        load_config(None, [f"reward.plugins=[{tmp_path / 'nope.py'}]"])
+    # A checkpoint whose config names a plug-in file: evaluating it does not import the file.
+    from omni_diffusion_rl.checkpoint import save_checkpoint
+
+    marker.unlink()
+    state = {
+        "step": 1,
+        "config": {**cfg.to_dict(), "reward": {**cfg.to_dict()["reward"], "weights": {"av_sync": 1.0}}},
+    }
+    ckpt = save_checkpoint(tmp_path / "ckpt", 1, {}, {}, state)
+    evaluated = target_config(str(ckpt), None, [])
+    assert evaluated.reward.plugins == [] and not marker.exists()
