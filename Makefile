@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast bench bench-modes bench-learning bench-recheck lint pretrain clean
+.PHONY: setup demo test test-fast bench bench-modes bench-learning bench-recheck lint pretrain notebook clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -12,8 +12,10 @@ $(BIN)/odrl:
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(BIN)/pip install -q "torch>=2.4"; else $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e ".[test,imagebind]"
-	# ImageBind's model code without its declared torchvision/torchaudio/CUDA dependencies.
-	$(BIN)/pip install -q --no-deps imagebind-unofficial==0.1.1 timm==1.0.31
+	# ImageBind's model code without its declared torchvision/torchaudio/CUDA dependencies, in a side
+	# folder that only the imagebind reward searches: an importable timm without torchvision breaks
+	# the `accelerate` command.
+	$(BIN)/pip install -q --no-deps --target $(VENV)/imagebind-site imagebind-unofficial==0.1.1 timm==1.0.31
 
 setup: $(BIN)/odrl
 
@@ -44,6 +46,13 @@ bench-recheck: setup
 
 pretrain: setup
 	$(BIN)/odrl pretrain
+
+# The preview notebook, executed headless against the demo's latest checkpoint (`make demo` first):
+# the executed copy, with its pictures and audio players, and the previews go to
+# runs/tiny_t2av_nft/notebook/.
+notebook: setup
+	$(BIN)/python -c "import nbclient, nbformat, ipykernel" 2>/dev/null || $(BIN)/pip install -q -e ".[notebook]"
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m omni_diffusion_rl.notebook_runner
 
 clean:
 	rm -rf runs $(VENV)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .config import ConfigError, describe, load_config
 from .export import EXPORT_HELP, add_export_arguments, run_export
+from .lifeline import exit_with_parent
 
 EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(describe())
 
@@ -24,6 +25,7 @@ def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    exit_with_parent()  # a killed launcher takes this process down (never a run started from a shell)
     if args.config and "=" in args.config and not Path(args.config).exists():
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
@@ -517,6 +519,13 @@ def main(argv: list[str] | None = None) -> int:
             where = f" (process {rank})" if rank else ""
             print(f"odrl: {type(e).__name__}{where}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if _launcher_rank() == 0:
+            print(
+                "odrl: interrupted; a training run continues from its last checkpoint with --resume",
+                file=sys.stderr,
+            )
+        return 130
 
 
 def _launcher_rank() -> int:

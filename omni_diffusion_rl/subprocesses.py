@@ -1,5 +1,7 @@
 """Running a multi-process job (a launcher and the processes it starts) to its end, or stopping all
-of it: a launcher killed on a timeout would otherwise leave its training processes running."""
+of it: a launcher killed on a timeout would otherwise leave its training processes running. The
+launcher also dies with the caller (lifeline.parent_death_preexec), and the training processes
+with their launcher (lifeline.exit_with_parent; torch starts each in a session of its own)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from .lifeline import parent_death_preexec
 
 
 def run_process_tree(
@@ -26,6 +30,7 @@ def run_process_tree(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=parent_death_preexec(),
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)

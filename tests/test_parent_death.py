@@ -1,0 +1,227 @@
+"""A launched process dies with its launcher (omni_diffusion_rl.lifeline): real processes killed
+with SIGKILL, the training processes of `accelerate launch` included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl import lifeline
+
+from .helpers import ENV, REPO, fast_overrides, tiny_model_dir
+
+pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
+
+# No launcher's variables unless a test sets them.
+PLAIN_ENV = {
+    k: v for k, v in ENV.items() if k not in (*lifeline.LAUNCHER_VARIABLES, lifeline.OVERRIDE_VARIABLE)
+}
+PLAIN_ENV["PYTHONPATH"] = str(REPO)
+
+# A "worker": arms the lifeline, then writes its pid and sleeps (argv: pid file, then "ignore-term"
+# to leave SIGTERM unheeded so that only the watchdog can stop it).
+WORKER = """
+import os, signal, sys, time
+from omni_diffusion_rl.lifeline import exit_with_parent
+armed = exit_with_parent(poll_s=0.2)
+if "ignore-term" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1], "w").write(f"{os.getpid()} {armed}")
+time.sleep(60)
+"""
+# A worker whose launcher dies before it arms the lifeline (argv: pid file, go file).
+LATE_WORKER = """
+import os, sys, time
+from omni_diffusion_rl import lifeline
+open(sys.argv[1], "w").write(str(os.getpid()))
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+lifeline.exit_with_parent()
+open(sys.argv[1] + ".survived", "w").write("survived")
+time.sleep(60)
+"""
+# A "launcher": starts the worker given as argv[1:] in a session of its own (as torch does) and waits.
+LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen(sys.argv[1:], start_new_session=True)
+time.sleep(120)
+"""
+# A "benchmark": starts a sleeping launcher with run_process_tree, which writes its pid.
+BENCH = """
+import sys
+from omni_diffusion_rl.subprocesses import run_process_tree
+sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
+run_process_tree([sys.executable, "-c", sleeper, sys.argv[1]], timeout_s=120)
+"""
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z, ...), or None when it does not exist."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _gone(pid: int) -> bool:
+    return _state(pid) in (None, "Z", "X")  # a zombie no one reaps has exited
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, step_s: float = 0.05) -> float | None:
+    """Seconds until `condition()` held, or None if it did not within `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        if condition():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            return None
+        time.sleep(step_s)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def _session(command: list[str], env: dict[str, str], **kwargs: object) -> Iterator[subprocess.Popen]:
+    """`command` in its own session; afterwards every process of the session is killed."""
+    proc = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def _worker_under_killed_launcher(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[int, Path]:
+    """Start launcher -> worker, wait until the worker runs, SIGKILL the launcher; the worker's pid
+    and its stderr file."""
+    pid_file, err_file = tmp_path / "worker.pid", tmp_path / "worker.err"
+    worker = [sys.executable, "-c", WORKER, str(pid_file), *args]
+    with (
+        open(err_file, "w") as err,
+        _session([sys.executable, "-c", LAUNCHER, *worker], env, stderr=err) as p,
+    ):
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30) is not None
+        pid_text, armed = pid_file.read_text().split()
+        pid = int(pid_text)
+        assert armed == str("TORCHELASTIC_RUN_ID" in env or env.get(lifeline.OVERRIDE_VARIABLE) == "1")
+        p.kill()
+        p.wait(timeout=10)
+    return pid, err_file
+
+
+def test_a_launched_process_exits_when_its_launcher_is_killed(tmp_path: Path) -> None:
+    pid, _ = _worker_under_killed_launcher(tmp_path, {**PLAIN_ENV, "TORCHELASTIC_RUN_ID": "test"})
+    try:
+        assert _wait_for(lambda: _gone(pid), 5) is not None, "the worker outlived its launcher"
+    finally:
+        _kill(pid)
+
+
+def test_the_watchdog_exits_a_launched_process_that_ignores_sigterm(tmp_path: Path) -> None:
+    env = {**PLAIN_ENV, "TORCHELASTIC_RUN_ID": "test"}
+    pid, err = _worker_under_killed_launcher(tmp_path, env, "ignore-term")
+    try:
+        assert _wait_for(lambda: _gone(pid), 5) is not None, "the worker outlived its launcher"
+        assert "is gone; exiting" in err.read_text()
+    finally:
+        _kill(pid)
+
+
+def test_a_process_not_started_by_a_launcher_outlives_its_parent(tmp_path: Path) -> None:
+    """`nohup odrl train &` from a shell must survive the shell."""
+    pid, _ = _worker_under_killed_launcher(tmp_path, PLAIN_ENV)
+    try:
+        assert _wait_for(lambda: _gone(pid), 2.5) is None, "a plain process died with its parent"
+    finally:
+        _kill(pid)
+
+
+def test_a_launched_process_whose_launcher_died_before_it_armed_exits(tmp_path: Path) -> None:
+    pid_file, go = tmp_path / "worker.pid", tmp_path / "go"
+    worker = [sys.executable, "-c", LATE_WORKER, str(pid_file), str(go)]
+    env = {**PLAIN_ENV, "TORCHELASTIC_RUN_ID": "test"}
+    with _session([sys.executable, "-c", LAUNCHER, *worker], env) as launcher:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30) is not None
+        pid = int(pid_file.read_text())
+        launcher.kill()
+        launcher.wait(timeout=10)
+    try:
+        go.touch()
+        assert _wait_for(lambda: _gone(pid), 5) is not None
+        assert not Path(f"{pid_file}.survived").exists()
+    finally:
+        _kill(pid)
+
+
+def test_a_benchmarks_launcher_dies_with_the_benchmark(tmp_path: Path) -> None:
+    """run_process_tree starts the launcher in its own session; a killed caller takes it down."""
+    pid_file = tmp_path / "launcher.pid"
+    with _session([sys.executable, "-c", BENCH, str(pid_file)], PLAIN_ENV) as bench:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30) is not None
+        pid = int(pid_file.read_text())
+        bench.kill()
+        bench.wait(timeout=10)
+    try:
+        assert _wait_for(lambda: _gone(pid), 5) is not None, "the launcher outlived the benchmark"
+    finally:
+        _kill(pid)
+
+
+def test_killing_accelerate_launch_takes_its_training_processes_down(tmp_path: Path) -> None:
+    """SIGKILL of `accelerate launch` (torch's elastic agent runs in it, the workers' parent) while
+    2 CPU processes train: both exit within seconds instead of training on unsupervised."""
+    run = tmp_path / "run"
+    overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), run, 100000)
+    overrides += ["train.eval_at_start_and_end=false", "train.checkpoint_every=0", "tracking.wandb=false"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--main_process_port", "29577", str(REPO / "recipes" / "train_nft.py")]
+    command += [str(REPO / "recipes" / "configs" / "tiny_t2av_nft.yaml"), *overrides]
+    env = {**PLAIN_ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    metrics = run / "metrics.jsonl"
+    log = tmp_path / "launch.log"
+    workers: list[int] = []  # torch starts each in a session of its own: killed one by one at the end
+    try:
+        with open(log, "w") as out, _session(command, env, stdout=out, stderr=subprocess.STDOUT) as launcher:
+            training = _wait_for(lambda: metrics.exists() and "reward/mean" in metrics.read_text(), 90, 0.5)
+            assert training is not None, f"no training step within 90 s:\n{log.read_text()[-3000:]}"
+            workers += _children(launcher.pid)
+            assert len(workers) == 2, workers
+            launcher.kill()
+            launcher.wait(timeout=10)
+            died = _wait_for(lambda: all(_gone(pid) for pid in workers), 20, 0.1)
+            print(f"workers {workers} gone {died} s after the launcher's SIGKILL")
+            assert died is not None, f"training processes {workers} outlived their launcher by 20 s"
+    finally:
+        for pid in workers:
+            _kill(pid)
