@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,11 +26,12 @@ from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.subprocesses import run_process_tree
 from omni_diffusion_rl.trainers.nft import NFTTrainer
 from omni_diffusion_rl.world import tiny_world as world
+from rewards.imagebind import imagebind_available
 
 from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
 
 needs_imagebind = pytest.mark.skipif(
-    importlib.util.find_spec("imagebind") is None and not os.environ.get("ODRL_REQUIRE_IMAGEBIND"),
+    not imagebind_available() and not os.environ.get("ODRL_REQUIRE_IMAGEBIND"),
     reason="imagebind-unofficial is not installed (see rewards/imagebind.py)",
 )
 TINY = ["color_match", "pitch_match", "timing_match", "av_sync"]

@@ -6,6 +6,10 @@ the server did not answer (down, timed out, 408/429/5xx) is retried with exponen
 the last retry a RewardServerError names the server, the attempts and the last error. Another 4xx
 about the batch itself (e.g. NaN audio) is not retried here: it is raised as RequestRejected, and
 the weighted reward's failure rules (retry, score each sample alone, drop with the reason) apply.
+
+The url is the server's address only, scheme://host:port (as `odrl serve-reward` prints it): the
+client adds /info and /score/NAME itself, so a url with a path, query or fragment is refused when the
+client is made (ServerURLError) rather than failing later with a 404 or 405.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import torch
@@ -33,6 +38,10 @@ class RewardServerError(RewardError):
     """The reward server could not be used (unreachable after retries, unauthorised, broken reward)."""
 
 
+class ServerURLError(RewardServerError, ValueError):
+    """A reward server url that cannot work (not http(s)://host:port); raised when the client is made."""
+
+
 class RequestRejected(ValueError):
     """The server refused this batch (4xx) and said why; retrying the same batch cannot help."""
 
@@ -40,6 +49,9 @@ class RequestRejected(ValueError):
 RETRYABLE_STATUS = (408, 429)  # besides 5xx: a timeout or rate limit on the way, worth another try
 HEADER_ROOM = 64 * 1024  # safetensors header besides the prompts (tensor offsets, fps, sample rate)
 MAX_HEADER_BYTES = 1 << 20  # the server's limit on the safetensors header, which carries the prompts
+# Idle connections are dropped before the server's keepalive_timeout_s (15 s by default) closes them,
+# so a request never goes out on a connection the server is closing at that moment.
+KEEPALIVE_S = 10.0
 _SESSIONS: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()
 
 
@@ -63,7 +75,9 @@ class RemoteReward:
     timeout_s: per request; retries: extra attempts after a failed request, waiting backoff_s * 2^k
     (at most max_backoff_s) between them; max_concurrency: requests in flight per batch;
     max_samples_per_request: cut batches into requests of at most this many samples (0: as the
-    server's size limit allows).
+    server's size limit allows). url: scheme://host:port only, e.g. http://127.0.0.1:8400 (a trailing
+    slash is fine; a path is refused). name may be "" for a client that only asks /info; wanted: the
+    reward names the caller means to score there, named in errors (default: [name]).
     """
 
     def __init__(
@@ -78,9 +92,8 @@ class RemoteReward:
         max_concurrency: int = 8,
         max_samples_per_request: int = 0,
         dtype: torch.dtype = torch.float32,
+        wanted: Sequence[str] = (),
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward server url '{url}' must start with http:// or https://")
         if (
             timeout_s <= 0
             or retries < 0
@@ -91,8 +104,9 @@ class RemoteReward:
             raise ValueError(
                 "timeout_s must be > 0, retries/backoff_s/max_samples_per_request >= 0, max_concurrency >= 1"
             )
-        self.url = url.rstrip("/")
+        self.url = server_base_url(url)
         self.name = name
+        self.wanted = list(wanted) or ([name] if name else [])
         self.token = token if token is not None else os.environ.get("ODRL_REWARD_TOKEN") or None
         self.timeout_s = timeout_s
         self.retries = retries
@@ -175,7 +189,8 @@ class RemoteReward:
     async def _session_here(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._session = aiohttp.ClientSession(headers=headers)
+            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
             _SESSIONS.add(self._session)
         return self._session
 
@@ -223,7 +238,7 @@ class RemoteReward:
             return
         message = _json(body).get("error") if body[:1] == b"{" else body[:300].decode(errors="replace")
         kind = _json(body).get("kind") if body[:1] == b"{" else None
-        where = f"reward server {self.url} ('{self.name}')"
+        where = f"reward server {self.url}{self._for()}"
         if status in (401, 403, 404, 413) or kind == "reward_broken":
             hint = " (set the token in ODRL_REWARD_TOKEN or reward.token_env)" if status in (401, 403) else ""
             raise RewardServerError(f"{where} answered {status}: {message}{hint}")
@@ -245,11 +260,41 @@ class RemoteReward:
                 last = f"{type(e).__name__}: {e}"
             if k < self.retries:
                 await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2**k))
+        command = " ".join(["odrl serve-reward", *(self.wanted or ["NAME ..."])])
+        attempts = f"{self.retries + 1} time{'s' if self.retries else ''}"
         raise RewardServerError(
-            f"reward '{self.name}': {what} to {self.url} failed {self.retries + 1} times over "
-            f"{time.monotonic() - start:.1f} s; last error: {last}. Is `odrl serve-reward {self.name}` "
-            "running there? (reward.request_retries and reward.timeout_s set the patience)"
+            f"reward server {self.url}{self._for()}: {what} failed {attempts} over "
+            f"{time.monotonic() - start:.1f} s; last error: {last}. Is `{command}` running there? Start "
+            "it, or point reward.url at where it runs (reward.request_retries and reward.timeout_s set "
+            "the patience)"
         )
+
+    def _for(self) -> str:
+        """' (for reward 'a')' / ' (for rewards 'a', 'b')' / '' : who wanted this server, for errors."""
+        if not self.wanted:
+            return ""
+        plural = "s" if len(self.wanted) > 1 else ""
+        return f" (for reward{plural} {', '.join(repr(n) for n in self.wanted)})"
+
+
+def server_base_url(url: str) -> str:
+    """`url` as scheme://host[:port] without a trailing slash, or a ServerURLError saying what to give."""
+    example = "give only scheme://host:port, e.g. http://127.0.0.1:8400 (as `odrl serve-reward` prints it)"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
+    except ValueError as e:
+        raise ServerURLError(f"reward server url '{url}' is not a valid url ({e}); {example}") from e
+    if parts.scheme not in ("http", "https"):
+        raise ServerURLError(f"reward server url '{url}' must start with http:// or https://; {example}")
+    if not parts.hostname:
+        raise ServerURLError(f"reward server url '{url}' has no host; {example}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ServerURLError(
+            f"reward server url '{url}' has a path, query or fragment; {example}. The client adds "
+            "/info and /score/NAME itself"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class _Retryable(Exception):

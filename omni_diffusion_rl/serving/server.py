@@ -6,6 +6,13 @@ shape up to `max_batch` samples (waiting at most `max_wait_ms` after the oldest 
 them with one call on a worker thread and answers each request with its own rows. The model is
 never called by two threads at once. A request whose batch fails is re-scored alone, so one bad
 request does not fail the others.
+
+Slow or idle clients cannot hold the server: a request counts against `max_in_flight` only once its
+body has arrived, a body not in within `read_timeout_s` gets 408 and its connection is closed, and a
+connection that sends no complete request headers (idle keep-alive, or half-sent headers) for
+`keepalive_timeout_s` is closed. On Ctrl-C, requests being scored get `shutdown_timeout_s` to be
+answered and the rest get 503 (clients retry); then every connection is closed and the process exits,
+abandoning a model call still running.
 """
 
 from __future__ import annotations
@@ -15,12 +22,15 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
+import queue
 import sys
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
@@ -31,26 +41,59 @@ from .wire import WireError, decode_media, scores_to_json
 
 logger = logging.getLogger(__name__)
 API_VERSION = 1
+CLOSE_WAIT_S = 0.5  # at shutdown, after the requests being scored were answered: for the rest to go
+T = TypeVar("T")
+TOKEN_HELP = (
+    "set one in the environment, e.g. "
+    "`export ODRL_REWARD_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`"
+)
 
 
 @dataclass
 class ServeSettings:
+    """What `odrl serve-reward` serves with; `check()` refuses settings that cannot work or are unsafe."""
+
     host: str = "127.0.0.1"
     port: int = 8400
     max_batch: int = 32  # samples per model call
     max_wait_ms: float = 5.0  # how long the oldest request may wait for others to join its batch
     max_request_mb: float = 256.0
-    max_in_flight: int = 256  # requests being read, queued or scored; more get 503 (clients retry)
+    max_in_flight: int = 256  # requests read (body in) and not yet answered; more get 503 (clients retry)
     token: str | None = None
+    read_timeout_s: float = 30.0  # to receive a request's body once its headers are in; slower: 408, closed
+    keepalive_timeout_s: float = 15.0  # a connection without a complete request (headers) for this is closed
+    shutdown_timeout_s: float = 2.0  # on Ctrl-C, requests being scored get this long to be answered
 
     def check(self) -> None:
         if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_request_mb <= 0 or self.max_in_flight < 1:
             raise ValueError("max_batch and max_in_flight must be >= 1, max_wait_ms >= 0, max_request_mb > 0")
+        for name in ("read_timeout_s", "keepalive_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds; got {value}")
+        if self.token is not None:
+            _check_token(self.token)
         if not self.token and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to serve on {self.host} without a token: anyone who reaches it could use it. "
                 "Set one in the environment (ODRL_REWARD_TOKEN, or --token-env NAME), or bind 127.0.0.1"
             )
+
+
+def _check_token(token: str) -> None:
+    """Refuse a token a client could not send as given: empty, with whitespace, or not printable ASCII."""
+    if not token.strip():
+        raise ValueError(f"the reward server's token is empty or only whitespace; {TOKEN_HELP}")
+    if any(c.isspace() for c in token):
+        raise ValueError(
+            "the reward server's token contains whitespace (leading, trailing or inside), which "
+            f"'Authorization: Bearer <token>' cannot carry as given; {TOKEN_HELP}"
+        )
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError(
+            f"the reward server's token has characters outside printable ASCII, which HTTP headers cannot "
+            f"carry reliably; {TOKEN_HELP}"
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -60,6 +103,10 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class ServerStopping(Exception):
+    """The server is stopping: a request it had not answered yet gets 503 (the client retries)."""
 
 
 @dataclass
@@ -104,8 +151,10 @@ class RewardBatcher:
         self.stats = BatchStats()
         self._queue: deque[_Request] = deque()
         self._arrival = asyncio.Event()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"reward-{name}")
+        self._worker = _ModelThread(f"reward-{name}")
         self._task: asyncio.Task[None] | None = None
+        self._running: list[_Request] = []  # the batch being scored
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -113,9 +162,18 @@ class RewardBatcher:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._worker.stop()
+
+    def abandon(self) -> None:
+        """Answer every queued or running request with ServerStopping, and any later one too."""
+        self._stopping = True
+        for request in [*self._queue, *self._running]:
+            _settle(request.future, error=ServerStopping("the reward server is stopping; retry later"))
+        self._queue.clear()
 
     async def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        if self._stopping:
+            raise ServerStopping("the reward server is stopping; retry later")
         request = _Request(media, prompts, asyncio.get_running_loop().create_future())
         self._queue.append(request)
         self._arrival.set()
@@ -136,7 +194,6 @@ class RewardBatcher:
         return batch
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             while not self._queue:
                 self._arrival.clear()
@@ -153,18 +210,21 @@ class RewardBatcher:
                 except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
                     break
             batch = [r for r in self._take_batch() if not r.future.done()]  # done: the client left
+            self._running = batch
             try:
                 if batch:
-                    await self._score_batch(loop, batch)
+                    await self._score_batch(batch)
             except Exception as e:  # never let the batcher die: fail this batch, serve the next
                 logger.exception("reward '%s': batch of %d requests failed", self.name, len(batch))
                 for request in batch:
                     _settle(request.future, error=e)
+            finally:
+                self._running = []
 
-    async def _score_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
+    async def _score_batch(self, batch: list[_Request]) -> None:
         prompts = [p for r in batch for p in r.prompts]
         try:
-            out = await loop.run_in_executor(self._worker, self._call, [r.media for r in batch], prompts)
+            out = await self._worker.run(self._call, [r.media for r in batch], prompts)
         except Exception as e:
             if len(batch) == 1:
                 self.stats.failed_requests += 1
@@ -172,7 +232,7 @@ class RewardBatcher:
                 _settle(batch[0].future, error=e)
                 return
             for request in batch:  # find the request that fails; the others are answered
-                await self._score_batch(loop, [request])
+                await self._score_batch([request])
             return
         start = 0
         for request in batch:
@@ -193,9 +253,49 @@ class RewardBatcher:
             self.stats.model_seconds += time.perf_counter() - start
 
 
+class _ModelThread:
+    """One daemon thread that runs a reward's model calls one at a time, in order.
+
+    Daemon, unlike a ThreadPoolExecutor's threads (joined at exit): a model call still running when the
+    server stops does not keep the process alive until it ends.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """fn(*args) on the thread; the future (of the running loop) gets its result or exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((loop, future, fn, args))
+        return future
+
+    def stop(self) -> None:
+        """Skip the queued calls; the thread ends after the call it is running, if any."""
+        self._stopped = True
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, args = job
+            if self._stopped:
+                continue
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # handed to the awaiting coroutine, which decides
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop is closed: the server stopped while this call ran
+                return
+
+
 def _settle(
-    future: asyncio.Future[RewardOutput],
-    result: RewardOutput | None = None,
+    future: asyncio.Future[Any],
+    result: Any = None,
     error: BaseException | None = None,
 ) -> None:
     if future.done():  # the client went away
@@ -203,7 +303,7 @@ def _settle(
     if error is not None:
         future.set_exception(error)
     else:
-        future.set_result(result)  # type: ignore[arg-type]
+        future.set_result(result)
 
 
 def _merge(parts: list[MediaBatch]) -> MediaBatch:
@@ -230,7 +330,8 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
         name: RewardBatcher(name, reward, settings.max_batch, settings.max_wait_ms)
         for name, reward in rewards.items()
     }
-    in_flight = 0
+    in_flight = 0  # requests whose body has been read, until answered
+    reading = 0  # requests whose body is arriving
 
     @web.middleware
     async def authorise(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -255,21 +356,20 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
                 "max_batch": settings.max_batch,
                 "max_wait_ms": settings.max_wait_ms,
                 "max_request_bytes": max_bytes,
+                "max_in_flight": settings.max_in_flight,
+                "in_flight": in_flight,
+                "reading": reading,
                 "stats": {name: b.stats.as_dict() for name, b in batchers.items()},
             }
         )
 
-    async def score(request: web.Request) -> web.Response:
-        nonlocal in_flight
-        if in_flight >= settings.max_in_flight:
-            return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
-        in_flight += 1
-        try:
-            return await score_one(request)
-        finally:
-            in_flight -= 1
+    def busy() -> web.Response | None:
+        if in_flight < settings.max_in_flight:
+            return None
+        return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
 
-    async def score_one(request: web.Request) -> web.Response:
+    async def score(request: web.Request) -> web.StreamResponse:
+        nonlocal in_flight, reading
         name = request.match_info["name"]
         if name not in batchers:
             return _error(
@@ -277,10 +377,35 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             )
         if request.content_length is not None and request.content_length > max_bytes:
             return _too_large(request.content_length, max_bytes)
+        refusal = busy()  # before the upload too: no point receiving a body that would get 503
+        if refusal is not None:
+            return refusal
+        # Only a request whose body has arrived counts as in flight: uploads that stall cannot crowd
+        # out the others, and each one is cut off after read_timeout_s.
+        reading += 1
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), settings.read_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+            size = "chunked" if request.content_length is None else f"{request.content_length} bytes"
+            message = (
+                f"the request body ({size}) did not arrive within read_timeout_s={settings.read_timeout_s:g} "
+                "s of its headers; closing the connection"
+            )
+            return await _answer_and_close(request, _error(408, message, "timeout"))
         except web.HTTPRequestEntityTooLarge:
             return _too_large(None, max_bytes)
+        finally:
+            reading -= 1
+        refusal = busy()
+        if refusal is not None:
+            return refusal
+        in_flight += 1
+        try:
+            return await score_body(name, body)
+        finally:
+            in_flight -= 1
+
+    async def score_body(name: str, body: bytes) -> web.Response:
         try:  # parsing and checks off the event loop: they touch every value of up to max_request_mb
             media, prompts = await asyncio.get_running_loop().run_in_executor(None, decode_media, body)
         except WireError as e:
@@ -292,6 +417,8 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             return _error(413, message, "too_large")
         try:
             out = await batchers[name].score(media, prompts)
+        except ServerStopping as e:
+            return _error(503, str(e), "stopping")
         except RewardError as e:
             return _error(500, str(e), "reward_broken")
         except Exception as e:
@@ -309,6 +436,17 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_post("/score/{name}", score)
+
+    async def drain(_: web.Application) -> None:
+        """On shutdown (the listening socket already closed): requests being scored get
+        shutdown_timeout_s to be answered; the ones still waiting then get 503."""
+        deadline = time.monotonic() + settings.shutdown_timeout_s
+        while in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for b in batchers.values():
+            b.abandon()
+
+    app.on_shutdown.append(drain)
 
     async def lifecycle(_: web.Application) -> Any:
         for b in batchers.values():
@@ -331,10 +469,30 @@ def _too_large(size: int | None, limit: int) -> web.Response:
     )
 
 
+async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send `response`, then close the connection: its request body was not read to the end, so the
+    connection cannot carry another request (and aiohttp would otherwise linger reading the rest)."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
+
+
 async def serve(rewards: dict[str, Reward], settings: ServeSettings, ready: Any = None) -> None:
     """Serve until cancelled; prints one JSON line `{"event": "ready", "url": ...}` once listening."""
     # handler_cancellation: a request whose client went away is cancelled, so the batcher skips it.
-    runner = web.AppRunner(build_app(rewards, settings), access_log=None, handler_cancellation=True)
+    # keepalive_timeout: aiohttp closes a connection waiting for (the rest of) a request's headers that
+    # long, from when it opened or answered its last request. shutdown_timeout: how long aiohttp waits
+    # for requests in progress before cancelling them, after `drain` answered those being scored (what
+    # is left: stalled uploads, answers being sent).
+    runner = web.AppRunner(
+        build_app(rewards, settings),
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=settings.keepalive_timeout_s,
+        shutdown_timeout=CLOSE_WAIT_S,
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()

@@ -3,7 +3,8 @@
 A request body is a safetensors file (never a pickle) holding `video` [B, F, 3, H, W] and/or `audio`
 [B, C, S] as float16/bfloat16/float32, with string metadata `prompts` (a JSON list), `fps` and
 `sample_rate`. The answer is JSON: `{"scores": [...], "components": {name: [...]}}`, a non-finite score
-sent as null.
+sent as null. Every dimension but the batch must be non-empty, `fps` lie in (0, MAX_FPS] and `sample_rate`
+be a whole number in [1, MAX_SAMPLE_RATE]; anything else is a WireError naming the field (a 400).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ from ..media import MediaBatch
 CONTENT_TYPE = "application/vnd.safetensors"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADER_BYTES = 1 << 20
+MAX_FPS = 1000.0  # frames per second
+MAX_SAMPLE_RATE = 1_000_000  # audio samples per second
 
 
 class WireError(ValueError):
@@ -68,6 +72,8 @@ def _check_tensor(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
         raise WireError(f"'{name}' has dtype {str(t.dtype).removeprefix('torch.')}; send one of {allowed}")
     if t.ndim != rank:
         raise WireError(f"'{name}' must be {layout}; got shape {list(t.shape)}")
+    if len(t) and 0 in t.shape[1:]:
+        raise WireError(f"'{name}' must be {layout} with no empty dimension; got shape {list(t.shape)}")
     bad = ~torch.isfinite(t.flatten(1)).all(dim=1) if t.numel() else torch.zeros(0, dtype=torch.bool)
     if bad.any():
         raise WireError(f"'{name}' has NaN/inf values in samples {bad.nonzero().flatten().tolist()}")
@@ -101,25 +107,42 @@ def decode_media(body: bytes) -> tuple[MediaBatch, list[str]]:
         raise WireError("the batch is empty (0 samples)")
     try:
         prompts = json.loads(meta.get("prompts", ""))
-        fps = float(meta.get("fps", "nan"))
-        sample_rate = int(meta.get("sample_rate", "0"))
-    except (ValueError, json.JSONDecodeError) as e:
-        raise WireError(
-            f"bad metadata ({e}); 'prompts' is a JSON list, 'fps' a number, 'sample_rate' an int"
-        ) from e
+    except (TypeError, json.JSONDecodeError) as e:
+        raise WireError(f"metadata 'prompts' is not JSON ({e}); send a JSON list of strings") from e
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise WireError("metadata 'prompts' must be a JSON list of strings")
     if len(prompts) != batch:
         raise WireError(f"{len(prompts)} prompts for a batch of {batch} samples")
-    if not (math.isfinite(fps) and fps > 0) or sample_rate <= 0:
-        raise WireError(f"fps ({fps}) and sample_rate ({sample_rate}) must be positive")
+    fps = _rate(meta, "fps", lambda v: 0 < v <= MAX_FPS, f"a number in (0, {MAX_FPS:g}]")
+    sample_rate = _rate(
+        meta,
+        "sample_rate",
+        lambda v: v.is_integer() and 1 <= v <= MAX_SAMPLE_RATE,
+        f"a whole number of samples per second in [1, {MAX_SAMPLE_RATE}]",
+    )
     media = MediaBatch(
         video=tensors["video"].float() if "video" in tensors else None,
         audio=tensors["audio"].float() if "audio" in tensors else None,
         fps=fps,
-        sample_rate=sample_rate,
+        sample_rate=int(sample_rate),
     )
     return media, prompts
+
+
+def _rate(meta: dict[str, str], key: str, valid: Callable[[float], bool], expected: str) -> float:
+    """The number in metadata `key` when it is finite and `valid`, else a WireError naming `key`."""
+    text = meta.get(key)
+    if not isinstance(text, str):
+        raise WireError(
+            f"the payload's metadata has no '{key}'; it must carry 'prompts', 'fps' and 'sample_rate'"
+        )
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and valid(value)):
+        raise WireError(f"metadata '{key}' is {text[:50]!r}; it must be {expected}")
+    return value
 
 
 def scores_to_json(values: torch.Tensor) -> list[float | None]:

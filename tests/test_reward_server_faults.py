@@ -1,0 +1,433 @@
+"""Reward server faults: stalled uploads, idle connections, Ctrl-C, bad tokens, absurd media, bad urls.
+
+Servers run on 127.0.0.1, either in this process (on a thread with its own event loop, for settings the
+command line does not expose) or as `odrl serve-reward` child processes. Every socket is closed and
+every server stopped by the test that opened it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from safetensors.torch import save as save_tensors
+
+import tests.plugin_rewards  # noqa: F401 - registers the test rewards in this process
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.reward import WeightedReward
+from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
+from omni_diffusion_rl.serving.process import ServerProcess
+from omni_diffusion_rl.serving.server import ServeSettings, serve
+
+from .helpers import ENV, REPO, odrl
+
+PLUGIN = ("--plugin", "tests.plugin_rewards")
+SCORE_PATH = "/score/test_prompt_length"
+
+
+def _subprocess_server(*args: str, names: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess(names, *PLUGIN, *args, env={**ENV, **(env or {})}, cwd=REPO)
+
+
+@contextmanager
+def _in_process_server(settings: ServeSettings, names: list[str]) -> Iterator[str]:
+    """`serve()` on a thread with its own event loop; yields the url, stops it (as Ctrl-C would) after."""
+    served = {name: rewards.create(name) for name in names}
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    urls: list[str] = []
+    task: asyncio.Task[None] | None = None
+
+    def ready(url: str) -> None:
+        urls.append(url)
+        started.set()
+
+    def run() -> None:
+        nonlocal task
+        asyncio.set_event_loop(loop)
+        task = loop.create_task(serve(served, settings, ready=ready))
+        try:
+            loop.run_until_complete(task)
+        except (asyncio.CancelledError, Exception):
+            started.set()
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name="test-reward-server", daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30) and urls, "the in-process server did not start"
+        yield urls[0]
+    finally:
+        if task is not None:
+            loop.call_soon_threadsafe(task.cancel)
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "the in-process server did not stop"
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def _payload(tensors: dict[str, torch.Tensor], prompts: list[str], **meta: str) -> bytes:
+    metadata = {"prompts": json.dumps(prompts), "fps": "8.0", "sample_rate": "8000", **meta}
+    return save_tensors(tensors, metadata=metadata)
+
+
+def _good_body(prompt: str = "abc") -> bytes:
+    return _payload({"audio": torch.zeros(1, 1, 8)}, [prompt])
+
+
+def _post(url: str, body: bytes, timeout: float = 10.0) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/vnd.safetensors"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _stalled_upload(host: str, port: int, path: str = SCORE_PATH) -> socket.socket:
+    """A connection that sends a POST's headers (promising 1000 bytes) and 2 bytes of body, then stalls."""
+    sock = socket.create_connection((host, port), timeout=10)
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1000\r\n"
+    sock.sendall(head.encode() + b"Content-Type: application/vnd.safetensors\r\n\r\n\x01\x02")
+    return sock
+
+
+def _read_until_closed(sock: socket.socket, within_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took."""
+    start = time.monotonic()
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open for {within_s} s; it sent {data[:200]!r}")
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic() - start
+
+
+def _wait_for(condition: Callable[[], bool], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture(scope="module")
+def quick_server() -> Iterator[str]:
+    """An in-process server with short read/keep-alive timeouts and a small in-flight limit."""
+    settings = ServeSettings(
+        port=0, max_in_flight=4, read_timeout_s=0.5, keepalive_timeout_s=1.0, shutdown_timeout_s=1.0
+    )
+    with _in_process_server(settings, ["test_prompt_length"]) as url:
+        yield url
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Slow uploads (slowloris) and idle connections
+
+
+def test_stalled_uploads_do_not_make_real_requests_wait_or_fail() -> None:
+    """300 uploads that stall after 2 bytes against --max-in-flight 8: a real request is still answered."""
+    with _subprocess_server("--max-in-flight", "8", names=["test_prompt_length"]) as srv:
+        host, port = _host_port(srv.url)
+        stalled: list[socket.socket] = []
+        try:
+            for _ in range(300):
+                stalled.append(_stalled_upload(host, port))
+            reading = _wait_for(lambda: _get_json(f"{srv.url}/info").get("reading", 0) >= 300, 10.0)
+            start = time.monotonic()
+            code, answer = _post(srv.url + SCORE_PATH, _good_body())
+            took = time.monotonic() - start
+            assert code == 200 and answer["scores"] == [3.0], f"{code} {answer} after {took:.2f} s"
+            assert took < 3.0, f"a real request took {took:.2f} s behind 300 stalled uploads"
+            info = _get_json(f"{srv.url}/info")
+            assert reading and info["reading"] == 300 and info["in_flight"] == 0, info
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+def test_an_upload_that_stalls_past_the_read_timeout_gets_408_and_is_closed(quick_server: str) -> None:
+    host, port = _host_port(quick_server)
+    with _stalled_upload(host, port) as sock:
+        data, took = _read_until_closed(sock, within_s=5.0)
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert body["kind"] == "timeout" and "read_timeout_s=0.5" in body["error"], body
+    assert 0.4 < took < 3.0, f"closed after {took:.2f} s; the read timeout is 0.5 s"
+    assert _post(quick_server + SCORE_PATH, _good_body()) == (
+        200,
+        {"scores": [3.0], "components": {"batch": [1.0]}},
+    )
+
+
+@pytest.mark.parametrize(
+    "sent", [b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half headers"]
+)
+def test_a_connection_that_sends_no_complete_request_is_closed(quick_server: str, sent: bytes) -> None:
+    host, port = _host_port(quick_server)
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(sent)
+        data, took = _read_until_closed(sock, within_s=5.0)
+    assert data == b"" and took < 3.0, (data, took)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeout(quick_server: str) -> None:
+    host, port = _host_port(quick_server)
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        assert response.status == 200 and response.read() == b'{"status": "ok"}'
+        assert conn.sock is not None, "the connection must be kept alive after the first request"
+        data, took = _read_until_closed(conn.sock, within_s=5.0)
+        assert data == b"" and took < 3.0, (data, took)
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. Prompt shutdown
+
+
+def test_ctrl_c_stops_the_server_within_seconds_whatever_its_connections_do() -> None:
+    """An idle keep-alive connection, a stalled upload and a request inside a 60 s model call."""
+    srv = _subprocess_server(
+        "--max-wait-ms", "0", names=["test_prompt_length", "test_slow"], env={"ODRL_TEST_SLOW_S": "60"}
+    ).start()
+    host, port = _host_port(srv.url)
+    idle = http.client.HTTPConnection(host, port, timeout=10)
+    opened: list[socket.socket] = []
+    try:
+        idle.request("GET", "/health")
+        assert idle.getresponse().read() == b'{"status": "ok"}'
+        opened.append(_stalled_upload(host, port))
+        scoring = socket.create_connection((host, port), timeout=10)
+        opened.append(scoring)
+        body = _good_body()
+        head = f"POST /score/test_slow HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
+        scoring.sendall(head.encode() + body)
+        calls = lambda: _get_json(f"{srv.url}/info")["stats"]["test_slow"]["model_calls"]  # noqa: E731
+        assert _wait_for(lambda: calls() == 1, 10.0), "the slow model call did not start"
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
+        try:
+            code = srv.proc.wait(timeout=15)  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server was still running {time.monotonic() - start:.1f} s after SIGINT")
+        took = time.monotonic() - start
+        assert code == 0, "".join(srv.output)[-2000:]
+        assert took < 8.0, f"shutdown took {took:.1f} s"
+        assert _wait_for(lambda: any("reward server stopped" in line for line in srv.output), 5.0)
+        answer, _ = _read_until_closed(scoring, within_s=5.0)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"kind": "stopping"' in answer, answer[:300]
+    finally:
+        idle.close()
+        for sock in opened:
+            sock.close()
+        srv.kill()
+
+
+def test_a_request_scored_within_the_shutdown_grace_is_still_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ODRL_TEST_SLOW_S", "0.5")
+    settings = ServeSettings(port=0, max_wait_ms=0, shutdown_timeout_s=3.0)
+    answers: list[tuple[int, dict]] = []
+    with _in_process_server(settings, ["test_slow"]) as url:
+        client = threading.Thread(
+            target=lambda: answers.append(_post(url + "/score/test_slow", _good_body()))
+        )
+        client.start()
+        calls = lambda: _get_json(f"{url}/info")["stats"]["test_slow"]["model_calls"]  # noqa: E731
+        assert _wait_for(lambda: calls() == 1, 10.0), "the model call did not start"
+        start = time.monotonic()
+    took = time.monotonic() - start
+    client.join(timeout=10)
+    assert answers == [(200, {"scores": [1.0], "components": {}})]
+    assert took < 2.5, f"the server stopped after {took:.2f} s; the model call takes 0.5 s"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Tokens
+
+
+@pytest.mark.parametrize(
+    "token", ["", " ", "   \t", " s3cret-token", "s3cret-token\n", "s3cret token", "sécret-token"]
+)
+def test_blank_or_whitespace_tokens_are_refused(token: str) -> None:
+    with pytest.raises(ValueError, match="token") as caught:
+        ServeSettings(token=token).check()
+    assert "ODRL_REWARD_TOKEN" in str(caught.value), "the message must say how to set a token"
+
+
+def test_a_good_token_is_accepted() -> None:
+    ServeSettings(host="0.0.0.0", token="s3cret-token_1.2~3").check()
+
+
+def test_serve_reward_refuses_a_whitespace_token_from_the_environment() -> None:
+    env = {**ENV, "MY_TOKEN": " "}
+    done = subprocess.run(
+        odrl("serve-reward", "color_match", "--port", "0", "--token-env", "MY_TOKEN"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "MY_TOKEN" in done.stderr and "whitespace" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("read_timeout_s", 0.0), ("keepalive_timeout_s", -1.0), ("shutdown_timeout_s", float("nan"))],
+)
+def test_timeouts_must_be_positive(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServeSettings(**{field: value}).check()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. Absurd media metadata and empty dimensions
+
+
+AUDIO = {"audio": torch.zeros(2, 1, 8)}
+VIDEO = {"video": torch.zeros(2, 2, 3, 4, 4)}
+
+
+@pytest.mark.parametrize(
+    ("tensors", "meta", "field"),
+    [
+        (AUDIO, {"sample_rate": "1" + "0" * 30}, "sample_rate"),
+        (AUDIO, {"sample_rate": "1e30"}, "sample_rate"),
+        (AUDIO, {"sample_rate": "0"}, "sample_rate"),
+        (AUDIO, {"sample_rate": "-16000"}, "sample_rate"),
+        (AUDIO, {"sample_rate": "nan"}, "sample_rate"),
+        (AUDIO, {"sample_rate": "16000.5"}, "sample_rate"),
+        (AUDIO, {"fps": "1e30"}, "fps"),
+        (AUDIO, {"fps": "0"}, "fps"),
+        (AUDIO, {"fps": "-8"}, "fps"),
+        (AUDIO, {"fps": "nan"}, "fps"),
+        (AUDIO, {"fps": "inf"}, "fps"),
+        (AUDIO, {"fps": "eight"}, "fps"),
+        ({"audio": torch.zeros(2, 0, 8)}, {}, "audio"),
+        ({"audio": torch.zeros(2, 1, 0)}, {}, "audio"),
+        ({"video": torch.zeros(2, 0, 3, 4, 4)}, {}, "video"),
+        ({"video": torch.zeros(2, 2, 3, 0, 4)}, {}, "video"),
+        ({"video": torch.zeros(2, 2, 3, 4, 0)}, {}, "video"),
+    ],
+    ids=lambda v: "-".join(f"{k}={str(x)[:8]}" for k, x in v.items()) if isinstance(v, dict) else None,
+)
+def test_absurd_rates_and_empty_dimensions_get_400_naming_the_field(
+    quick_server: str, tensors: dict[str, torch.Tensor], meta: dict[str, str], field: str
+) -> None:
+    code, answer = _post(quick_server + SCORE_PATH, _payload(tensors, ["a", "b"], **meta))
+    assert code == 400, answer
+    assert f"'{field}'" in answer["error"], answer
+
+
+@pytest.mark.parametrize(
+    ("tensors", "meta"),
+    [
+        (AUDIO, {"sample_rate": "1"}),
+        (AUDIO, {"sample_rate": "1000000", "fps": "1000"}),
+        (AUDIO, {"sample_rate": "48000.0", "fps": "0.5"}),
+        (VIDEO, {}),
+    ],
+)
+def test_rates_at_the_bounds_are_accepted(
+    quick_server: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> None:
+    code, answer = _post(quick_server + SCORE_PATH, _payload(tensors, ["a", "bb"], **meta))
+    assert code == 200 and answer["scores"] == [1.0, 2.0], answer
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. The client: a server that is down, a url with a path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_server_that_is_down_gives_an_error_naming_the_url_the_rewards_and_the_fix() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    audio = MediaBatch(audio=torch.zeros(1, 1, 8))
+    client = RemoteReward(url, "color_match", retries=1, backoff_s=0.01)
+    with pytest.raises(RewardServerError) as caught:
+        client.score(audio, ["a"])
+    client.close()
+    message = str(caught.value)
+    assert url in message and "'color_match'" in message and "odrl serve-reward color_match" in message
+    assert "failed 2 times" in message
+
+    probe = RemoteReward(url, "", retries=0, wanted=["color_match", "pitch_match"])
+    with pytest.raises(RewardServerError) as caught:
+        probe.info()
+    probe.close()
+    message = str(caught.value)
+    assert "reward ''" not in message and url in message
+    assert "odrl serve-reward color_match pitch_match" in message, message
+
+    weights = "reward.weights={color_match: 1.0, pitch_match: 1.0}"
+    cfg = load_config(None, [weights, f"reward.url={url}", "reward.request_retries=0"]).reward
+    with pytest.raises(RewardServerError) as caught:
+        WeightedReward.from_config(cfg)
+    message = str(caught.value)
+    assert "reward ''" not in message and "('')" not in message, message
+    assert url in message and "odrl serve-reward" in message, message
+
+
+@pytest.mark.parametrize(
+    "suffix", ["/score", "/score/test_prompt_length", "/api/", "?x=1", "#top"], ids=lambda s: s.strip("/?#")
+)
+def test_a_url_with_a_path_is_refused_when_the_client_is_made(quick_server: str, suffix: str) -> None:
+    with pytest.raises(ValueError, match=r"scheme://host:port") as caught:
+        RemoteReward(quick_server + suffix, "test_prompt_length")
+    assert quick_server + suffix in str(caught.value)
+    assert isinstance(caught.value, RewardServerError), "odrl must print it as an error, not a traceback"
+
+
+def test_a_url_with_only_a_trailing_slash_is_fine(quick_server: str) -> None:
+    client = RemoteReward(quick_server + "/", "test_prompt_length")
+    try:
+        assert client.url == quick_server
+        assert client.score(MediaBatch(audio=torch.zeros(1, 1, 8)), ["abcd"]).scores.tolist() == [4.0]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("url", ["http://:8400", "http://", "ftp://127.0.0.1:8400", "127.0.0.1:8400"])
+def test_a_url_without_a_host_or_with_another_scheme_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="reward server url"):
+        RemoteReward(url, "test_prompt_length")
