@@ -215,6 +215,9 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         max_request_mb=args.max_request_mb,
         max_in_flight=args.max_in_flight,
         token=token,
+        read_timeout_s=args.read_timeout_s,
+        keepalive_timeout_s=args.keepalive_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
     )
     try:
         settings.check()
@@ -416,6 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=256,
         help="more concurrent requests get 503",
+    )
+    serve.add_argument(
+        "--read-timeout-s", type=float, default=30.0, help="time to receive a request's body; slower get 408"
+    )
+    serve.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        default=15.0,
+        help="close connections idle (or without complete request headers) this long",
+    )
+    serve.add_argument(
+        "--shutdown-timeout-s", type=float, default=2.0, help="on Ctrl-C, time for requests being scored"
     )
     serve.add_argument("--token-env", default="ODRL_REWARD_TOKEN", help="environment variable with the token")
     serve.set_defaults(func=cmd_serve_reward)

@@ -449,6 +449,14 @@ def check_consistency(cfg: ExperimentConfig) -> None:
     if cfg.reward.url:
         if not cfg.reward.url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.url: '{cfg.reward.url}' must start with http:// or https://")
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(cfg.reward.url)
+        if parts.path not in ("", "/") or parts.query or parts.fragment or not parts.hostname:
+            raise ConfigError(
+                f"reward.url: '{cfg.reward.url}' must be scheme://host:port only "
+                "(e.g. http://127.0.0.1:8400); the client adds /info and /score/NAME itself"
+            )
         return  # which names the server serves is asked at start-up
     from .registry import rewards
 

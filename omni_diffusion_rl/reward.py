@@ -174,7 +174,7 @@ class WeightedReward:
                 "timeout_s": cfg.timeout_s,
                 "retries": cfg.request_retries,
             }
-            probe = RemoteReward(cfg.url, "", **client_options)
+            probe = RemoteReward(cfg.url, "", wanted=list(cfg.weights), **client_options)
             try:
                 served = probe.info().get("rewards", [])
             finally:

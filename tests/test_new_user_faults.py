@@ -182,3 +182,27 @@ def test_a_plugin_file_registers_its_reward_and_a_shared_checkpoint_imports_none
     ckpt = save_checkpoint(tmp_path / "ckpt", 1, {}, {}, state)
     evaluated = target_config(str(ckpt), None, [])
     assert evaluated.reward.plugins == [] and not marker.exists()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8400/score", "http://127.0.0.1:8400/?x=1", "http://:8400"])
+def test_a_reward_url_with_a_path_is_refused_at_load(url: str) -> None:
+    with pytest.raises(ConfigError, match="must be scheme://host:port only"):
+        load_config(None, [f"reward.url={url}"])
+
+
+def test_a_reward_server_that_is_down_names_the_rewards(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = _train(
+        f"reward.url=http://127.0.0.1:{port}",
+        "reward.request_retries=1",
+        "reward.timeout_s=2",
+        f"train.output_dir={tmp_path / 'run'}",
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"http://127.0.0.1:{port}" in done.stderr and "'color_match'" in done.stderr
+    assert "odrl serve-reward color_match" in done.stderr
