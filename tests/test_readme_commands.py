@@ -1,0 +1,260 @@
+"""Every command the README shows runs as written, in the environment `make setup` makes.
+
+The README's shell blocks are run in order, one command at a time, in a scratch copy of the
+repository with the setup's venv activated (its bin/ first on PATH), as a user following the README
+would after its first command. A ```python block whose first line is `# NAME.py` is written to that
+file first (the README's plug-in example). A command passes when it exits 0 or is still running,
+with nothing that looks like an error in its output, after DEADLINE_S (a training run has started:
+what fails at start is what this test is for; what a run does is tested elsewhere). A command that
+ends with `&` keeps running for the rest of its block and is stopped at the block's end.
+
+Skipped, each with its reason: `make test` (CI runs it; this test is part of it) and commands that
+need what this machine does not have (GPUs, model weights under /models).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 30.0
+SKIPS = {
+    r"^make test\b": "CI runs it, and this check is part of it",
+    r"--num_processes 8\b|cuda|recipes/configs/gpu_": "needs GPUs",
+    r"/models/": "needs model weights that cannot be downloaded here",
+}
+READS = {r"^make notebook\b": "runs/tiny_t2av_nft"}  # the run a command reads without naming it
+ERROR_SIGNS = re.compile(r"Traceback \(most recent call last\)|\bError\b|No such file|command not found")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+@dataclass
+class Command:
+    text: str
+    line: int
+    background: bool
+
+
+def readme_blocks(text: str) -> list[tuple[str, str, int]]:
+    """(language, body, first line number) of every fenced block."""
+    return [(m.group(1), m.group(2), text[: m.start()].count("\n") + 2) for m in FENCE.finditer(text)]
+
+
+def shell_commands(body: str, first_line: int) -> list[Command]:
+    """The commands of a shell block: continuation lines joined, comments and blank lines left out."""
+    commands, pending, start = [], "", first_line
+    for offset, raw in enumerate(body.splitlines()):
+        line = raw.rstrip()
+        if not pending:
+            start = first_line + offset
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+        if line.endswith("\\"):
+            pending += line[:-1].strip() + " "
+            continue
+        text = strip_comment(pending + line.strip())
+        pending = ""
+        background = text.endswith("&")
+        commands.append(Command(text.rstrip("&").strip(), start, background))
+    return commands
+
+
+def strip_comment(line: str) -> str:
+    """The command without a trailing ` # comment` (a # inside quotes is kept)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and i > 0 and line[i - 1].isspace():
+            return line[:i].strip()
+    return line.strip()
+
+
+def skip_reason(command: str) -> str | None:
+    return next((why for pattern, why in SKIPS.items() if re.search(pattern, command)), None)
+
+
+def scratch_copy(dest: Path) -> Path:
+    """The repository's tracked files under `dest`, with the setup's .venv linked in."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    (dest / ".venv").symlink_to(REPO / ".venv")
+    return dest
+
+
+def activated_env() -> dict[str, str]:
+    venv = REPO / ".venv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "ODRL_"))}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def newest_write(folder: Path) -> float:
+    """The latest modification time of any file under `folder` (0 when none)."""
+    times = [p.stat().st_mtime for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+    return max(times, default=0.0)
+
+
+def start(command: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT to the command's process group (a user's Ctrl-C), then SIGKILL if it lingers."""
+    for sig, wait_s in ((signal.SIGINT, 15), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # anything it started in the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def prepare_checkpoints(command: str, scratch: Path, env: dict[str, str]) -> list[str]:
+    """Runs whose checkpoints a command reads (`runs/NAME/checkpoints`) and that earlier commands did
+    not leave behind (they were stopped at the deadline): a one-step run of the README's config."""
+    made = []
+    runs = set(re.findall(r"\b(runs/[\w.\-]+)/checkpoints\b", command))
+    runs |= {run for pattern, run in READS.items() if re.search(pattern, command)}
+    for run in sorted(runs):
+        if (scratch / run / "checkpoints" / "latest").is_file():
+            continue
+        quick = ["train.steps=1", "train.overwrite=true", "train.eval_at_start_and_end=false"]
+        quick += [
+            "train.preview_every=0",
+            "train.progress=false",
+            "data.prompts_per_step=2",
+            "data.group_size=2",
+        ]
+        config = "recipes/configs/tiny_t2av_nft.yaml"
+        done = subprocess.run(
+            ["odrl", "train", config, f"train.output_dir={run}", *quick],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, f"preparing {run} for `{command}` failed:\n{done.stderr[-3000:]}"
+        made.append(run)
+    return made
+
+
+def run_readme(readme: Path, scratch: Path) -> list[dict[str, object]]:
+    """Run every command; one record per command (ran / skipped, outcome, seconds, output tail)."""
+    env, results = activated_env(), []
+    logs = scratch / ".readme_logs"
+    logs.mkdir()
+    for language, body, first_line in readme_blocks(readme.read_text(encoding="utf-8")):
+        if language == "python":
+            name = re.match(r"#\s*(\S+\.py)\s*\n", body)
+            if name:
+                (scratch / name.group(1)).write_text(body, encoding="utf-8")
+            continue
+        if language not in ("bash", "sh"):
+            continue
+        background: list[subprocess.Popen[bytes]] = []
+        try:
+            for command in shell_commands(body, first_line):
+                record: dict[str, object] = {"line": command.line, "command": command.text}
+                results.append(record)
+                reason = skip_reason(command.text)
+                if reason:
+                    record.update(outcome="skipped", why=reason)
+                    continue
+                record["prepared"] = prepare_checkpoints(command.text, scratch, env)
+                log = logs / f"line_{command.line}.log"
+                began, began_wall = time.monotonic(), time.time()
+                proc = start(command.text, scratch, env, log)
+                if command.background:
+                    background.append(proc)
+                    time.sleep(2)
+                    record.update(outcome="started in the background" if proc.poll() is None else "ended")
+                else:
+                    try:
+                        proc.wait(timeout=DEADLINE_S)
+                        record["outcome"] = f"exit {proc.returncode}"
+                    except subprocess.TimeoutExpired:
+                        working = newest_write(scratch / "runs") > began_wall
+                        record["outcome"] = "running at the deadline" + (
+                            "" if working else ", writing nothing"
+                        )
+                        record["output"] = log.read_text(encoding="utf-8", errors="replace")[-3000:]
+                        stop(proc)  # what it prints when stopped is not judged
+                record["seconds"] = round(time.monotonic() - began, 1)
+                record.setdefault("output", log.read_text(encoding="utf-8", errors="replace")[-3000:])
+        finally:
+            for proc in background:
+                stop(proc)
+    return results
+
+
+def failed(record: dict[str, object]) -> bool:
+    outcome = str(record["outcome"])
+    if outcome == "skipped":
+        return False
+    bad_exit = outcome.startswith("exit") and outcome != "exit 0"
+    return (
+        bad_exit
+        or outcome in ("ended", "running at the deadline, writing nothing")
+        or bool(ERROR_SIGNS.search(str(record.get("output", ""))))
+    )
+
+
+def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
+    if not (REPO / ".venv" / "bin" / "odrl").exists():
+        pytest.fail("no .venv: run the README's setup (make setup) first")
+    scratch = scratch_copy(tmp_path / "repo")
+    results = run_readme(scratch / "README.md", scratch)
+    print()
+    for r in results:
+        prepared = f" (after a one-step run into {', '.join(r['prepared'])})" if r.get("prepared") else ""
+        print(f"README line {r['line']}: {r['outcome']} ({r.get('seconds', '-')} s) {r['command']}{prepared}")
+    ran = [r for r in results if r["outcome"] != "skipped"]
+    assert len(ran) >= 8, "the README's commands were not found"
+    bad = [r for r in ran if failed(r)]
+    assert not bad, "\n\n".join(f"README line {r['line']}: {r['command']}\n{r['output']}" for r in bad)
+
+
+def test_the_command_parser_joins_continuations_and_drops_comments() -> None:
+    body = "# a comment\nodrl a \\\n  b   # the world's why\n\nserve x '#1' &\n"
+    assert [(c.text, c.line, c.background) for c in shell_commands(body, 10)] == [
+        ("odrl a b", 11, False),
+        ("serve x '#1'", 14, True),
+    ]
+    assert skip_reason("make test") and skip_reason("odrl x --device cuda:0") and not skip_reason("make demo")
