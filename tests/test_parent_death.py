@@ -225,3 +225,41 @@ def test_killing_accelerate_launch_takes_its_training_processes_down(tmp_path: P
     finally:
         for pid in workers:
             _kill(pid)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for p in frontier for c in _children(p)]
+        found += children
+        frontier = children
+    return found
+
+
+def test_sigterm_of_a_benchmark_stops_its_launcher_and_training_processes(tmp_path: Path) -> None:
+    """`odrl bench modes` runs 2-process trainings through a launcher; SIGTERM of the bench (a user's
+    `kill`) stops the launcher and both training processes, not only the bench."""
+    model = tiny_model_dir(tmp_path / "model")
+    overrides = [o for o in fast_overrides(model, tmp_path / "unused", 2) if "output_dir" not in o]
+    command = [sys.executable, "-m", "omni_diffusion_rl.cli", "bench", "modes", "--steps", "100000"]
+    command += ["--output", str(tmp_path / "bench" / "modes.json"), *overrides]
+    env = {**PLAIN_ENV, "OMP_NUM_THREADS": "1"}
+    tree: list[int] = []
+    try:
+        with (
+            open(tmp_path / "bench.log", "w") as out,
+            _session(command, env, stdout=out, stderr=out) as bench,
+        ):
+            started = _wait_for(lambda: len(_descendants(bench.pid)) >= 3, 120, 0.5)  # launcher + 2 workers
+            assert started is not None, (tmp_path / "bench.log").read_text()[-3000:]
+            time.sleep(3)  # the workers are past their start-up
+            tree = _descendants(bench.pid)
+            bench.send_signal(signal.SIGTERM)
+            bench.wait(timeout=20)
+            died = _wait_for(lambda: all(_gone(pid) for pid in tree), 30, 0.2)
+            print(f"{len(tree)} processes below the bench gone {died} s after its SIGTERM")
+            assert died is not None, f"processes {[p for p in tree if not _gone(p)]} outlived the bench"
+    finally:
+        for pid in tree:
+            _kill(pid)
