@@ -21,11 +21,6 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 
-def buffer_capacity(buffer_groups: int, prompts_per_step: int) -> int:
-    """The configured capacity in prompt groups, or 2 steps' worth when it is 0."""
-    return buffer_groups or 2 * prompts_per_step
-
-
 class BufferFull(RuntimeError):
     """put() on a full buffer: rollout must wait (has_room says so first)."""
 

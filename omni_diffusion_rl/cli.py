@@ -110,14 +110,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_probe_rewards(args: argparse.Namespace) -> int:
     from .evaluation import format_table
-    from .reward import WeightedReward
+    from .reward_factory import reward_from_config
     from .world.adversarial import probe_rewards
 
     if args.config and "=" in args.config and not Path(args.config).exists():
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
     cfg = load_config(args.config, list(args.overrides))
-    reward = WeightedReward.from_config(cfg.reward)
+    reward = reward_from_config(cfg.reward)
     try:
         table = probe_rewards(reward)
     finally:
@@ -130,7 +130,7 @@ def cmd_probe_rewards(args: argparse.Namespace) -> int:
 def _label_noise(text: str) -> dict[str, float]:
     """'0.4' (every attribute) or 'color=0.5,shape=0.3' (the others keep the shipped recipe's) ->
     {attribute: probability}."""
-    from .world.pretrain import DEFAULT_LABEL_NOISE
+    from .trainers.pretrain import DEFAULT_LABEL_NOISE
     from .world.tiny_world import ATTRIBUTE_OPTIONS
 
     try:
@@ -150,7 +150,7 @@ def _label_noise(text: str) -> dict[str, float]:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from .models.tiny_av import BUILTIN_WEIGHTS
-    from .world.pretrain import pretrain_base_model
+    from .trainers.pretrain import pretrain_base_model
 
     result = pretrain_base_model(
         args.output or BUILTIN_WEIGHTS, steps=args.steps, label_noise=args.label_noise, seed=args.seed
@@ -163,28 +163,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     steps = {} if args.steps is None else {"steps": args.steps}  # each bench has its own default
     repeats = args.repeats
     if args.name == "recheck":
-        from .bench_recheck import run_recheck_bench
+        from .benchmarks.recheck import run_recheck_bench
 
         output = args.output or Path("runs/bench/recheck.json")
         run_recheck_bench(output, args.config, args.overrides, **steps, repeats=repeats or 2)
         return 0
     if args.name == "modes":
-        from .bench_modes import run_modes_bench
+        from .benchmarks.modes import run_modes_bench
 
         run_modes_bench(args.output or Path("runs/bench/modes.json"), args.config, args.overrides, **steps)
         return 0
     if args.name == "learning":
-        from .bench_learning import run_learning_bench
+        from .benchmarks.learning import run_learning_bench
 
         output = args.output or Path("runs/bench/learning.json")
         run_learning_bench(output, args.config, args.overrides, modes=args.modes, seeds=args.seeds, **steps)
         return 0
     if args.name == "reward-server":
-        from .bench_reward_server import run_reward_server_bench
+        from .benchmarks.reward_server import run_reward_server_bench
 
         run_reward_server_bench(args.output or Path("runs/bench/reward_server.json"), rounds=repeats or 5)
         return 0
-    from .bench import run_nft_step_bench
+    from .benchmarks.nft_step import run_nft_step_bench
 
     output = args.output or Path("runs/bench/nft_step.json")
     run_nft_step_bench(output, repeats=repeats or 5, batch_size=args.batch_size)

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from .async_layout import buffer_capacity, check_async_layout
+
 
 class ConfigError(ValueError):
     """A config value, key or file that cannot be used."""
@@ -431,9 +433,6 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"({', '.join(cfg.reward.weights)})"
             )
     if cfg.execution.mode in ("separate", "hybrid", "auto"):
-        from .buffer import buffer_capacity
-        from .execution.costs import check_async_layout
-
         ex = cfg.execution
         try:
             check_async_layout(

@@ -25,7 +25,7 @@ from .config import (
 from .evaluation import MediaMaker, build_metrics, evaluate_heldout
 from .media import MediaBatch
 from .prompts import load_prompts
-from .reward import WeightedReward
+from .reward_factory import reward_from_config
 from .rollout import generate
 
 WORLD = "world"
@@ -123,7 +123,7 @@ def evaluate_target(target: str, cfg: ExperimentConfig, with_reward: bool = True
     """A target's held-out summary: the training reward (unless `with_reward` is off) and the eval
     metrics, on the config's held-out prompts, sample count and sampler."""
     make, latent_shape = prepare_target(target, cfg)
-    reward = WeightedReward.from_config(cfg.reward) if with_reward else None
+    reward = reward_from_config(cfg.reward) if with_reward else None
     metrics = build_metrics(cfg.eval.metrics, cfg.eval.options)
     try:
         return evaluate_heldout(

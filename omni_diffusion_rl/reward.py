@@ -4,6 +4,7 @@ A reward is any object with `score(media: MediaBatch, prompts: list[str])` (a pl
 `async def`) returning one finite score per sample: a float Tensor [B], or a `RewardOutput` that
 also carries named components [B] for logging. Register it with
 `@omni_diffusion_rl.registry.rewards.register("name")` or the `omni_diffusion_rl.rewards` entry points.
+A run's combined reward is built from its config by `reward_factory.reward_from_config`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -157,51 +157,6 @@ class WeightedReward:
         options = options or {}
         components = {name: reward_registry.create(name, **options.get(name, {})) for name in weights}
         return cls(components, weights, **kwargs)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> WeightedReward:
-        """From a RewardConfig: rewards the server at `cfg.url` serves are scored there, the rest here."""
-        from .config import import_plugins
-
-        import_plugins(cfg.plugins)
-        served: list[str] = []
-        client_options: dict[str, Any] = {}
-        if cfg.url:
-            from .serving.client import RemoteReward
-
-            client_options = {
-                "token": os.environ.get(cfg.token_env, ""),  # unset: no token (never another variable's)
-                "timeout_s": cfg.timeout_s,
-                "retries": cfg.request_retries,
-            }
-            probe = RemoteReward(cfg.url, "", wanted=list(cfg.weights), **client_options)
-            try:
-                served = probe.info().get("rewards", [])
-            finally:
-                probe.close()
-            if not set(served) & set(cfg.weights):
-                raise RewardError(
-                    f"reward.url={cfg.url} serves {sorted(served)}, but reward.weights uses none of them "
-                    f"({', '.join(cfg.weights)}): the server would never be asked. Weight a served reward, "
-                    f"e.g. reward.weights={{{(served or ['NAME'])[0]}: 1.0}}, or leave reward.url out"
-                )
-        components: dict[str, Reward] = {}
-        for name in cfg.weights:
-            if name in served:
-                if name in cfg.options:
-                    raise RewardError(
-                        f"reward.options.{name}: '{name}' is scored by the server at {cfg.url}; give its "
-                        "options to `odrl serve-reward` there instead"
-                    )
-                components[name] = RemoteReward(cfg.url, name, **client_options)
-            else:
-                components[name] = reward_registry.create(name, **cfg.options.get(name, {}))
-        local = sorted(set(cfg.weights) - set(served))
-        if cfg.url and local:
-            logger.warning(
-                "reward.url=%s serves %s; %s will be scored in this process", cfg.url, served, local
-            )
-        return cls(components, cfg.weights, retries=cfg.retries, max_failed_fraction=cfg.max_failed_fraction)
 
     # ------------------------------------------------------------------ one component
     def _attempt(self, name: str, reward: Reward, media: MediaBatch, prompts: list[str]) -> RewardOutput:

@@ -1,7 +1,16 @@
-"""Generate a batch with the policy and score it: the rollout keeps only x0, condition and grid."""
+"""Generate a batch with the policy and score it: the rollout keeps only x0, condition and grid.
+
+`ExperienceMaker` is the one path from prompts to scored experience (the prompt stream, seeded
+noise per prompt group, generation with the rollout weights, decoding, scoring), used by the
+trainer, the rollout processes of the async modes, lending and cost measurement.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +18,14 @@ import torch
 from .models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
 from .reward import ScoreResult, WeightedReward
 from .sampling import policy_time_grid, sample_ode
+
+_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
+
+
+def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Generator:
+    """A generator for one purpose (stream) at one step for one prompt group or slot."""
+    key = f"{seed}:{step}:{index}:{_STREAMS[stream]}".encode()
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
 
 
 @dataclass
@@ -101,3 +118,77 @@ def cat_results(parts: list[ScoreResult]) -> ScoreResult:
         {k: torch.cat([column(p, k) for p in parts]) for k in names},
         failures,
     )
+
+
+class ExperienceMaker:
+    """Scored prompt groups from the policy's rollout weights.
+
+    `rollout_weights()` is a context in which the policy generates with the weights the rollout
+    side uses (an algorithm's choice: DiffusionNFT's `old` adapter); everything random derives from
+    (seed, step, prompt group), so where a group is made does not change it.
+    """
+
+    def __init__(
+        self,
+        policy: FlowPolicy,
+        reward: WeightedReward,
+        prompts: list[str],
+        seed: int,
+        group_size: int,
+        num_steps: int,
+        time_shift: float,
+        solver: str,
+        rollout_chunks: int = 1,
+        rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
+        self.group_size, self.num_steps, self.time_shift, self.solver = (
+            group_size,
+            num_steps,
+            time_shift,
+            solver,
+        )
+        self.rollout_chunks = rollout_chunks
+        self.rollout_weights = rollout_weights
+        self.generated_at = 0.0  # perf_counter when the last make_step finished generating
+
+    def prompt_at(self, position: int) -> str:
+        """The prompt at a position of the data stream: every epoch is a fresh permutation."""
+        epoch, offset = divmod(position, len(self.prompts))
+        order = torch.randperm(len(self.prompts), generator=step_generator(self.seed, epoch, 0, "prompts"))
+        return self.prompts[int(order[offset])]
+
+    def generate(
+        self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
+    ) -> Rollout:
+        """len(noise) / len(prompts) samples per prompt with the rollout weights."""
+        with self.rollout_weights():
+            return generate(self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver)
+
+    def make_group(self, position: int) -> tuple[Rollout, ScoreResult]:
+        """The prompt group at stream `position`, generated and scored (noise keyed by position)."""
+        gen = step_generator(self.seed, 0, position, "rollout")
+        noise = torch.randn((self.group_size, *self.policy.latent_shape), generator=gen)
+        rollout = self.generate([self.prompt_at(position)], [position], noise, self.num_steps)
+        return rollout, score(self.policy, self.reward, rollout)
+
+    def make_step(self, step: int, prompts: list[str], group_ids: list[int]) -> tuple[Rollout, ScoreResult]:
+        """A step's prompt groups (noise keyed by step and group), generated in `rollout_chunks`
+        chunks, each scored (in the background, or by a reward server) while the next generates."""
+        k = self.group_size
+        generators = [step_generator(self.seed, step, g, "rollout") for g in group_ids]
+        noise = torch.stack([torch.randn((k, *self.policy.latent_shape), generator=g) for g in generators])
+        chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(self.rollout_chunks)]
+        parts, pending = [], []
+        for chunk in chunks:
+            part = self.generate(
+                [prompts[i] for i in chunk],
+                [group_ids[i] for i in chunk],
+                noise[chunk].flatten(0, 1),
+                self.num_steps,
+            )
+            with torch.no_grad():
+                pending.append(self.reward.submit(self.policy.decode(part.x0), part.prompts))
+            parts.append(part)
+        self.generated_at = time.perf_counter()
+        return Rollout.cat(parts), cat_results([f.result() for f in pending])

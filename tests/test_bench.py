@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_diffusion_rl.bench import ARMS, run_nft_step_bench
+from omni_diffusion_rl.benchmarks.nft_step import ARMS, run_nft_step_bench
 
 pytestmark = pytest.mark.slow  # benchmark runs: left out of `make test-fast`
 
@@ -57,7 +57,7 @@ def test_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
 
 
 def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
-    from omni_diffusion_rl.bench_reward_server import run_reward_server_bench
+    from omni_diffusion_rl.benchmarks.reward_server import run_reward_server_bench
 
     output = tmp_path / "reward_server.json"
     result = run_reward_server_bench(output, rounds=1, clients=4, requests_per_client=2, overhead_repeats=2)
@@ -72,7 +72,7 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
 
 
 def test_modes_bench_runs_every_mode_and_reports_predictions(tmp_path: Path) -> None:
-    from omni_diffusion_rl.bench_modes import RUN_MODES, run_modes_bench
+    from omni_diffusion_rl.benchmarks.modes import RUN_MODES, run_modes_bench
 
     from .helpers import fast_overrides, tiny_model_dir
 
@@ -94,7 +94,7 @@ def test_modes_bench_runs_every_mode_and_reports_predictions(tmp_path: Path) -> 
 
 
 def test_recheck_bench_compares_a_wrong_pick_with_and_without_the_recheck(tmp_path: Path) -> None:
-    from omni_diffusion_rl.bench_recheck import run_recheck_bench
+    from omni_diffusion_rl.benchmarks.recheck import run_recheck_bench
 
     from .helpers import fast_overrides, tiny_model_dir
 

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl.bench_learning import max_lag, mean_std, noise_band, run_learning_bench, within_noise
+from omni_diffusion_rl.benchmarks.learning import (
+    max_lag,
+    mean_std,
+    noise_band,
+    run_learning_bench,
+    within_noise,
+)
 
 from .helpers import fast_overrides, tiny_model_dir
 

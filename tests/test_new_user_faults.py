@@ -140,15 +140,16 @@ def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_pa
 
 
 def test_a_reward_server_that_serves_none_of_the_weights_is_refused() -> None:
-    from omni_diffusion_rl.reward import RewardError, WeightedReward
+    from omni_diffusion_rl.reward import RewardError
+    from omni_diffusion_rl.reward_factory import reward_from_config
     from omni_diffusion_rl.serving.process import ServerProcess
 
     with ServerProcess(["av_sync"], "--port", "0", env=ENV, cwd=REPO) as srv:
         cfg = load_config(None, ["reward.weights={color_match: 1.0}", f"reward.url={srv.url}"]).reward
         with pytest.raises(RewardError, match=r"serves \['av_sync'\], but reward.weights uses none of them"):
-            WeightedReward.from_config(cfg)
+            reward_from_config(cfg)
         used = load_config(None, ["reward.weights={color_match: 1.0, av_sync: 1.0}", f"reward.url={srv.url}"])
-        WeightedReward.from_config(used.reward).close()
+        reward_from_config(used.reward).close()
 
 
 def test_a_plugin_file_registers_its_reward_and_a_shared_checkpoint_imports_none(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import WeightedReward
+from omni_diffusion_rl.reward_factory import reward_from_config
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.subprocesses import run_process_tree
@@ -88,7 +89,7 @@ def _payload(audio: torch.Tensor, prompts: list[str]) -> bytes:
 def test_served_rewards_score_exactly_like_in_process_ones(server: ServerProcess) -> None:
     media, prompts = _scene_media(24)
     local = WeightedReward.from_registry(dict.fromkeys(TINY, 1.0))(media, prompts)
-    remote_reward = WeightedReward.from_config(_reward_cfg(server.url))
+    remote_reward = reward_from_config(_reward_cfg(server.url))
     assert all(type(r).__name__ == "RemoteReward" for r in remote_reward.components.values())
     remote = remote_reward(media, prompts)
     assert torch.equal(remote.total, local.total)

@@ -27,7 +27,7 @@ import tests.plugin_rewards  # noqa: F401 - registers the test rewards in this p
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import WeightedReward
+from omni_diffusion_rl.reward_factory import reward_from_config
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.serving.server import ServeSettings, serve
@@ -402,7 +402,7 @@ def test_a_server_that_is_down_gives_an_error_naming_the_url_the_rewards_and_the
     weights = "reward.weights={color_match: 1.0, pitch_match: 1.0}"
     cfg = load_config(None, [weights, f"reward.url={url}", "reward.request_retries=0"]).reward
     with pytest.raises(RewardServerError) as caught:
-        WeightedReward.from_config(cfg)
+        reward_from_config(cfg)
     message = str(caught.value)
     assert "reward ''" not in message and "('')" not in message, message
     assert url in message and "odrl serve-reward" in message, message

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl.bench_recheck import wrong_prior
+from omni_diffusion_rl.benchmarks.recheck import wrong_prior
 from omni_diffusion_rl.execution.recheck import first_pick
 from omni_diffusion_rl.subprocesses import run_process_tree
 

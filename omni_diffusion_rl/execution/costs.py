@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..buffer import buffer_capacity
+from ..async_layout import buffer_capacity, check_async_layout
 
 
 @dataclass(frozen=True)
@@ -117,20 +117,6 @@ class Workload:
     @property
     def capacity(self) -> int:
         return buffer_capacity(self.buffer_groups, self.prompts_per_step)
-
-
-def check_async_layout(sync_every: int, max_staleness: int, capacity: int, prompts_per_step: int) -> None:
-    """Layouts under which separate/hybrid cannot make progress are refused."""
-    if sync_every > max_staleness + 1:
-        raise ValueError(
-            f"sync_every={sync_every} > max_staleness + 1 = {max_staleness + 1}: between two weight syncs "
-            "everything the rollout makes would be stale; sync more often or allow more staleness"
-        )
-    if capacity < prompts_per_step:
-        raise ValueError(
-            f"the buffer holds {capacity} prompt groups, fewer than a step's {prompts_per_step}: "
-            "no step could start"
-        )
 
 
 # The seed's 4 x H800 comparison (MiniCPM-o 4.5 GSPO audio-visual QA; colocated 4+0 at batch 128 vs

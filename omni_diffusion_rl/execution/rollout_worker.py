@@ -20,20 +20,14 @@ import torch
 from ..config import ExperimentConfig
 from ..models import lora
 from ..reward import ScoreResult
-from ..rollout import Rollout, score
-from ..trainers.nft import NFTTrainer, step_generator
+from ..rollout import Rollout
+from ..trainers.nft import NFTTrainer
 from . import scheduler, transport
 
 
 def make_group(builder: NFTTrainer, group_id: int) -> tuple[Rollout, ScoreResult]:
     """Generate the prompt group at stream position `group_id` with the rollout adapter; score it."""
-    cfg = builder.cfg
-    gen = step_generator(cfg.train.seed, 0, group_id, "rollout")
-    noise = torch.randn((cfg.data.group_size, *builder.policy.latent_shape), generator=gen)
-    rollout = builder.generate_with_rollout_adapter(
-        [builder.prompt_at(group_id)], [group_id], noise, cfg.sampling.num_steps
-    )
-    return rollout, score(builder.policy, builder.reward, rollout)
+    return builder.experience.make_group(group_id)
 
 
 class RolloutWorker:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..buffer import Group, ReplayBuffer, buffer_capacity
+from ..async_layout import buffer_capacity
+from ..buffer import Group, ReplayBuffer
 from ..config import ConfigError, ExperimentConfig
 from ..distributed import scoped_groups
 from ..models import lora

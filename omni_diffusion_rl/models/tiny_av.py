@@ -17,8 +17,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from .. import tiny_clip as clip
 from ..media import MediaBatch
-from ..world import tiny_world as world
 from .policy import Condition
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"]
@@ -118,14 +118,14 @@ class LatentLayout:
         picture, visible, spectrum, loudness = (((part + 1) / 2).clamp(0, 1) for part in self.split(x))
         s = self.video_size
         picture = picture.view(-1, 1, 3, s, s)
-        video = world.BACKGROUND + visible[:, :, None, None, None] * (picture - world.BACKGROUND)
+        video = clip.BACKGROUND + visible[:, :, None, None, None] * (picture - clip.BACKGROUND)
         return video, loudness[:, :, None] * spectrum[:, None, :]
 
     def encode(self, video: torch.Tensor, amps: torch.Tensor) -> torch.Tensor:
         """The latent of clips made of one picture and one sound: video [B, F, 3, S, S], amplitudes
         [B, T, K], both in [0, 1] (world.render_scene's clips are encoded exactly)."""
-        shown = (video - world.BACKGROUND).abs().flatten(2).amax(-1) > 1e-3  # [B, F]
-        brightest = (video - world.BACKGROUND).abs().flatten(2).sum(-1).argmax(1)
+        shown = (video - clip.BACKGROUND).abs().flatten(2).amax(-1) > 1e-3  # [B, F]
+        brightest = (video - clip.BACKGROUND).abs().flatten(2).sum(-1).argmax(1)
         picture = video[torch.arange(len(video)), brightest]
         parts = [picture.flatten(1), shown.to(video.dtype), amps.amax(1), amps.amax(2)]
         return torch.cat(parts, dim=1) * 2 - 1
@@ -138,11 +138,11 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
     @register_to_config
     def __init__(
         self,
-        video_frames: int = world.VIDEO_FRAMES,
-        video_size: int = world.VIDEO_SIZE,
+        video_frames: int = clip.VIDEO_FRAMES,
+        video_size: int = clip.VIDEO_SIZE,
         patch_size: int = 4,
-        audio_frames: int = world.AUDIO_FRAMES,
-        audio_bins: int = world.AUDIO_BINS,
+        audio_frames: int = clip.AUDIO_FRAMES,
+        audio_bins: int = clip.AUDIO_BINS,
         dim: int = 96,
         depth: int = 4,
         heads: int = 4,
@@ -262,5 +262,5 @@ class TinyAVPolicy:
     def decode(self, x0: torch.Tensor) -> MediaBatch:
         video, amps = self.transformer.layout.decode(x0.float())
         return MediaBatch(
-            video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
+            video=video, audio=clip.synthesize_audio(amps), fps=clip.FPS, sample_rate=clip.SAMPLE_RATE
         )

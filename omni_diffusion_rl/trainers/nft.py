@@ -43,18 +43,11 @@ from ..evaluation import (
 from ..media import save_previews
 from ..models import build_nft_policy, lora
 from ..prompts import load_prompts
-from ..reward import RewardError, ScoreResult, WeightedReward
-from ..rollout import Rollout, cat_results, generate
+from ..reward import RewardError, ScoreResult
+from ..reward_factory import reward_from_config
+from ..rollout import ExperienceMaker, Rollout, generate, step_generator
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from ..world import tiny_world
-
-_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
-
-
-def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Generator:
-    """A generator for one purpose (stream) at one step for one prompt group or slot."""
-    key = f"{seed}:{step}:{index}:{_STREAMS[stream]}".encode()
-    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
 
 
 class NFTTrainer:
@@ -87,7 +80,7 @@ class NFTTrainer:
         torch.manual_seed(cfg.train.seed)
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
-        self.reward = WeightedReward.from_config(cfg.reward)
+        self.reward = reward_from_config(cfg.reward)
         self._metrics: list[MetricScorer] | None = None  # eval metrics, built when first needed
         self.sample_counts: dict[str, int] = {}
         self._metric_names: list[str] = []
@@ -96,6 +89,19 @@ class NFTTrainer:
         self.policy = build_nft_policy(cfg.model, self.device)
         self.transformer = self.policy.transformer
         self.params = lora.trainable_parameters(self.transformer)
+        s = cfg.sampling
+        self.experience = ExperienceMaker(
+            self.policy,
+            self.reward,
+            self.train_prompts,
+            cfg.train.seed,
+            cfg.data.group_size,
+            s.num_steps,
+            s.time_shift,
+            s.solver,
+            s.rollout_chunks,
+            rollout_weights=lambda: lora.using_adapter(self.transformer, lora.OLD),
+        )
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.step = 0
         self.eval_before: dict[str, float] | None = None
@@ -203,11 +209,7 @@ class NFTTrainer:
 
     def prompt_at(self, position: int) -> str:
         """The prompt at a position of the data stream: every epoch is a fresh permutation."""
-        epoch, offset = divmod(position, len(self.train_prompts))
-        order = torch.randperm(
-            len(self.train_prompts), generator=step_generator(self.cfg.train.seed, epoch, 0, "prompts")
-        )
-        return self.train_prompts[int(order[offset])]
+        return self.experience.prompt_at(position)
 
     # ------------------------------------------------------------------ distributed helpers
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -276,32 +278,15 @@ class NFTTrainer:
         scored on a background thread (or by a reward server) while the next one generates.
         """
         prompts, group_ids = self.prompts_for_step(step)
-        s = self.cfg.sampling
-        k = self.cfg.data.group_size
-        generators = self._group_generators(step, group_ids, "rollout")
-        noise = torch.stack([torch.randn((k, *self.policy.latent_shape), generator=g) for g in generators])
-        chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(s.rollout_chunks)]
-        parts, pending = [], []
-        for chunk in chunks:
-            part = self.generate_with_rollout_adapter(
-                [prompts[i] for i in chunk],
-                [group_ids[i] for i in chunk],
-                noise[chunk].flatten(0, 1),
-                s.num_steps,
-            )
-            with torch.no_grad():
-                pending.append(self.reward.submit(self.policy.decode(part.x0), part.prompts))
-            parts.append(part)
-        self._t_generated = time.perf_counter()
-        return Rollout.cat(parts), cat_results([f.result() for f in pending])
+        made = self.experience.make_step(step, prompts, group_ids)
+        self._t_generated = self.experience.generated_at
+        return made
 
     def generate_with_rollout_adapter(
         self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
     ) -> Rollout:
         """len(noise) / len(prompts) samples per prompt from the `old` (rollout) adapter."""
-        s = self.cfg.sampling
-        with lora.using_adapter(self.transformer, lora.OLD):
-            return generate(self.policy, prompts, group_ids, noise, num_steps, s.time_shift, s.solver)
+        return self.experience.generate(prompts, group_ids, noise, num_steps)
 
     def noised_inputs(
         self, rollout: Rollout, step: int

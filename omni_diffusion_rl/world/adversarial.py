@@ -11,11 +11,14 @@ table; the tests assert it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..reward import WeightedReward
 from . import tiny_world as world
+
+if TYPE_CHECKING:  # the world sits below the rewards: it only names the type
+    from ..reward import WeightedReward
 
 Clip = tuple[torch.Tensor, torch.Tensor]  # video [F, 3, H, W], amplitudes [AUDIO_FRAMES, AUDIO_BINS]
 

@@ -18,6 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
+# The clip format lives below both the world and the tiny model; these names stay importable from here.
+from ..tiny_clip import AUDIO_BINS as AUDIO_BINS
+from ..tiny_clip import AUDIO_FRAMES as AUDIO_FRAMES
+from ..tiny_clip import BACKGROUND as BACKGROUND
+from ..tiny_clip import DURATION_S as DURATION_S
+from ..tiny_clip import FPS as FPS
+from ..tiny_clip import SAMPLE_RATE as SAMPLE_RATE
+from ..tiny_clip import VIDEO_FRAMES as VIDEO_FRAMES
+from ..tiny_clip import VIDEO_SIZE as VIDEO_SIZE
+from ..tiny_clip import bin_frequency as bin_frequency
+from ..tiny_clip import synthesize_audio as synthesize_audio
+
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.15, 0.15),
     "green": (0.15, 0.8, 0.2),
@@ -29,16 +41,6 @@ COLORS: dict[str, tuple[float, float, float]] = {
 SHAPES = ("circle", "square")
 PITCH_BINS = {"low": 2, "mid": 7, "high": 12}
 WHEN_PHRASES = {"early": "at the start", "late": "at the end"}
-
-VIDEO_FRAMES, VIDEO_SIZE, FPS = 4, 16, 8.0
-AUDIO_FRAMES, AUDIO_BINS, SAMPLE_RATE = 8, 16, 8000
-DURATION_S = VIDEO_FRAMES / FPS
-BACKGROUND = 0.1
-
-
-def bin_frequency(k: int | torch.Tensor) -> float | torch.Tensor:
-    """Centre frequency of audio bin k: quarter-octave steps from 250 Hz."""
-    return 250.0 * 2.0 ** (k / 4.0)
 
 
 PITCH_HZ = {name: float(bin_frequency(k)) for name, k in PITCH_BINS.items()}
@@ -123,22 +125,6 @@ def render_scene(scene: Scene, gen: torch.Generator) -> tuple[torch.Tensor, torc
     amps = torch.zeros(AUDIO_FRAMES, AUDIO_BINS)
     amps[active_audio_frames(scene.when), PITCH_BINS[scene.pitch]] = 1.0
     return video, amps
-
-
-def synthesize_audio(amps: torch.Tensor) -> torch.Tensor:
-    """Waveform [B, 1, S] from amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] in [0, 1] (differentiable)."""
-    n = int(SAMPLE_RATE * DURATION_S)
-    time = torch.arange(n, dtype=amps.dtype, device=amps.device) / SAMPLE_RATE
-    # Linear interpolation of each bin's envelope between frame centres.
-    frame_pos = (time / DURATION_S * AUDIO_FRAMES - 0.5).clamp(0, AUDIO_FRAMES - 1)
-    lo = frame_pos.floor().long()
-    hi = (lo + 1).clamp(max=AUDIO_FRAMES - 1)
-    w = (frame_pos - lo).view(1, -1, 1)
-    env = amps[:, lo] * (1 - w) + amps[:, hi] * w  # [B, S, bins]
-    freqs = bin_frequency(torch.arange(AUDIO_BINS, dtype=amps.dtype, device=amps.device))
-    carriers = torch.sin(2 * math.pi * time.view(-1, 1) * freqs.view(1, -1))  # [S, bins]
-    wave = 0.5 * (env * carriers).sum(-1)
-    return wave.clamp(-1, 1).unsqueeze(1)
 
 
 ATTRIBUTE_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .bench_modes import QUIET, _launch, publish
-from .config import load_config
+from ..config import load_config
+from .common import DEFAULT_CONFIG, QUIET, launch_training, publish
 
 REFERENCE = "colocated"
 RULE = "within noise: |mean - mean_colocated| <= 2 * sqrt(std^2/n + std_colocated^2/n_colocated)"
@@ -57,6 +57,7 @@ def max_lag(histogram: dict[str, int]) -> int:
 
 
 def _run_record(mode: str, seed: int, summary: dict[str, Any], prompts: int, bound: int) -> dict[str, Any]:
+    """One run's row of the report: held-out rewards, staleness against its bound, speed."""
     execution = summary.get("execution") or {}
     buffer = execution.get("buffer")
     if buffer is not None:
@@ -83,7 +84,7 @@ def _run_record(mode: str, seed: int, summary: dict[str, Any], prompts: int, bou
 
 def run_learning_bench(
     output: Path,
-    config: str | None = "recipes/configs/tiny_t2av_nft.yaml",
+    config: str | None = DEFAULT_CONFIG,
     overrides: list[str] | None = None,
     modes: Sequence[str] = ("colocated", "separate", "hybrid"),
     seeds: Sequence[int] = (0, 1, 2),
@@ -114,7 +115,7 @@ def run_learning_bench(
             run_dir = output.parent / f"learning_{mode}_seed{seed}"
             args = [*overrides, *quiet, f"train.output_dir={run_dir}", f"train.steps={steps}"]
             args += [f"execution.mode={mode}", f"train.seed={seed}"]
-            summary = _launch(config, args, port)
+            summary = launch_training(config, args, port)
             runs.append(_run_record(mode, seed, summary, prompts, bound))
             lends = runs[-1]["hybrid_lends"]
             print(
@@ -161,6 +162,7 @@ def run_learning_bench(
 
 
 def format_table(result: dict[str, Any]) -> str:
+    """Plain-text table: per mode, held-out reward over seeds, difference to colocated, verdict."""
     seeds = ",".join(str(s) for s in result["seeds"])
     lines = [
         f"learning per execution mode, 2 processes, {result['steps_per_run']} steps per run, seeds {seeds}",

@@ -18,8 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .bench_modes import QUIET, SETTINGS, _launch, _median, _steady, publish
-from .config import load_config
+from ..config import load_config
+from .common import DEFAULT_CONFIG, QUIET, launch_training, median, publish, steady_s_per_prompt
+from .modes import SETTINGS
 
 
 def wrong_prior(prompts_per_step: int, group_size: int, length: float, processes: int = 2) -> dict[str, Any]:
@@ -43,7 +44,7 @@ def wrong_prior(prompts_per_step: int, group_size: int, length: float, processes
 
 def run_recheck_bench(
     output: Path,
-    config: str | None = "recipes/configs/tiny_t2av_nft.yaml",
+    config: str | None = DEFAULT_CONFIG,
     overrides: list[str] | None = None,
     steps: int = 16,
     every: int = 4,
@@ -73,7 +74,9 @@ def run_recheck_bench(
         for index, (name, args) in enumerate(runs_args.items()):
             port += 1
             run_dir = output.parent / f"recheck_{index}_{round_index}"
-            summaries[name].append(_launch(config, [*base, f"train.output_dir={run_dir}", *args], port))
+            summaries[name].append(
+                launch_training(config, [*base, f"train.output_dir={run_dir}", *args], port)
+            )
     rows = {name: _row(runs) for name, runs in summaries.items()}
     reference = rows["colocated"]["whole_s_per_prompt"]
     for row in rows.values():
@@ -89,8 +92,8 @@ def _row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rechecks = [a.get("rechecks", []) for a in autos]
     switch_s = [r["measured_switch_s"] for checks in rechecks for r in checks if "measured_switch_s" in r]
     return {
-        "whole_s_per_prompt": round(_median([r["seconds_per_trained_prompt"] for r in runs]), 4),
-        "steady_s_per_prompt": round(_median([_steady(r) for r in runs]), 4),
+        "whole_s_per_prompt": round(median([r["seconds_per_trained_prompt"] for r in runs]), 4),
+        "steady_s_per_prompt": round(median([steady_s_per_prompt(r) for r in runs]), 4),
         "whole_each_round": [r["seconds_per_trained_prompt"] for r in runs],
         "modes_each_round": [[s["mode"] for s in a.get("segments", [])] or ["colocated"] for a in autos],
         "switched_at_step": [[s["from_step"] for s in a.get("segments", [])[1:]] for a in autos],
@@ -101,6 +104,7 @@ def _row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(result: dict[str, Any]) -> str:
+    """Plain-text table: per kind of run, seconds per prompt against colocated, modes and switches."""
     lines = [
         f"auto's re-check, 2 processes, {result['steps_per_run']} steps per run, re-check every "
         f"{result['recheck_every']}, median of {result['rounds']} rounds (seconds per trained prompt)",

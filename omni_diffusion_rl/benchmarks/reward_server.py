@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .bench import machine_info
-from .media import MediaBatch
-from .serving.client import RemoteReward
-from .serving.process import ServerProcess
+from ..media import MediaBatch
+from ..serving.client import RemoteReward
+from ..serving.process import ServerProcess
+from .common import machine_info
 
 CLIP_RATE = 48_000
 TARGET_THROUGHPUT_RATIO = 3.0
@@ -32,6 +32,7 @@ TARGET_OVERHEAD_MS = 20.0
 
 
 def _clips(n: int, seed: int) -> MediaBatch:
+    """`n` seeded noise clips of one second at 48 kHz."""
     gen = torch.Generator().manual_seed(seed)
     return MediaBatch(audio=0.3 * torch.randn((n, 1, CLIP_RATE), generator=gen), sample_rate=CLIP_RATE)
 
@@ -54,6 +55,7 @@ async def _throughput(
 def run_reward_server_bench(
     output: Path, rounds: int = 5, clients: int = 32, requests_per_client: int = 8, overhead_repeats: int = 10
 ) -> dict[str, Any]:
+    """Throughput (batched vs batch size 1) and client overhead; print a table, write JSON to `output`."""
     from rewards.clap import ClapReward
     from rewards.tiny_models import CLAP_CORPUS, save_tiny_clap
 
@@ -132,6 +134,7 @@ def run_reward_server_bench(
 
 
 def format_table(result: dict[str, Any]) -> str:
+    """Plain-text table: throughput of both servers, then the client overhead, against the targets."""
     t, o = result["throughput"], result["overhead"]
     met = {True: "met", False: "NOT met"}
     return "\n".join(

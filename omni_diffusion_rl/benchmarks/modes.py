@@ -13,57 +13,28 @@ figure are reported too). Prints a table, writes JSON and a bar chart.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .execution.simulate import MODES
-from .subprocesses import run_process_tree
+from ..execution.simulate import MODES
+from .common import DEFAULT_CONFIG, QUIET, launch_training, median, publish, steady_s_per_prompt
 
 RUN_MODES = ("auto", "colocated", "separate", "hybrid")
-QUIET = ["train.eval_at_start_and_end=false", "train.preview_every=0", "train.checkpoint_every=0"]
-QUIET += ["train.progress=false", "tracking.wandb=false", "train.overwrite=true"]  # bench-owned folders
 SETTINGS = {
     "short": ["sampling.num_steps=10", "algorithm.timestep_fraction=0.6"],
     "long": ["sampling.num_steps=40", "algorithm.timestep_fraction=0.15"],
 }
 
 
-def _launch(config: str | None, overrides: list[str], port: int) -> dict[str, Any]:
-    """One 2-process training run; its JSON summary."""
-    script = Path(__file__).resolve().parent.parent / "recipes" / "train_nft.py"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_port", str(port), str(script), *([config] if config else []), *overrides]
-    env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "true")}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    done = run_process_tree(command, timeout_s=3600, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark run failed ({' '.join(overrides[-3:])}):\n{done.stderr[-3000:]}")
-    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
-
-
-def _steady(summary: dict[str, Any]) -> float:
-    """Steady seconds per trained prompt (the whole loop's when the run had a single step)."""
-    return float(summary.get("steady_seconds_per_trained_prompt", summary["seconds_per_trained_prompt"]))
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
 def run_modes_bench(
     output: Path,
-    config: str | None = "recipes/configs/tiny_t2av_nft.yaml",
+    config: str | None = DEFAULT_CONFIG,
     overrides: list[str] | None = None,
     steps: int = 8,
     settings: dict[str, list[str]] | None = None,
     repeats: int = 2,
 ) -> dict[str, Any]:
+    """Every mode `repeats` times per setting (default: short and long); real against predicted."""
     overrides = list(overrides or [])
     settings = settings or SETTINGS
     rows: dict[str, Any] = {}
@@ -76,17 +47,17 @@ def run_modes_bench(
                 run_dir = output.parent / f"modes_{setting}_{mode}_{round_index}"
                 args = [*overrides, *setting_overrides, *QUIET, f"train.steps={steps}"]
                 args += [f"train.output_dir={run_dir}", f"execution.mode={mode}"]
-                runs[mode].append(_launch(config, args, port))
-        real = {m: _median([_steady(r) for r in runs[m]]) for m in RUN_MODES}
-        whole = {m: _median([r["seconds_per_trained_prompt"] for r in runs[m]]) for m in RUN_MODES}
+                runs[mode].append(launch_training(config, args, port))
+        real = {m: median([steady_s_per_prompt(r) for r in runs[m]]) for m in RUN_MODES}
+        whole = {m: median([r["seconds_per_trained_prompt"] for r in runs[m]]) for m in RUN_MODES}
         autos = [r["auto"] for r in runs["auto"]]
-        predicted = {m: round(_median([a["predicted_s_per_prompt"][m] for a in autos]), 4) for m in MODES}
+        predicted = {m: round(median([a["predicted_s_per_prompt"][m] for a in autos]), 4) for m in MODES}
         fixed = {m: real[m] for m in MODES}
         best = min(fixed, key=fixed.get)
         rows[setting] = {
             "overrides": setting_overrides,
             "real_s_per_prompt": {m: round(v, 4) for m, v in real.items()},
-            "real_s_per_prompt_each_round": {m: [_steady(r) for r in runs[m]] for m in RUN_MODES},
+            "real_s_per_prompt_each_round": {m: [steady_s_per_prompt(r) for r in runs[m]] for m in RUN_MODES},
             "whole_loop_s_per_prompt": {m: round(v, 4) for m, v in whole.items()},
             "predicted_s_per_prompt": predicted,
             "prediction_error": {m: round(predicted[m] / real[m] - 1, 4) for m in MODES},
@@ -104,33 +75,8 @@ def run_modes_bench(
     return result
 
 
-def publish(
-    result: dict[str, Any],
-    output: Path,
-    table: str,
-    draw: Callable[[list[Any], dict[str, Any]], None],
-    size: tuple[float, float],
-    panels: int = 1,
-) -> None:
-    """Print the table, write the JSON to `output` and the plot next to it (.png): `draw(axes,
-    result)` fills a row of `panels` matplotlib axes in a figure of `size` inches."""
-    print(table)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, panels, figsize=size, squeeze=False)
-    draw(list(axes[0]), result)
-    fig.tight_layout()
-    fig.savefig(output.with_suffix(".png"), dpi=100)
-    plt.close(fig)
-    print(f"wrote {output} and {output.with_suffix('.png')}")
-
-
 def format_table(result: dict[str, Any]) -> str:
+    """Plain-text table: per setting and mode, real and predicted seconds per prompt."""
     lines = [
         f"execution modes, 2 processes, {result['steps_per_run']} steps per run, median of "
         f"{result['rounds']} rounds (steady seconds per trained prompt; whole loop incl. the first step)",

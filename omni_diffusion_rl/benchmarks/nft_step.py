@@ -17,8 +17,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -27,14 +25,15 @@ from typing import Any
 
 import torch
 
-from .algorithms.nft import flow_matching_loss
-from .config import DataConfig, ExperimentConfig
-from .models import lora
-from .models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
-from .rollout import Rollout
-from .sampling import time_grid
-from .trainers.nft import NFTTrainer
-from .world import tiny_world as world
+from ..algorithms.nft import flow_matching_loss
+from ..config import DataConfig, ExperimentConfig
+from ..models import lora
+from ..models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
+from ..rollout import Rollout
+from ..sampling import time_grid
+from ..trainers.nft import NFTTrainer
+from ..world import tiny_world as world
+from .common import machine_info
 
 ARMS = ("fm", "nft", "nft_kl")
 ARM_LABELS = {"fm": "plain FM", "nft": "NFT (KL off)", "nft_kl": "NFT (KL on)"}
@@ -126,22 +125,10 @@ def flow_matching_step(trainer: NFTTrainer, rollout: Rollout, step: int) -> dict
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of `fn` takes."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def machine_info() -> dict[str, Any]:
-    """What the timings depend on."""
-    return {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
 
 
 def format_table(medians: dict[str, float], mins: dict[str, float], ratios: dict[str, float]) -> str:
@@ -235,7 +222,7 @@ def run_nft_step_bench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m omni_diffusion_rl.bench`: run the NFT-step benchmark."""
+    """`python -m omni_diffusion_rl.benchmarks.nft_step`: run the NFT-step benchmark."""
     parser = argparse.ArgumentParser(description="Time an NFT step against a plain flow-matching step.")
     parser.add_argument("--output", type=Path, default=Path("runs/bench/nft_step.json"))
     parser.add_argument("--repeats", type=int, default=5)

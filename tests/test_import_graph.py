@@ -1,0 +1,263 @@
+"""The package's import graph: no circle, and no module imports a layer above its own.
+
+Every module under omni_diffusion_rl/ is parsed with `ast` (nothing is imported). Every `import` and
+`from ... import` counts, at module level or inside a function or class: a lazy import ties two
+modules together as much as an eager one. Relative imports are resolved to module names. Importing
+`a.b.c` also runs the packages `a.b` and `a`, so those count too (except the importer's own packages,
+which are already running). Imports under `if TYPE_CHECKING:` are left out: they never execute (they
+only name types for a type checker), so they can neither close a circle nor pull a layer in at run
+time. Dynamic imports (`importlib.import_module("...")`) are not seen.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "omni_diffusion_rl"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
+
+# Lowest first. A module belongs to the layer of its longest matching prefix: a prefix matches the
+# module of that name and the modules under it; one ending in "*" matches every module name starting
+# with what comes before the "*". A module may import modules of its own layer and of lower ones only.
+LAYERS: list[list[str]] = [
+    # foundations: configs, registries, media, the tiny clip format, pure maths and utilities
+    [
+        f"{PACKAGE}.config",
+        f"{PACKAGE}.async_layout",
+        f"{PACKAGE}.registry",
+        f"{PACKAGE}.media",
+        f"{PACKAGE}.tiny_clip",
+        f"{PACKAGE}.sampling",
+        f"{PACKAGE}.algorithms",
+        f"{PACKAGE}.distributed",
+        f"{PACKAGE}.state_codec",
+        f"{PACKAGE}.checkpoint",
+        f"{PACKAGE}.run_dir",
+        f"{PACKAGE}.tracking",
+        f"{PACKAGE}.lifeline",
+        f"{PACKAGE}.subprocesses",
+    ],
+    # the generators, and the synthetic world (its data and its judge); see SEPARATE
+    [f"{PACKAGE}.models", f"{PACKAGE}.world"],
+    # rewards, the reward server and its client, the combined reward of a config, prompt sources
+    [f"{PACKAGE}.reward", f"{PACKAGE}.serving", f"{PACKAGE}.reward_factory", f"{PACKAGE}.prompts"],
+    # generating and scoring batches, evaluation
+    [f"{PACKAGE}.rollout", f"{PACKAGE}.evaluation", f"{PACKAGE}.inference", f"{PACKAGE}.eval_targets"],
+    # training, the execution modes and their replay buffer, and the tools built on trained runs
+    [
+        f"{PACKAGE}.trainers",
+        f"{PACKAGE}.execution",
+        f"{PACKAGE}.buffer",
+        f"{PACKAGE}.export",
+        f"{PACKAGE}.notebook_runner",
+    ],
+    # entry points: the command line and the benchmarks (bench*.py, moving to benchmarks/)
+    [f"{PACKAGE}.cli", f"{PACKAGE}.bench*", f"{PACKAGE}.benchmarks"],
+]
+
+# Pairs of prefixes in one layer that must not import each other: the tiny model decodes into the
+# clip format (tiny_clip) and knows nothing of the world that renders clips in it, and the other way.
+SEPARATE: list[tuple[str, str]] = [(f"{PACKAGE}.models", f"{PACKAGE}.world")]
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its __init__.py)."""
+    files: dict[str, Path] = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(parts)] = path
+    return files
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def executed_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """All import statements of a module, nested ones included, except those under TYPE_CHECKING."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _known_module(name: str, known: set[str]) -> str | None:
+    """The longest module of `known` that `name` is or lies in, or None outside the package."""
+    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+        return None
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in known:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def _ancestors(module: str) -> set[str]:
+    """The packages a module lies in: a.b.c -> {a.b, a}."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def imported_modules(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of `known` that running `module` (whose code is `source`) imports."""
+    names: list[str] = []
+    for node in executed_imports(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+            continue
+        base = node.module or ""
+        if node.level:
+            package = module if is_package else module.rpartition(".")[0]
+            parts = package.split(".")
+            assert node.level - 1 < len(parts), f"{module}: relative import beyond the top package"
+            anchor = ".".join(parts[: len(parts) - (node.level - 1)])
+            base = f"{anchor}.{base}" if base else anchor
+        names.append(base)  # `from X import y` runs X, and X.y when y is a module
+        names += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+    targets: set[str] = set()
+    for name in names:
+        target = _known_module(name, known)
+        if target is not None:
+            targets |= {target} | (_ancestors(target) & known)
+    return targets - _ancestors(module) - {module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the package modules it imports}."""
+    files = module_files()
+    known = set(files)
+    return {
+        module: imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py", known)
+        for module, path in files.items()
+    }
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a -> ... -> a) per back edge of a depth-first search; empty when there is none."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def _matches(prefix: str, module: str) -> bool:
+    if prefix.endswith("*"):
+        return module.startswith(prefix[:-1])
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the module's longest matching prefix, or None when none matches."""
+    matches = [(len(p), i) for i, prefixes in enumerate(LAYERS) for p in prefixes if _matches(p, module)]
+    return max(matches)[1] if matches else None
+
+
+def _describe(layer: int) -> str:
+    return f"layer {layer} ({', '.join(p.removeprefix(PACKAGE + '.') for p in LAYERS[layer][:3])}, ...)"
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import circles (lazy imports count):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in module_files() if m != PACKAGE and layer_of(m) is None)
+    assert not unplaced, (
+        f"modules in no layer: {', '.join(unplaced)}. Place each in LAYERS in {Path(__file__).name} "
+        "(in the lowest layer whose modules are all it imports)"
+    )
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = []
+    for module, targets in sorted(import_graph().items()):
+        own = layer_of(module)
+        for target in sorted(targets):
+            theirs = layer_of(target)
+            if own is not None and theirs is not None and theirs > own:
+                upward.append(f"{module} ({_describe(own)}) imports {target} ({_describe(theirs)})")
+    assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_separate_packages_do_not_import_each_other() -> None:
+    crossing = [
+        f"{module} imports {target}"
+        for module, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        for a, b in SEPARATE
+        if (_matches(a, module) and _matches(b, target)) or (_matches(b, module) and _matches(a, target))
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_the_package_root_imports_nothing_of_the_package() -> None:
+    """Importing any module runs omni_diffusion_rl/__init__.py first: whatever it imported would sit
+    below every module."""
+    assert import_graph()[PACKAGE] == set()
+
+
+def test_every_layer_prefix_is_used_once_and_names_a_module() -> None:
+    prefixes = [p for layer in LAYERS for p in layer]
+    assert len(prefixes) == len(set(prefixes)), "a prefix is in LAYERS twice"
+    modules = module_files()
+    stale = [p for p in prefixes if not p.endswith("*") and not any(_matches(p, m) for m in modules)]
+    assert not stale, f"LAYERS names modules that do not exist (moved or removed?): {stale}"
+
+
+def test_the_parser_counts_lazy_and_relative_imports_but_not_type_checking_ones() -> None:
+    known = {
+        PACKAGE,
+        f"{PACKAGE}.a",
+        f"{PACKAGE}.sub",
+        f"{PACKAGE}.sub.b",
+        f"{PACKAGE}.sub.c",
+        f"{PACKAGE}.d",
+    }
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "from . import c\n"
+        "from ..a import thing\n"
+        "if TYPE_CHECKING:\n"
+        f"    from {PACKAGE}.d import Type\n"
+        "def f():\n"
+        "    from .. import d\n"
+    )
+    imported = imported_modules(source, f"{PACKAGE}.sub.b", False, known)
+    assert imported == {f"{PACKAGE}.sub.c", f"{PACKAGE}.a", f"{PACKAGE}.d"}
+    hidden = imported_modules(
+        source.replace("    from .. import d\n", "    pass\n"), f"{PACKAGE}.sub.b", False, known
+    )
+    assert f"{PACKAGE}.d" not in hidden
+    assert find_cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == [["x", "y", "z", "x"]]
+    assert find_cycles({"x": {"y"}, "y": set()}) == []
