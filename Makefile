@@ -27,7 +27,8 @@ test: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q
 
-# The inner loop: everything but the multi-process and benchmark tests (about 90 s on 2 cores).
+# The inner loop: everything but the tests that start training, launcher or benchmark processes
+# (about 95 s on 2 cores).
 test-fast: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -m "not slow"

@@ -25,6 +25,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_a_second_run_into_a_run_folder_is_refused_and_the_first_run_survives(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -92,6 +93,7 @@ def test_a_config_that_is_not_a_mapping_is_a_clear_error(tmp_path: Path, text: s
         load_config(path, ["train.steps=3"])
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_a_directory_given_as_config_or_prompt_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a directory; give a file"):
         load_config(tmp_path)
@@ -113,6 +115,7 @@ def test_zero_counts_on_the_command_line_are_usage_errors(args: list[str]) -> No
     assert "must be at least 1" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_prompts_not_divisible_by_processes_is_one_clear_error(model_dir: Path, tmp_path: Path) -> None:
     overrides = [o for o in fast_overrides(model_dir, tmp_path / "run") if "prompts_per_step" not in o]
     launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -130,6 +133,7 @@ def test_prompts_not_divisible_by_processes_is_one_clear_error(model_dir: Path, 
     assert f'File "{REPO / "omni_diffusion_rl"}' not in done.stderr  # a sentence, no traceback of ours
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_path: Path) -> None:
     missing = _train(f"model.pretrained={tmp_path / 'nowhere'}", f"train.output_dir={tmp_path / 'a'}")
     assert missing.returncode == 2 and "nowhere" in missing.stderr and "Traceback" not in missing.stderr
@@ -191,6 +195,7 @@ def test_a_reward_url_with_a_path_is_refused_at_load(url: str) -> None:
         load_config(None, [f"reward.url={url}"])
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_a_reward_server_that_is_down_names_the_rewards(tmp_path: Path) -> None:
     import socket
 

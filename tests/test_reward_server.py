@@ -305,6 +305,7 @@ def _kill_after_first_step(srv: ServerProcess, run: Path, restart_after_s: float
     return thread
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_a_run_survives_its_reward_server_being_killed_and_restarted(model_dir: Path, tmp_path: Path) -> None:
     reference = tmp_path / "in_process"
     _served_run(model_dir, reference, "", 4)
@@ -340,6 +341,7 @@ def test_a_run_whose_reward_server_stays_down_stops_with_a_clear_error(
     assert not (run / "checkpoints" / "step_0000050").exists()
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_two_processes_with_a_process_left_without_samples_match_one(model_dir: Path, tmp_path: Path) -> None:
     """One prompt group per process, one group unscorable: that process trains nothing, joins the
     gradient average with weight 0, and the run equals a single process's."""

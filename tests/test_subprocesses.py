@@ -30,6 +30,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_a_timeout_kills_the_launcher_and_what_it_started(tmp_path: Path) -> None:
     pid_file = tmp_path / "worker.pid"
     start = time.monotonic()

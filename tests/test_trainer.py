@@ -51,6 +51,7 @@ def test_training_changes_trained_adapter_and_soft_updates_old(model_dir: Path, 
     assert 0.0 <= summary["heldout_reward_after"] <= 1.0
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_resume_after_kill_replays_the_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
     steps = 6
     reference = tmp_path / "reference"
@@ -92,6 +93,7 @@ def test_resume_after_kill_replays_the_uninterrupted_run(model_dir: Path, tmp_pa
     assert last_json_line(resumed.stdout)["heldout_reward_after"] == ref_summary["heldout_reward_after"]
 
 
+@pytest.mark.slow  # starts training or launcher processes
 def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_path: Path) -> None:
     """Prompt groups spread over 2 ranks: same rewards, advantages and updates as 1 process."""
     single = tmp_path / "single"
