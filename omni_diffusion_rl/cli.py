@@ -490,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         type=_names,
         default=("colocated", "separate", "hybrid"),
-        help="learning: comma-separated execution modes (colocated is the reference)",
+        help="learning: comma-separated execution modes (colocated is the reference); ALGORITHM:MODE "
+        "runs another algorithm, e.g. colocated,raft:colocated",
     )
     bench.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
     bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")

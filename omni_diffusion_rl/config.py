@@ -74,6 +74,12 @@ class SamplingConfig:
 
 @dataclass
 class AlgorithmConfig:
+    name: str = _spec(
+        "nft",
+        "what the trainer learns with: nft (DiffusionNFT) | raft (reward-ranked flow-matching fine-tuning, "
+        "a baseline) | a registered algorithm",
+    )
+    raft_keep: int = _spec(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
     beta: float = _spec(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
     adv_clip_max: float = _spec(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
     adv_mode: str = _spec(
@@ -419,6 +425,11 @@ def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
     if not cfg.train.output_dir.strip():
         raise ConfigError("train.output_dir is empty; give a folder for the run, e.g. runs/my_run")
+    if cfg.algorithm.raft_keep >= cfg.data.group_size:
+        raise ConfigError(
+            f"algorithm.raft_keep={cfg.algorithm.raft_keep} keeps every sample of a group of "
+            f"data.group_size={cfg.data.group_size}: nothing would be ranked; use fewer"
+        )
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is needed")
     for name, weight in cfg.reward.weights.items():

@@ -84,5 +84,6 @@ class _LazyEntryPoint:
 
 
 rewards = Registry("reward", "omni_diffusion_rl.rewards")
+algorithms = Registry("algorithm", "omni_diffusion_rl.algorithms")
 teachers = Registry("teacher", "omni_diffusion_rl.teachers")
 models = Registry("model", "omni_diffusion_rl.models")

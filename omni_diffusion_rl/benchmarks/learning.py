@@ -92,6 +92,9 @@ def run_learning_bench(
 ) -> dict[str, Any]:
     """Train every mode with every seed; compare held-out reward after training to colocated.
 
+    A mode written ALGORITHM:MODE (e.g. raft:colocated) runs that algorithm (algorithm.name) instead
+    of the config's, so algorithms are compared with the same rule as modes.
+
     Verdict per mode (stated in the table too): within noise when
     |mean_mode - mean_colocated| <= 2 * sqrt(std_mode^2/n + std_colocated^2/n), with sample standard
     deviations over the seeds. `staleness_within_bound`: the largest trained lag is at most the
@@ -112,9 +115,11 @@ def run_learning_bench(
     for mode in modes:
         for seed in seeds:
             port += 1
-            run_dir = output.parent / f"learning_{mode}_seed{seed}"
+            algorithm, _, run_mode = mode.rpartition(":")  # "raft:colocated": another algorithm
+            run_dir = output.parent / f"learning_{mode.replace(':', '_')}_seed{seed}"
             args = [*overrides, *quiet, f"train.output_dir={run_dir}", f"train.steps={steps}"]
-            args += [f"execution.mode={mode}", f"train.seed={seed}"]
+            args += [f"execution.mode={run_mode}", f"train.seed={seed}"]
+            args += [f"algorithm.name={algorithm}"] if algorithm else []
             summary = launch_training(config, args, port)
             runs.append(_run_record(mode, seed, summary, prompts, bound))
             lends = runs[-1]["hybrid_lends"]
@@ -167,14 +172,14 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"learning per execution mode, 2 processes, {result['steps_per_run']} steps per run, seeds {seeds}",
         f"held-out reward after training; {RULE}",
-        f"{'mode':<11}{'n':>3}{'mean':>9}{'std':>9}{'gain':>10}{'diff':>10}{'band':>9}  {'verdict':<14}"
+        f"{'mode':<16}{'n':>3}{'mean':>9}{'std':>9}{'gain':>10}{'diff':>10}{'band':>9}  {'verdict':<14}"
         f"{'max lag/bound':>13}",
     ]
     for mode, row in result["per_mode"].items():
         verdict = "within noise" if row["within_noise"] else "OUTSIDE noise"
         lag = f"{row['max_lag']}/{result['max_staleness']}"
         lines.append(
-            f"{mode:<11}{row['n']:>3}{row['mean']:>9.4f}{row['std']:>9.5f}{row['mean_gain']:>+10.5f}"
+            f"{mode:<16}{row['n']:>3}{row['mean']:>9.4f}{row['std']:>9.5f}{row['mean_gain']:>+10.5f}"
             f"{row['diff_to_colocated']:>+10.5f}{row['noise_band']:>9.5f}  {verdict:<14}{lag:>13}"
         )
     bound_text = "holds" if result["staleness_within_bound"] else "VIOLATED"

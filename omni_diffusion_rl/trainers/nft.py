@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..algorithms.advantages import group_advantages, optimality_probability
 from ..algorithms.nft import nft_loss
 from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -48,6 +47,7 @@ from ..reward_factory import reward_from_config
 from ..rollout import ExperienceMaker, Rollout, generate, step_generator
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from ..world import tiny_world
+from .algorithms import build_algorithm
 
 
 class NFTTrainer:
@@ -89,6 +89,7 @@ class NFTTrainer:
         self.policy = build_nft_policy(cfg.model, self.device)
         self.transformer = self.policy.transformer
         self.params = lora.trainable_parameters(self.transformer)
+        self.algorithm = build_algorithm(self)
         s = cfg.sampling
         self.experience = ExperienceMaker(
             self.policy,
@@ -230,24 +231,9 @@ class NFTTrainer:
         }
 
     def _loss_metric_names(self) -> list[str]:
-        """The names nft_loss logs (plus loss/total), from a call on an empty batch."""
-        if self._metric_names:
-            return self._metric_names
-        a = self.cfg.algorithm
-        empty = torch.zeros(0, 1)
-        _, metrics = nft_loss(
-            empty,
-            empty,
-            empty,
-            empty,
-            torch.zeros(0),
-            torch.zeros(0),
-            a.beta,
-            a.adv_clip_max,
-            empty,
-            a.kl_coef,
-        )
-        self._metric_names = sorted(["loss/total", *metrics])
+        """The loss metrics the algorithm logs (averaged over processes by trained samples)."""
+        if not self._metric_names:
+            self._metric_names = self.algorithm.metric_names()
         return self._metric_names
 
     def _average_gradients(self, weight: float = 1.0) -> None:
@@ -399,19 +385,12 @@ class NFTTrainer:
         all_groups = self._gather(rollout.group_ids)
         all_ok = self._gather(scored.ok)
         self.reward.check_failures(int((~all_ok).sum()), len(all_ok), list(scored.failures.values()))
-        a = self.cfg.algorithm
         keep_all = trainable_samples(all_ok, all_groups)
         self.last_ok, self.last_keep = all_ok, keep_all  # which samples of the step were scored, trained
-        adv = torch.zeros(len(all_rewards))
-        if keep_all.any():
-            adv[keep_all] = group_advantages(
-                all_rewards[keep_all], all_groups[keep_all], per_group_std=a.per_group_std
-            )
         local = slice(self.rank * len(rollout), (self.rank + 1) * len(rollout))
-        r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
         self._record_failures(step, rollout, scored, keep_all[local])
         if keep_all.any():
-            metrics = self.train_on(rollout, r, step, keep_all[local])
+            metrics = self.algorithm.update(rollout, all_rewards, all_groups, keep_all, local, step)
         else:  # every process agrees (keep_all is gathered): nothing to learn from, no update at all
             metrics = {"step_skipped": 1.0}
         t3 = time.perf_counter()
@@ -429,7 +408,6 @@ class NFTTrainer:
             {
                 "reward/mean": float(kept_rewards.mean()) if len(kept_rewards) else float("nan"),
                 "reward/std": float(kept_rewards.std(correction=0)) if len(kept_rewards) else float("nan"),
-                "r/mean": float(r[keep_all[local]].mean()) if keep_all[local].any() else float("nan"),
                 "time/rollout_s": self._t_generated - t0,
                 "time/reward_wait_s": t2 - self._t_generated,
                 "time/train_s": t3 - t2,
