@@ -25,6 +25,10 @@ def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # start the processes; each runs this again
+        from .launch import run_launched, without_option
+
+        return run_launched(args.nproc, without_option(args.argv, "--nproc"))
     exit_with_parent()  # a killed launcher takes this process down (never a run started from a shell)
     if args.config and "=" in args.config and not Path(args.config).exists():
         args.overrides.insert(0, args.config)  # no config file, only overrides
@@ -330,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config (e.g. recipes/configs/tiny_t2av_nft.yaml)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. algorithm.beta=0.1")
     train.add_argument("--resume", help="checkpoint directory, or a run's checkpoints/ folder (its latest)")
+    train.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        help="processes to train with: starts `accelerate launch` itself (GPUs if CUDA is visible, else CPU)",
+    )
     train.set_defaults(func=cmd_train)
 
     sample = sub.add_parser(
@@ -510,6 +520,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.eval_samples=32` (argparse alone stops collecting a positional list at the first option)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train --nproc N` launches it again
     if extra:
         trailing = next(
             (name for name in ("targets", "overrides") if isinstance(getattr(args, name, None), list)), None

@@ -36,6 +36,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",
         f"{PACKAGE}.lifeline",
+        f"{PACKAGE}.launch",
         f"{PACKAGE}.subprocesses",
     ],
     # the generators, and the synthetic world (its data and its judge); see SEPARATE

@@ -263,3 +263,30 @@ def test_sigterm_of_a_benchmark_stops_its_launcher_and_training_processes(tmp_pa
     finally:
         for pid in tree:
             _kill(pid)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_odrl_train_nproc_stops_every_process_it_started(tmp_path: Path, sig: signal.Signals) -> None:
+    """`odrl train --nproc 2` starts accelerate itself; Ctrl-C or SIGTERM of it stops the launcher and
+    both training processes."""
+    run = tmp_path / "run"
+    overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), run, 100000)
+    overrides += ["train.eval_at_start_and_end=false", "train.checkpoint_every=0", "tracking.wandb=false"]
+    command = [sys.executable, "-m", "omni_diffusion_rl.cli", "train", "--nproc", "2", *overrides]
+    env = {**PLAIN_ENV, "OMP_NUM_THREADS": "1"}
+    metrics = run / "metrics.jsonl"
+    tree: list[int] = []
+    try:
+        with open(tmp_path / "train.log", "w") as out, _session(command, env, stdout=out, stderr=out) as odrl:
+            training = _wait_for(lambda: metrics.exists() and "reward/mean" in metrics.read_text(), 90, 0.5)
+            assert training is not None, (tmp_path / "train.log").read_text()[-3000:]
+            tree = _descendants(odrl.pid)
+            assert len(tree) >= 3, tree  # the launcher and 2 training processes
+            odrl.send_signal(sig)
+            assert odrl.wait(timeout=30) in (130, -sig, 128 + sig, 1), "odrl stops"
+            died = _wait_for(lambda: all(_gone(pid) for pid in tree), 30, 0.2)
+            print(f"{len(tree)} processes gone {died} s after odrl's {sig.name}")
+            assert died is not None, f"processes {[p for p in tree if not _gone(p)]} outlived odrl"
+    finally:
+        for pid in tree:
+            _kill(pid)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -100,28 +99,8 @@ def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_p
     _train(model_dir, single, 2)
     double = tmp_path / "double"
     env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    proc = run_process_tree(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "29517",
-            str(REPO / "recipes" / "train_nft.py"),
-            *fast_overrides(model_dir, double, 2),
-        ],
-        timeout_s=300,
-        env=env,
-        cwd=REPO,
+    proc = run_process_tree(  # `odrl train --nproc 2` starts accelerate itself
+        odrl("train", "--nproc", "2", *fast_overrides(model_dir, double, 2)), timeout_s=300, env=env, cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows_1, rows_2 = step_records(single), step_records(double)

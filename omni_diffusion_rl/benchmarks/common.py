@@ -7,11 +7,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..launch import accelerate_command
 from ..subprocesses import run_process_tree
 
 # The training config of the 2-process benchmarks, relative to the working folder (as `odrl bench`'s
@@ -42,10 +42,7 @@ def launch_command(config: str | None, overrides: list[str], port: int) -> list[
     """`accelerate launch` of 2 processes, each running `odrl train` as a module of the installed
     package (`python -m omni_diffusion_rl.cli train ...`). `cmd_train` arms the lifeline first
     thing, so the training processes die with the launcher."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_port", str(port), "--module", "omni_diffusion_rl.cli", "train"]
-    return [*command, *([config] if config else []), *overrides]
+    return accelerate_command(2, ["train", *([config] if config else []), *overrides], port)
 
 
 def launch_training(config: str | None, overrides: list[str], port: int) -> dict[str, Any]:

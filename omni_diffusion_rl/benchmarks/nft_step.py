@@ -31,6 +31,7 @@ from ..models import lora
 from ..models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
 from ..rollout import Rollout
 from ..sampling import time_grid
+from ..trainers.algorithms import build_algorithm
 from ..trainers.nft import NFTTrainer
 from ..world import tiny_world as world
 from .common import machine_info
@@ -102,6 +103,7 @@ def make_trainer(
     trainer.optimizer = optimizer
     trainer.step = 0
     trainer._metric_names = []  # noqa: SLF001 - filled by train_on's first call
+    trainer.algorithm = build_algorithm(trainer)
     return trainer
 
 
