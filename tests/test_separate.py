@@ -214,11 +214,15 @@ def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_p
 # the wrong prior's misprediction must save clearly more than a switch costs (1-2 s here, wandb's
 # start included)
 SLOWER_ROLLOUT = ["sampling.num_steps=120", "algorithm.timestep_fraction=0.0125"]
+# for the single-trainer re-check, where the saving per prompt is small: 4x the rollout work per
+# step and more steps, so that the switch saves several times what it costs (CI measured a 1.7 s
+# switch against a 1.6 s saving with 120 steps and a 30-step run)
+SLOWEST_ROLLOUT = ["sampling.num_steps=240", "algorithm.timestep_fraction=0.00625"]
 
 
-def _wrong_prior(path: Path) -> Path:
+def _wrong_prior(path: Path, length: int = 120) -> Path:
     """Costs under which separate (1 rollout process) looks twice as fast as colocated."""
-    path.write_text(json.dumps(wrong_prior(2, 2, 120)))
+    path.write_text(json.dumps(wrong_prior(2, 2, length)))
     return path
 
 
@@ -249,10 +253,10 @@ def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path,
     """A wrong prior (generation nearly free, training all fixed cost) makes auto start separate;
     the re-check calibrates it with the rollout's real timings and switches (to colocated, or to
     hybrid, which the simulator then predicts about as fast) from a checkpoint, losing nothing."""
-    prior = _wrong_prior(tmp_path / "prior.json")
+    prior = _wrong_prior(tmp_path / "prior.json", 240)
     run = tmp_path / "run"
     args = (
-        fast_overrides(model_dir, run, 30) + SLOWER_ROLLOUT + ["execution.mode=auto", "tracking.wandb=true"]
+        fast_overrides(model_dir, run, 50) + SLOWEST_ROLLOUT + ["execution.mode=auto", "tracking.wandb=true"]
     )
     args += [
         f"execution.auto_costs={prior}",
@@ -264,10 +268,11 @@ def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path,
     summary = last_json_line(proc.stdout)
     auto = summary["auto"]
     assert auto["picked"] == "separate" and auto["costs_from"] == str(prior) and auto["warmup_s"] < 1
-    switched = _check_segments(summary, 30)
-    assert switched and switched[0]["running"] == "separate (1 rollout)", [r["why"] for r in auto["rechecks"]]
+    switched = _check_segments(summary, 50)
+    why = [(r["why"], r["switch_cost_s"]) for r in auto["rechecks"]]
+    assert switched and switched[0]["running"] == "separate (1 rollout)", why
     assert switched[0]["measured"]["gen_s"] > 0.001, "calibrated with the rollout's real timings"
-    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
+    assert [r["step"] for r in step_records(run)] == list(range(1, 51))
     assert "heldout_reward_after" in summary, "evaluated once, at the real end"
     assert json.loads((run / "summary.json").read_text())["auto"]["switches"] == len(switched)
     runs = sorted((run / "wandb").glob("offline-run-*"))
