@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from .algorithms.advantages import ADV_MODES
+from .algorithms.soft_update import DECAY_SCHEDULES
 from .async_layout import buffer_capacity, check_async_layout
 
 
@@ -50,8 +52,7 @@ def _spec(default: Any, doc: str, **checks: Any) -> Any:
 class ModelConfig:
     family: str = _spec(
         "tiny_av",
-        "policy family: tiny_av (built-in) | sd3 | stable_audio",
-        choices=("tiny_av", "sd3", "stable_audio"),
+        "policy family: tiny_av (built-in) | sd3 | stable_audio | a registered family",
     )
     pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
     lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)
@@ -85,7 +86,7 @@ class AlgorithmConfig:
     adv_mode: str = _spec(
         "continuous",
         "how clipped advantages become r",
-        choices=("continuous", "positive_only", "negative_only", "one_only", "binary"),
+        choices=ADV_MODES,
     )
     per_group_std: bool = _spec(False, "normalise by each group's std instead of the batch std")
     kl_coef: float = _spec(
@@ -95,9 +96,7 @@ class AlgorithmConfig:
         ge=0,
     )
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
-    decay_schedule: str = _spec(
-        "linear_to_0_5", "soft update of `old`", choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999")
-    )
+    decay_schedule: str = _spec("linear_to_0_5", "soft update of `old`", choices=DECAY_SCHEDULES)
 
 
 @dataclass
@@ -455,6 +454,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"execution: {e}") from e
     import_plugins(cfg.reward.plugins)
+    check_registered(cfg)
     check_eval_metrics(cfg)
     if cfg.reward.url:
         if not cfg.reward.url.startswith(("http://", "https://")):
@@ -476,6 +476,23 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             raise ConfigError(
                 f"reward.weights.{name}: unknown reward '{name}'; registered: {', '.join(registered)} "
                 "(register your own with @omni_diffusion_rl.registry.rewards.register or an entry point)"
+            )
+
+
+def check_registered(cfg: ExperimentConfig) -> None:
+    """model.family and algorithm.name name registered ones (built-ins are entry points, so nothing
+    is imported here; reward.plugins files may register more)."""
+    from .registry import algorithms, models
+
+    for key, value, registry in (
+        ("model.family", cfg.model.family, models),
+        ("algorithm.name", cfg.algorithm.name, algorithms),
+    ):
+        if value not in registry.names():
+            raise ConfigError(
+                f"{key}: unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())} "
+                f"(register your own with @omni_diffusion_rl.registry.{registry.kind}s.register or the "
+                f"entry-point group '{registry.entry_point_group}')"
             )
 
 

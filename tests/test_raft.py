@@ -10,9 +10,8 @@ import torch
 
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.models import lora
-from omni_diffusion_rl.registry import RegistryError
 from omni_diffusion_rl.trainers.algorithms import RewardRankedFineTuning, best_of_each_group
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import fast_overrides, last_json_line, step_records, tiny_model_dir
 
@@ -36,7 +35,7 @@ def test_raft_trains_the_best_samples_and_rollout_follows_the_trained_adapter(
     model_dir: Path, tmp_path: Path
 ) -> None:
     cfg = load_config(None, [*fast_overrides(model_dir, tmp_path / "run", 3), "algorithm.name=raft"])
-    trainer = NFTTrainer(cfg)
+    trainer = Trainer(cfg)
     assert isinstance(trainer.algorithm, RewardRankedFineTuning)
     before = {k: v.clone() for k, v in lora.adapter_state_dict(trainer.transformer, lora.TRAINED).items()}
     trainer.fit()
@@ -54,8 +53,8 @@ def test_raft_trains_the_best_samples_and_rollout_follows_the_trained_adapter(
 def test_an_unknown_algorithm_and_a_keep_of_the_whole_group_are_refused(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    with pytest.raises(RegistryError, match="unknown algorithm 'nope'; registered: nft, raft"):
-        NFTTrainer(load_config(None, [*fast_overrides(model_dir, tmp_path / "a"), "algorithm.name=nope"]))
+    with pytest.raises(ConfigError, match="algorithm.name: unknown algorithm 'nope'; registered: nft, raft"):
+        load_config(None, [*fast_overrides(model_dir, tmp_path / "a"), "algorithm.name=nope"])
     with pytest.raises(ConfigError, match="algorithm.raft_keep=2 keeps every sample"):
         load_config(None, ["algorithm.raft_keep=2", "data.group_size=2"])
 

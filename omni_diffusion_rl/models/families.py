@@ -1,0 +1,59 @@
+"""The built-in model families, registered by name for `model.family` (also listed as entry points
+in pyproject.toml, so a config is checked without importing them). A family's loader takes the
+model config and returns the policy and its default LoRA target modules; register your own with
+`@omni_diffusion_rl.registry.models.register("name")` or the entry-point group
+`omni_diffusion_rl.models`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..registry import models
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from .policy import FlowPolicy
+
+
+def _has_local(source: str, subfolder: str) -> bool:
+    return (Path(source) / subfolder).is_dir()
+
+
+@models.register("tiny_av")
+def load_tiny_av(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
+    """The built-in tiny text-to-audio-video model ('builtin' or a saved directory)."""
+    from .tiny_av import DEFAULT_LORA_TARGETS, TinyAVPolicy
+
+    return TinyAVPolicy.from_pretrained(cfg.pretrained), list(DEFAULT_LORA_TARGETS)
+
+
+def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str]]:
+    """A diffusers pipeline directory (or hub id) with a `transformer` subfolder; a `vae` subfolder
+    decodes latents when present, and for images a `text_encoder` (+ `tokenizer`) subfolder encodes
+    prompts (otherwise prompts are hashed offline)."""
+    from .diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy, TransformersPromptEncoder
+
+    cls = DiffusersImagePolicy if image else DiffusersAudioPolicy
+    is_local = Path(cfg.pretrained).exists()
+    vae = "vae" if not is_local or _has_local(cfg.pretrained, "vae") else None
+    policy = cls.from_pretrained(cfg.pretrained, vae_subfolder=vae)
+    if image and is_local and _has_local(cfg.pretrained, "text_encoder"):
+        config = policy.transformer.config
+        policy.prompt_encoder = TransformersPromptEncoder.from_pretrained(
+            cfg.pretrained, hidden_dim=config.joint_attention_dim, pooled_dim=config.pooled_projection_dim
+        )
+    return policy, list(policy.lora_target_modules)
+
+
+@models.register("sd3")
+def load_sd3(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
+    """Stable Diffusion 3 (text to image) through diffusers."""
+    return _load_diffusers(cfg, image=True)
+
+
+@models.register("stable_audio")
+def load_stable_audio(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
+    """Stable Audio (text to audio) through diffusers."""
+    return _load_diffusers(cfg, image=False)
