@@ -35,7 +35,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.config = None
     cfg = load_config(args.config, args.overrides)
     from .run_dir import prepare_run_dir
-    from .trainers.nft import NFTTrainer
+    from .trainers.trainer import Trainer
 
     prepare_run_dir(cfg.train.output_dir, args.resume, cfg.train.overwrite, is_main=_launcher_rank() == 0)
     accelerator = _make_accelerator(cfg.tracking.wandb)
@@ -46,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             from .execution.separate import run_separate
 
             return run_separate(cfg, resume=resume, device=accelerator.device, recheck=recheck)
-        trainer = NFTTrainer(cfg, accelerator)
+        trainer = Trainer(cfg, accelerator)
         trainer.recheck = recheck
         return trainer.fit(resume=resume)
 

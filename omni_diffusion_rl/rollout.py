@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
+from .named_batch import BatchSchema, NamedBatch
 from .reward import ScoreResult, WeightedReward
 from .sampling import policy_time_grid, sample_ode
 
@@ -53,6 +54,24 @@ class Rollout:
         """x0 and the condition on `device` (what came from another process is on the CPU)."""
         cond = {k: v.to(device) for k, v in self.cond.items()}
         return Rollout(self.prompts, self.group_ids, self.x0.to(device), cond, self.grid)
+
+    SCHEMA = BatchSchema(
+        per_sample=("x0", "group_ids"), prefixes=("cond.",), texts=("prompts",), shared=("grid",)
+    )
+
+    def to_named(self) -> NamedBatch:
+        """Named CPU tensors for another process (see named_batch.py)."""
+        per_sample = {"x0": self.x0.detach().cpu().contiguous(), "group_ids": self.group_ids.cpu()}
+        per_sample |= {f"cond.{k}": v.detach().cpu().contiguous() for k, v in self.cond.items()}
+        return NamedBatch(per_sample, {"prompts": list(self.prompts)}, {"grid": self.grid.cpu()})
+
+    @classmethod
+    def from_named(cls, batch: NamedBatch) -> Rollout:
+        """The rollout `to_named` sent; a batch that does not fit the schema is refused."""
+        cls.SCHEMA.check(batch, "a rollout")
+        t = batch.per_sample
+        cond = {k.removeprefix("cond."): v for k, v in t.items() if k.startswith("cond.")}
+        return cls(batch.texts["prompts"], t["group_ids"], t["x0"], cond, batch.shared["grid"])
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
@@ -124,7 +143,8 @@ class ExperienceMaker:
     """Scored prompt groups from the policy's rollout weights.
 
     `rollout_weights()` is a context in which the policy generates with the weights the rollout
-    side uses (an algorithm's choice: DiffusionNFT's `old` adapter); everything random derives from
+    side uses (an algorithm's choice: DiffusionNFT's `old` adapter), `load_rollout_state` loads
+    synced ones (on a rollout process); everything random derives from
     (seed, step, prompt group), so where a group is made does not change it.
     """
 
@@ -140,6 +160,7 @@ class ExperienceMaker:
         solver: str,
         rollout_chunks: int = 1,
         rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+        load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
         self.group_size, self.num_steps, self.time_shift, self.solver = (
@@ -150,7 +171,15 @@ class ExperienceMaker:
         )
         self.rollout_chunks = rollout_chunks
         self.rollout_weights = rollout_weights
+        self._load_rollout_state = load_rollout_state
         self.generated_at = 0.0  # perf_counter when the last make_step finished generating
+        self.batch_type = Rollout  # what it makes (to_named / from_named at process boundaries)
+
+    def load_rollout_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load rollout weights a trainer synced (what its algorithm's `rollout_state` sent)."""
+        if self._load_rollout_state is None:
+            raise RuntimeError("this experience maker was built without a way to load rollout weights")
+        self._load_rollout_state(tensors)
 
     def prompt_at(self, position: int) -> str:
         """The prompt at a position of the data stream: every epoch is a fresh permutation."""

@@ -12,7 +12,7 @@ import torch
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.reward import RewardError
-from omni_diffusion_rl.trainers.nft import NFTTrainer, trainable_samples
+from omni_diffusion_rl.trainers.trainer import Trainer, trainable_samples
 from omni_diffusion_rl.world import tiny_world as world
 
 from . import plugin_rewards  # noqa: F401 - registers test_fails_on_red
@@ -53,7 +53,7 @@ def test_unscorable_samples_are_dropped_counted_and_logged(model_dir: Path, tmp_
         "reward.max_failed_fraction=0.5",
         "train.eval_at_start_and_end=false",
     ]
-    summary = NFTTrainer(load_config(None, overrides)).fit()
+    summary = Trainer(load_config(None, overrides)).fit()
     counts = summary["samples"]
     assert counts == {"generated": 8, "trained": 4, "dropped/reward_failed": 4, "dropped/group_too_small": 0}
     records = [json.loads(line) for line in (run / "failed_samples.jsonl").read_text().splitlines()]
@@ -67,7 +67,7 @@ def test_unscorable_samples_are_dropped_counted_and_logged(model_dir: Path, tmp_
     only_red.write_text(f"{RED}\n")
     overrides[overrides.index(f"data.prompts={prompts}")] = f"data.prompts={only_red}"
     with pytest.raises(RewardError, match="4 of 4 samples could not be scored"):
-        NFTTrainer(load_config(None, [*overrides, f"train.output_dir={tmp_path / 'red'}"])).fit()
+        Trainer(load_config(None, [*overrides, f"train.output_dir={tmp_path / 'red'}"])).fit()
 
 
 def test_scoring_while_the_next_chunk_generates_trains_the_same(model_dir: Path, tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_scoring_while_the_next_chunk_generates_trains_the_same(model_dir: Path,
             "train.eval_at_start_and_end=false",
             f"sampling.rollout_chunks={chunks}",
         ]
-        NFTTrainer(load_config(None, overrides)).fit()
+        Trainer(load_config(None, overrides)).fit()
         runs[chunks] = step_records(run)
     for a, b in zip(runs[1], runs[2], strict=True):
         assert a.keys() == b.keys()
@@ -97,7 +97,7 @@ def test_a_step_with_nothing_left_to_train_changes_nothing(model_dir: Path, tmp_
         "reward.max_failed_fraction=1.0",
         "train.eval_at_start_and_end=false",
     ]
-    trainer = NFTTrainer(load_config(None, overrides))
+    trainer = Trainer(load_config(None, overrides))
     before = {k: v.clone() for k, v in lora.nft_adapter_tensors(trainer.transformer).items()}
     summary = trainer.fit()
     after = lora.nft_adapter_tensors(trainer.transformer)
@@ -151,7 +151,7 @@ def test_a_reward_that_fails_on_preview_samples_shows_them_as_failed(model_dir: 
         "reward.weights={color_match: 1.0, test_nan_on_red: 1.0}",
         "reward.max_failed_fraction=1.0",
     ]
-    trainer = NFTTrainer(load_config(None, overrides))
+    trainer = Trainer(load_config(None, overrides))
     trainer.fit()
     index = json.loads((tmp_path / "run" / "previews" / "step_00001" / "index.json").read_text())
     failed = [s for s in index["samples"] if "failed" in s]

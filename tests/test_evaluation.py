@@ -12,7 +12,7 @@ import pytest
 from omni_diffusion_rl.config import ConfigError, config_from_dict, load_config
 from omni_diffusion_rl.eval_targets import evaluate_target, target_config
 from omni_diffusion_rl.evaluation import heldout_prompts, prompt_groups, samples_of_rank
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 
 from . import plugin_rewards  # noqa: F401 - registers test_nan_on_red
@@ -29,7 +29,7 @@ def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     """A 2-step run with evaluation before and after; its output folder and summary."""
     out = tmp_path_factory.mktemp("run")
     cfg = load_config(None, [*fast_overrides(model_dir, out, 2), "data.eval_samples=32"])
-    return out, NFTTrainer(cfg).fit()
+    return out, Trainer(cfg).fit()
 
 
 def test_held_out_groups_are_whole_prompts_on_every_rank() -> None:
@@ -80,7 +80,7 @@ def test_first_update_soft_updates_old_with_the_reference_decay(trained: tuple[P
 
 def test_preview_index_has_eval_metrics_and_the_worlds_render(model_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, fast_overrides(model_dir, tmp_path / "run", 1))
-    folder = NFTTrainer(cfg).preview("step_00000")
+    folder = Trainer(cfg).preview("step_00000")
     index = json.loads((folder / "index.json").read_text())
     assert index["reference"] is True
     sample = index["samples"][0]
@@ -199,7 +199,7 @@ def test_a_reward_that_fails_on_a_preview_sample_is_shown_as_failed(model_dir: P
         "reward.plugins=[tests.plugin_rewards]",
         "data.eval_prompts=builtin:tiny_world_heldout",
     ]
-    folder = NFTTrainer(load_config(None, overrides)).preview("step_00000")
+    folder = Trainer(load_config(None, overrides)).preview("step_00000")
     index = json.loads((folder / "index.json").read_text())
     values = [s["rewards"]["reward/test_nan_on_red"] for s in index["samples"]]
     assert None in values, "red prompts are among the preview prompts"
@@ -249,7 +249,7 @@ def test_sampling_evaluating_and_resuming_a_checkpoint_never_unpickle_it(
     load_policy(shared)
     target_config(str(shared), None, ["data.eval_samples=4"])
     state = json.loads((shared / "state.json").read_text())
-    trainer = NFTTrainer(config_from_dict({**state["config"], "train": {"output_dir": str(tmp_path / "r")}}))
+    trainer = Trainer(config_from_dict({**state["config"], "train": {"output_dir": str(tmp_path / "r")}}))
     trainer.load(shared)  # --resume reads the training state from JSON + safetensors
     assert trainer.step == state["step"] and trainer.optimizer.state_dict()["state"]
     assert not marker.exists()

@@ -32,7 +32,7 @@ from omni_diffusion_rl.models import build_policy, lora
 from omni_diffusion_rl.models.diffusers_adapter import DiffusersImagePolicy
 from omni_diffusion_rl.models.policy import FlowPolicy
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import fast_overrides, tiny_model_dir, tiny_sd3
 from .test_diffusers_adapter import tiny_stable_audio
@@ -63,7 +63,7 @@ def _perturb_trained_adapter(transformer: torch.nn.Module, seed: int) -> None:
 
 def _checkpoint(overrides: list[str], train: bool, seed: int) -> Path:
     """A real trainer checkpoint: (optionally) one NFT step, then a perturbed trained adapter saved."""
-    trainer = NFTTrainer(load_config(None, overrides + ["train.eval_at_start_and_end=false"]))
+    trainer = Trainer(load_config(None, overrides + ["train.eval_at_start_and_end=false"]))
     if train:
         trainer.fit()
     else:

@@ -32,6 +32,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.algorithms",
         f"{PACKAGE}.distributed",
         f"{PACKAGE}.state_codec",
+        f"{PACKAGE}.named_batch",
         f"{PACKAGE}.checkpoint",
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_diffusion_rl.config import load_config
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 
 def test_short_run_raises_reward_on_its_prompts(tmp_path: Path) -> None:
@@ -34,7 +34,7 @@ def test_short_run_raises_reward_on_its_prompts(tmp_path: Path) -> None:
             "reward.weights={color_match: 1.0}",
         ],
     )
-    summary = NFTTrainer(cfg).fit()
+    summary = Trainer(cfg).fit()
     assert summary["heldout_reward_after"] > summary["heldout_reward_before"] + 0.1, summary
     before, after = summary["heldout_tiny_world_judge_before"], summary["heldout_tiny_world_judge_after"]
     assert after["color"] > before["color"], summary

@@ -13,7 +13,7 @@ import pytest
 from omni_diffusion_rl import notebook_runner
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.notebook_runner import NoCheckpointError, preview_paths, repo_root
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import REPO, fast_overrides, tiny_model_dir
 
@@ -54,7 +54,7 @@ def _checkpoint(tmp_path: Path) -> Path:
     """A run folder with a one-step checkpoint of a tiny model."""
     model = tiny_model_dir(tmp_path / "model")
     run = tmp_path / "run"
-    NFTTrainer(load_config(None, fast_overrides(model, run, 1) + ["train.eval_at_start_and_end=false"])).fit()
+    Trainer(load_config(None, fast_overrides(model, run, 1) + ["train.eval_at_start_and_end=false"])).fit()
     return run
 
 

@@ -27,7 +27,7 @@ from omni_diffusion_rl.execution.recheck import (
     next_mode,
     steady_seconds,
 )
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import fast_overrides, tiny_model_dir
 from .test_simulate import COSTS
@@ -140,7 +140,7 @@ def test_the_switch_estimate_counts_ending_and_restarting_the_mode(tmp_path: Pat
         )
         recheck.segment_starting()
         time.sleep(0.3)  # what run_auto does before the trainer: process groups, freeing memory
-        trainer = NFTTrainer(cfg)
+        trainer = Trainer(cfg)
         trainer.recheck = recheck
         trainer.fit()
         assert recheck.startup_s >= 0.3 + trainer.build_s

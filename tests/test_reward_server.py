@@ -25,7 +25,7 @@ from omni_diffusion_rl.reward_factory import reward_from_config
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.subprocesses import run_process_tree
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 from rewards.imagebind import imagebind_available
 
@@ -279,11 +279,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("model"))
 
 
-def _served_run(model_dir: Path, out: Path, url: str, steps: int, *extra: str) -> NFTTrainer:
+def _served_run(model_dir: Path, out: Path, url: str, steps: int, *extra: str) -> Trainer:
     overrides = fast_overrides(model_dir, out, steps) + ["train.eval_at_start_and_end=false", *extra]
     if url:
         overrides += [f"reward.url={url}"]
-    trainer = NFTTrainer(load_config(None, overrides))
+    trainer = Trainer(load_config(None, overrides))
     trainer.fit()
     return trainer
 
@@ -358,7 +358,7 @@ def test_two_processes_with_a_process_left_without_samples_match_one(model_dir: 
             "train.eval_at_start_and_end=false",
         ]
         single = tmp_path / "single"
-        NFTTrainer(load_config(None, fast_overrides(model_dir, single, 2) + extra)).fit()
+        Trainer(load_config(None, fast_overrides(model_dir, single, 2) + extra)).fit()
         double = tmp_path / "double"
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
         launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]

@@ -14,7 +14,7 @@ import torch
 from omni_diffusion_rl.checkpoint import CheckpointError
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.subprocesses import run_process_tree
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 
@@ -24,9 +24,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("model"))
 
 
-def _train(model_dir: Path, out: Path, steps: int, *extra: str) -> NFTTrainer:
+def _train(model_dir: Path, out: Path, steps: int, *extra: str) -> Trainer:
     cfg = load_config(None, fast_overrides(model_dir, out, steps) + list(extra))
-    trainer = NFTTrainer(cfg)
+    trainer = Trainer(cfg)
     trainer.summary = trainer.fit()
     return trainer
 
@@ -128,7 +128,7 @@ def test_bad_checkpoints_are_refused(model_dir: Path, tmp_path: Path, damage: st
         (ckpt / "tensors.safetensors").write_bytes(data[: len(data) // 2])
     else:
         overrides.append("model.lora_rank=8")
-    trainer = NFTTrainer(load_config(None, overrides))
+    trainer = Trainer(load_config(None, overrides))
     with pytest.raises(CheckpointError) as info:
         trainer.fit(resume=str(ckpt))
     message = str(info.value)
@@ -164,7 +164,7 @@ def test_a_reward_that_returns_nan_stops_training_without_a_partial_checkpoint(
         "train.checkpoint_every=1",
     ]
     with pytest.raises(RewardError, match="test_nan_on_second_call.*non-finite"):
-        NFTTrainer(load_config(None, overrides)).fit()
+        Trainer(load_config(None, overrides)).fit()
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert checkpoints == ["latest", "step_0000001"], "only the completed step may be saved"
     assert [r["step"] for r in step_records(run)] == [1]

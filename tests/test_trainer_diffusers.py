@@ -8,7 +8,7 @@ from pathlib import Path
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.inference import load_policy
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.trainers.nft import NFTTrainer
+from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import tiny_sd3
 
@@ -48,7 +48,7 @@ def test_nft_on_a_tiny_sd3_transformer(tmp_path: Path) -> None:
             "train.progress=false",
         ],
     )
-    summary = NFTTrainer(cfg).fit()
+    summary = Trainer(cfg).fit()
     assert 0.0 <= summary["heldout_reward_after"] <= 1.0
     index = json.loads((run / "previews" / "step_00001" / "index.json").read_text())
     assert index["prompts"] == ["a bright sky"] * 2 + ["a dark room"] * 2  # two samples a prompt

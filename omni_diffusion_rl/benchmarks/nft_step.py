@@ -4,7 +4,7 @@ Three arms share one tiny model, its two LoRA adapters, one AdamW optimizer, one
 timestep count:
 
 * ``fm``: plain flow-matching fine-tuning (trained-adapter forward + backward per timestep);
-* ``nft``: the real ``NFTTrainer.train_on`` with KL off (plus the `old`-adapter forward);
+* ``nft``: the real ``DiffusionNFT.train_on`` with KL off (plus the `old`-adapter forward);
 * ``nft_kl``: the same with ``kl_coef > 0`` (plus a reference forward with adapters disabled).
 
 Rounds run the arms interleaved (fm, nft, nft_kl, fm, ...) so drift from other load hits each arm
@@ -31,8 +31,8 @@ from ..models import lora
 from ..models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
 from ..rollout import Rollout
 from ..sampling import time_grid
-from ..trainers.algorithms import build_algorithm
-from ..trainers.nft import NFTTrainer
+from ..trainers.algorithms import DiffusionNFT, noised_inputs
+from ..trainers.learner import Learner
 from ..world import tiny_world as world
 from .common import machine_info
 
@@ -75,54 +75,38 @@ def make_rollout(policy: TinyAVPolicy, batch_size: int, timesteps: int) -> Rollo
     )
 
 
-def make_trainer(
+def make_learner(
     policy: TinyAVPolicy,
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     kl_coef: float,
     group_size: int,
-) -> NFTTrainer:
-    """An NFTTrainer carrying only what `train_on` reads, so the benchmark times the real step.
-
-    `NFTTrainer.__init__` would load prompts, rewards and a model from the config; the benchmark
-    supplies its own model and optimizer instead. If `train_on` starts to read another attribute,
-    the benchmark (and its test) fails with an AttributeError rather than timing something else.
-    """
+) -> Learner:
+    """The benchmark's model and optimizer as a learner (one process), with a config that trains
+    every timestep of the grid at `kl_coef`."""
     cfg = ExperimentConfig()
     cfg.algorithm = dataclasses.replace(cfg.algorithm, kl_coef=kl_coef, timestep_fraction=1.0)
     cfg.train = dataclasses.replace(cfg.train, seed=SEED)
     cfg.data = dataclasses.replace(cfg.data, group_size=group_size)
-    trainer = NFTTrainer.__new__(NFTTrainer)
-    trainer.cfg = cfg
-    trainer.accelerator = None
-    trainer.rank, trainer.world_size, trainer.is_main = 0, 1, True
-    trainer.device = torch.device("cpu")
-    trainer.policy = policy
-    trainer.transformer = policy.transformer
-    trainer.params = params
-    trainer.optimizer = optimizer
-    trainer.step = 0
-    trainer._metric_names = []  # noqa: SLF001 - filled by train_on's first call
-    trainer.algorithm = build_algorithm(trainer)
-    return trainer
+    return Learner(cfg, policy, params, optimizer)
 
 
-def flow_matching_step(trainer: NFTTrainer, rollout: Rollout, step: int) -> dict[str, float]:
-    """Plain flow-matching fine-tuning step on the trainer's own inputs and optimizer step.
+def flow_matching_step(learner: Learner, rollout: Rollout, step: int) -> dict[str, float]:
+    """Plain flow-matching fine-tuning step on the learner's own inputs and optimizer step.
 
     Same timestep draw, noise and x_t (`noised_inputs`), loss scaling, gradient sync, clipping and
-    optimizer step (`apply_gradients`) as `NFTTrainer.train_on`; no `old` or reference forward, no
+    optimizer step (`apply_gradients`) as `DiffusionNFT.train_on`; no `old` or reference forward, no
     NFT loss and no soft update of `old`.
     """
-    inputs = trainer.noised_inputs(rollout, step)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    inputs = noised_inputs(learner.cfg, rollout, step)
+    learner.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss/total": 0.0}
     for t, noise, x_t in inputs:
-        v_theta = trainer.policy.velocity(x_t, t, rollout.cond)
+        v_theta = learner.policy.velocity(x_t, t, rollout.cond)
         loss = flow_matching_loss(v_theta, noise, rollout.x0)
         (loss / len(inputs)).backward()
         sums["loss/total"] += float(loss.detach()) / len(inputs)
-    trainer.apply_gradients(sums)
+    learner.apply_gradients(sums)
     return sums
 
 
@@ -163,11 +147,12 @@ def run_nft_step_bench(
 
     kl_coefs = {"fm": 0.0, "nft": 0.0, "nft_kl": KL_COEF}
     group_size = bench_group_size(batch_size)
-    trainers = {arm: make_trainer(policy, params, optimizer, kl_coefs[arm], group_size) for arm in ARMS}
+    learners = {arm: make_learner(policy, params, optimizer, kl_coefs[arm], group_size) for arm in ARMS}
+    nft = {arm: DiffusionNFT(learners[arm]) for arm in ("nft", "nft_kl")}
     steps: dict[str, Callable[[int], object]] = {
-        "fm": lambda s: flow_matching_step(trainers["fm"], rollout, s),
-        "nft": lambda s: trainers["nft"].train_on(rollout, r, s),
-        "nft_kl": lambda s: trainers["nft_kl"].train_on(rollout, r, s),
+        "fm": lambda s: flow_matching_step(learners["fm"], rollout, s),
+        "nft": lambda s: nft["nft"].train_on(rollout, r, s),
+        "nft_kl": lambda s: nft["nft_kl"].train_on(rollout, r, s),
     }
     for arm in ARMS:  # warm-up round, not timed
         steps[arm](0)

@@ -1,12 +1,13 @@
 """Measure a job's unit costs on this machine, for the simulator (and for auto mode's warm-up).
 
-Generation (generate + decode + rewards) and training (one real `NFTTrainer.train_on` step on what
-was generated) are timed at 1 prompt group (what a rollout process makes per call) and at a
-colocated process's share of a step, at a short and a long sampling-step count (or one); the
-linear cost model is fitted by least squares and extrapolates to a whole step on one trainer;
-measured at one length, the points themselves are kept and interpolated (costs.py). The sync
-cost is the round trip of the rollout adapter through a safetensors payload (what a weight sync
-moves); switching is two adapter switches.
+Generation (generate + decode + rewards, with the rollout weights) and training (one real update of
+the run's algorithm on what was generated) are timed at 1 prompt group (what a rollout process
+makes per call) and at a colocated process's share of a step, at a short and a long sampling-step
+count (or one); the linear cost model is fitted by least squares and extrapolates to a whole step
+on one trainer; measured at one length, the points themselves are kept and interpolated
+(costs.py). The sync cost is the round trip of the algorithm's rollout weights through a
+safetensors payload (what a weight sync moves); switching is a switch to the rollout weights and
+back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ..config import ExperimentConfig
-from ..models import lora
 from ..rollout import score
 from .costs import CostModel
 
@@ -73,9 +73,9 @@ def _measure(
     replicas: int,
     device: torch.device | None,
 ) -> CostModel:
-    from ..trainers.nft import NFTTrainer
+    from ..trainers.trainer import Trainer
 
-    trainer = NFTTrainer(cfg, device=device)
+    trainer = Trainer(cfg, device=device)
     k = cfg.data.group_size
     p = cfg.data.prompts_per_step
     share = max(1, -(-p // replicas))  # a colocated process's groups per step
@@ -88,20 +88,20 @@ def _measure(
             seconds, batch = _median_time(rollout, repeats)
             gen_rows.append([1.0, groups * k * steps])
             gen_y.append(seconds)
-            r = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
             trained_steps = max(1, int(steps * fraction))
             train_rows.append([1.0, groups * k, groups * k * trained_steps])
-            train_y.append(_median_time(lambda b=batch, r=r: trainer.train_on(b, r, 0), repeats)[0])
+            train_y.append(_median_time(_update_fn(trainer, batch), repeats)[0])
 
-    def sync() -> None:  # the rollout adapter through a wire payload and into a model
-        payload = save_tensors(
-            {k: v.contiguous() for k, v in lora.adapter_state_dict(trainer.transformer, lora.OLD).items()}
-        )
-        lora.load_adapter_state_dict(trainer.transformer, lora.OLD, load_tensors(payload))
+    algorithm, experience = trainer.algorithm, trainer.experience
 
-    def switch() -> None:
-        lora.set_active_adapter(trainer.transformer, lora.OLD)
-        lora.set_active_adapter(trainer.transformer, lora.TRAINED)
+    def sync() -> None:  # the rollout weights through a wire payload and into a model
+        tensors = algorithm.rollout_state(trainer.transformer)
+        payload = save_tensors({k: v.contiguous() for k, v in tensors.items()})
+        experience.load_rollout_state(load_tensors(payload))
+
+    def switch() -> None:  # to the rollout weights and back
+        with experience.rollout_weights():
+            pass
 
     gen_fixed, gen_unit = _least_squares(gen_rows, gen_y)
     train_fixed, train_sample, train_unit = _least_squares(train_rows, train_y)
@@ -127,6 +127,13 @@ def _measure(
     )
 
 
+def _update_fn(trainer: Any, batch: Any) -> Callable[[], Any]:
+    """A call that runs the algorithm's update on `batch` (random rewards, every sample trained)."""
+    rewards = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(len(batch), dtype=torch.bool)
+    return lambda: trainer.algorithm.update(batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0)
+
+
 def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solver: str) -> Callable[[], Any]:
     """A call that generates, decodes and scores `groups` prompt groups with the rollout adapter."""
     k = trainer.cfg.data.group_size
@@ -135,7 +142,7 @@ def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solve
     )
 
     def rollout() -> Any:
-        out = trainer.generate_with_rollout_adapter(prompts[:groups], list(range(groups)), noise, steps)
+        out = trainer.experience.generate(prompts[:groups], list(range(groups)), noise, steps)
         score(trainer.policy, trainer.reward, out)
         return out
 

@@ -109,7 +109,7 @@ def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int)
 
 
 class AutoRecheck:
-    """Called by the trainer around its loop (NFTTrainer.recheck): collects the steps' timings and,
+    """Called by the trainer around its loop (Trainer.recheck): collects the steps' timings and,
     every `every` steps, decides whether to keep the running mode. One object lives for the whole
     run; each mode's segment reports to it."""
 
@@ -179,7 +179,7 @@ class AutoRecheck:
             group = None  # the decision goes to every process
         else:  # async: the trainer leader sees the rollout timings; other trainers follow it
             measured = mean_timings(self.window) if self.window else None
-            group = trainer.share_group
+            group = trainer.source.share_group
         self.window = []  # the next re-check sees only the steps after this one, on every process
         self.teardown_s = self._ending_s(trainer, measured)
         switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)

@@ -1,5 +1,6 @@
 """The rollout side of separate/hybrid mode: a process that generates and scores prompt groups
-with the last adapter the trainer sent, and sends them to the trainer's buffer.
+with the last rollout weights the trainer sent (the algorithm's), and sends them to the trainer's
+buffer.
 
 Rollout process i of R makes the groups at stream positions start + i, start + i + R, ... (start is
 0, or where a resumed run continues), each with noise keyed by its position. Under
@@ -18,20 +19,12 @@ from typing import Any
 import torch
 
 from ..config import ExperimentConfig
-from ..models import lora
-from ..reward import ScoreResult
-from ..rollout import Rollout
-from ..trainers.nft import NFTTrainer
+from ..trainers.trainer import build_experience_maker
 from . import scheduler, transport
 
 
-def make_group(builder: NFTTrainer, group_id: int) -> tuple[Rollout, ScoreResult]:
-    """Generate the prompt group at stream position `group_id` with the rollout adapter; score it."""
-    return builder.experience.make_group(group_id)
-
-
 class RolloutWorker:
-    """Generates and scores groups with the last synced rollout adapter until told to stop.
+    """Generates and scores groups with the last synced rollout weights until told to stop.
 
     A thread receives weight messages as soon as the trainer sends them (so a sync never waits for
     the group being generated) and the loop applies the newest between groups.
@@ -48,7 +41,7 @@ class RolloutWorker:
     ) -> None:
         self.cfg, self.index, self.replicas = cfg, index, replicas
         self.data_group, self.weights_group = data_group, weights_group
-        self.builder = NFTTrainer(cfg, device=device)  # the policy, reward and data stream of one process
+        self.experience = build_experience_maker(cfg, device)  # policy, reward and data stream, no optimizer
         self.version = 0
         self.stream_offset = 0
         self.inbox: queue.Queue[transport.WeightsMessage] = queue.Queue()
@@ -70,7 +63,7 @@ class RolloutWorker:
             return False
         start = time.perf_counter()
         if message.tensors:
-            lora.load_adapter_state_dict(self.builder.transformer, lora.OLD, message.tensors)
+            self.experience.load_rollout_state(message.tensors)
             self.version = message.version
         self.stream_offset = message.stream_offset
         self.idle["weight_sync"] += time.perf_counter() - start
@@ -113,14 +106,14 @@ class RolloutWorker:
                         return
                     continue
                 start = time.perf_counter()
-                rollout, scored = make_group(self.builder, group_id)
+                rollout, scored = self.experience.make_group(group_id)
                 gen_s = time.perf_counter() - start
                 self.generating_s += gen_s
-                payload = transport.pack_group(rollout, scored, self.version, self._info(gen_s))
+                payload = transport.pack_group(rollout.to_named(), scored, self.version, self._info(gen_s))
                 start = time.perf_counter()
                 transport.send_bytes(payload, 0, self.data_group, transport.DATA_TAG)
                 self.idle["buffer_full"] += time.perf_counter() - start  # the trainer had no room
                 group_id += self.replicas
         finally:
             transport.send_bytes(b"", 0, self.data_group, transport.DATA_TAG)  # done marker
-            self.builder.close_scorers()
+            self.experience.reward.close()

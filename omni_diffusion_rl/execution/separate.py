@@ -1,17 +1,18 @@
 """separate and hybrid: rollout processes generate and score prompt groups continuously; trainer
-processes take them from a versioned replay buffer and send the rollout adapter back every k steps.
+processes take them from a versioned replay buffer and send the rollout weights back every k steps.
 
 Under `accelerate launch` (or torchrun) ranks 0 .. T-1 train (T = processes - rollout_replicas) and
-the others are rollout processes (rollout_worker.py). Rank 0, the trainer leader, holds the buffer:
-it takes a step's groups, keeps the first 1/T and sends each other trainer its contiguous share
-(TrainerReplica); the trainers average gradients over their own process group, so all hold the same
-weights, and the leader alone syncs them to rollout. Messages are safetensors bytes over dedicated
-gloo groups (transport.py). The staleness bound is applied when the leader takes a step's groups
-(stale ones are dropped and counted). hybrid adds lending: when the buffer runs low and rollout
-cannot keep up (scheduler.should_lend), the leader generates a group itself with its current
-weights, then trains as soon as a step's groups are there; every lend is counted and timed (the
-first 200 listed). Checkpoints carry the buffer's accounting and the stream position, so a resumed
-run's accounting still balances.
+the others are rollout processes (rollout_worker.py). Every trainer process runs the one training
+loop (trainers/trainer.py) with an experience source from here. Rank 0, the trainer leader, holds
+the buffer (BufferSource): it takes a step's groups, keeps the first 1/T and sends each other trainer
+its contiguous share (ShareSource); the trainers average gradients over their own process group, so
+all hold the same weights, and the leader alone syncs the algorithm's rollout weights to rollout.
+Messages are safetensors bytes over dedicated gloo groups (transport.py). The staleness bound is
+applied when the leader takes a step's groups (stale ones are dropped and counted). hybrid adds
+lending: when the buffer runs low and rollout cannot keep up (scheduler.should_lend), the leader
+generates a group itself with its current weights, then trains as soon as a step's groups are
+there; every lend is counted and timed (the first 200 listed). Checkpoints carry the buffer's
+accounting and the stream position, so a resumed run's accounting still balances.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from ..async_layout import buffer_capacity
 from ..buffer import Group, ReplayBuffer
 from ..config import ConfigError, ExperimentConfig
 from ..distributed import scoped_groups
-from ..models import lora
 from ..reward import ScoreResult
 from ..rollout import Rollout, cat_results
-from ..trainers.nft import NFTTrainer
+from ..trainers.sources import ExperienceSource
+from ..trainers.trainer import Trainer
 from . import scheduler, transport
-from .rollout_worker import RolloutWorker, make_group
+from .rollout_worker import RolloutWorker
 
 MAX_SWITCH_RECORDS = 200  # lends listed one by one in the summary (all are counted)
 
@@ -79,31 +80,26 @@ def run_separate(
         data_group, weights_group = groups[:2]
         trainer_group, share_group = groups[2:] if trainers > 1 else (None, None)
         rank = dist.get_rank()
-        if rank == 0:
-            rollout_ranks = list(range(trainers, world))
-            trainer = SeparateTrainer(
-                cfg, data_group, weights_group, rollout_ranks, device, trainer_group, share_group
-            )
-            trainer.recheck = recheck
-            return trainer.fit(resume)
         if rank < trainers:
-            replica = TrainerReplica(cfg, share_group, device, trainer_group)
-            replica.recheck = recheck  # it follows the leader's decisions
-            return replica.fit(resume)
+            source: ExperienceSource = (
+                BufferSource(cfg, data_group, weights_group, list(range(trainers, world)), share_group)
+                if rank == 0
+                else ShareSource(share_group)
+            )
+            trainer = Trainer(cfg, device=device, group=trainer_group, source=source)
+            trainer.recheck = recheck  # the other trainer processes follow the leader's decisions
+            return trainer.fit(resume)
         RolloutWorker(cfg, rank - trainers, world - trainers, data_group, weights_group, device).run()
         return None
 
 
-class TrainerReplica(NFTTrainer):
+class ShareSource(ExperienceSource):
     """A trainer process besides the leader: trains the share of each step the leader sends it."""
 
-    def __init__(
-        self, cfg: ExperimentConfig, share_group: Any, device: torch.device | None, group: Any
-    ) -> None:
-        super().__init__(cfg, device=device, group=group)
+    def __init__(self, share_group: Any) -> None:
         self.share_group = share_group
 
-    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
+    def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
         """Blocks until the leader sends the share (a leader that died closes the connection; one
         that failed sends an empty share); hybrid: meanwhile makes the groups the leader asks for."""
         while True:
@@ -115,21 +111,23 @@ class TrainerReplica(NFTTrainer):
             group_id = transport.lend_request_of(data)
             if group_id is None:
                 break
-            timeout = self.cfg.execution.data_timeout_s
+            trainer = self.trainer
+            timeout = trainer.cfg.execution.data_timeout_s
             try:
-                lent, lent_scored = make_group(self, group_id)  # with the rollout adapter, like the leader
-                payload = transport.pack_group(lent, lent_scored, self.step)
+                lent, lent_scored = trainer.experience.make_group(group_id)  # like the leader
+                payload = transport.pack_group(lent.to_named(), lent_scored, trainer.step)
             except BaseException:  # an empty lent group: the leader stops with this process
                 transport.send_bytes(b"", 0, self.share_group, transport.LENT_TAG, timeout)
                 raise
             transport.send_bytes(payload, 0, self.share_group, transport.LENT_TAG, timeout)
-        rollout, scored, _, _ = transport.unpack_group(data)
-        self._t_generated = time.perf_counter()
-        return rollout.to(self.device), scored
+        named, scored, _, _ = transport.unpack_group(data)
+        self.generated_at = time.perf_counter()
+        return self.trainer.experience.batch_type.from_named(named).to(self.trainer.device), scored
 
 
-class SeparateTrainer(NFTTrainer):
-    """The colocated trainer's step, fed from the replay buffer instead of its own rollout."""
+class BufferSource(ExperienceSource):
+    """The trainer leader's batches: from the replay buffer that the rollout processes fill (hybrid:
+    and the trainers, lent), each other trainer process sent its share."""
 
     def __init__(
         self,
@@ -137,11 +135,9 @@ class SeparateTrainer(NFTTrainer):
         data_group: Any,
         weights_group: Any,
         rollout_ranks: list[int],
-        device: torch.device | None = None,
-        trainer_group: Any = None,
         share_group: Any = None,
     ) -> None:
-        super().__init__(cfg, device=device, group=trainer_group)
+        self.cfg = cfg
         self.share_group = share_group
         ex = cfg.execution
         capacity = buffer_capacity(ex.buffer_groups, cfg.data.prompts_per_step)
@@ -173,9 +169,20 @@ class SeparateTrainer(NFTTrainer):
         self.receiver: threading.Thread | None = None
         # a resumed run reports its own share of these (the checkpoint restores the totals)
         self.trained_before = self.lent_made_before = self.lent_trained_before = 0
+        self.stopping = False
+        self.last_step_end = time.perf_counter()
+
+    # the trainer's step, process group and experience maker
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size
 
     # ------------------------------------------------------------------ checkpoints
-    def extra_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         with self.ready:
             return {
                 "execution": {
@@ -186,7 +193,7 @@ class SeparateTrainer(NFTTrainer):
                 }
             }
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream past everything received; what was waiting or in flight is lost
         (counted dropped as `resume`). A colocated checkpoint continues at step * prompts_per_step."""
         saved = state.get("execution")
@@ -211,7 +218,8 @@ class SeparateTrainer(NFTTrainer):
                 if not data:
                     self.finished += 1
                     continue
-                rollout, scored, version, info = transport.unpack_group(data)
+                named, scored, version, info = transport.unpack_group(data)
+                rollout = self.trainer.experience.batch_type.from_named(named)
                 with self.ready:
                     self.rollout_info[sender] = info
                     self.group_seconds.append(info.get("gen_s", 0.0))
@@ -254,7 +262,7 @@ class SeparateTrainer(NFTTrainer):
             )
         return None
 
-    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
+    def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
         """This process's share of the step's oldest trainable groups from the buffer, waiting for
         them within data_timeout_s (hybrid: generating groups itself while it pays); the other
         trainer processes get theirs."""
@@ -271,8 +279,9 @@ class SeparateTrainer(NFTTrainer):
             raise
         self.batch = batch  # all of the step's groups (settled here), in the trainers' rank order
         mine = self._send_shares(batch)
-        self._t_generated = time.perf_counter()
-        rollout = Rollout.cat([g.payload[0].to(self.device) for g in mine])  # lent groups are there already
+        self.generated_at = time.perf_counter()
+        batch_type = self.trainer.experience.batch_type
+        rollout = batch_type.cat([g.payload[0].to(self.trainer.device) for g in mine])  # lent ones are here
         return rollout, cat_results([g.payload[1] for g in mine])
 
     def _release_replicas(self) -> None:
@@ -320,8 +329,9 @@ class SeparateTrainer(NFTTrainer):
         size = len(batch) // self.world_size
         for j in range(1, self.world_size):  # trainer ranks are global ranks 0 .. T-1
             share = batch[j * size : (j + 1) * size]
-            rollout = Rollout.cat([g.payload[0].to(torch.device("cpu")) for g in share])
-            payload = transport.pack_group(rollout, cat_results([g.payload[1] for g in share]), self.version)
+            rollout = self.trainer.experience.batch_type.cat([g.payload[0] for g in share])
+            scored = cat_results([g.payload[1] for g in share])
+            payload = transport.pack_group(rollout.to_named(), scored, self.version)
             transport.send_bytes(payload, j, self.share_group, transport.SHARE_TAG)
         return batch[:size]
 
@@ -349,7 +359,7 @@ class SeparateTrainer(NFTTrainer):
         its seconds."""
         start = time.perf_counter()
         depth = len(self.buffer)
-        with lora.using_adapter(self.transformer, lora.OLD):  # the switch there and back, timed alone
+        with self.trainer.experience.rollout_weights():  # the switch there and back, timed alone
             pass
         switch_s = time.perf_counter() - start
         first_id = scheduler.LENT_STREAM_START + self.lent_made
@@ -395,7 +405,7 @@ class SeparateTrainer(NFTTrainer):
         made: list[tuple[Rollout, ScoreResult]] = []
         if error is None:
             try:
-                made.append(make_group(self, first_id))
+                made.append(self.trainer.experience.make_group(first_id))
             except BaseException as e:
                 error = e
         for j in asked:
@@ -411,22 +421,23 @@ class SeparateTrainer(NFTTrainer):
                     f"trainer process {j} failed making lent group {first_id + j}; its error is in its output"
                 )
                 continue
-            lent, lent_scored, _, _ = transport.unpack_group(data)
-            made.append((lent, lent_scored))
+            named, lent_scored, _, _ = transport.unpack_group(data)
+            made.append((self.trainer.experience.batch_type.from_named(named), lent_scored))
         if error is not None:
             raise error
         return made
 
     # ------------------------------------------------------------------ training and syncing
-    def train_step(self) -> dict[str, float]:
-        metrics = super().train_step()
-        self.last_train_s = time.perf_counter() - self._t_generated
-        with self.ready:  # each group: its trained samples, and those learn_from dropped, by reason
+    def after_step(self, step_ok: torch.Tensor, step_keep: torch.Tensor) -> dict[str, float]:
+        """Settle the step's groups in the buffer (trained, or dropped by reason), sync the rollout
+        weights every sync_every steps; the buffer, staleness, idle and lending metrics."""
+        self.last_train_s = time.perf_counter() - self.generated_at
+        with self.ready:  # each group: its trained samples, and those the trainer dropped, by reason
             start = 0
             for group in self.batch:
                 rows = slice(start, start + group.size)
                 start = rows.stop
-                ok, keep = self.last_ok[rows], self.last_keep[rows]
+                ok, keep = step_ok[rows], step_keep[rows]
                 dropped = {"reward_failed": int((~ok).sum()), "group_too_small": int((ok & ~keep).sum())}
                 self.buffer.settle(group, self.version, int(keep.sum()), dropped)
                 self.lent_trained += group.group_id >= scheduler.LENT_STREAM_START
@@ -439,6 +450,7 @@ class SeparateTrainer(NFTTrainer):
         self.last_step_end = time.perf_counter()
         with self.ready:
             group_seconds, self.group_seconds = self.group_seconds, []
+        metrics: dict[str, float] = {}
         if group_seconds:
             metrics["rollout/seconds_per_group"] = sum(group_seconds) / len(group_seconds)
         metrics.update(
@@ -470,9 +482,10 @@ class SeparateTrainer(NFTTrainer):
     def _send_weights(self, stop: bool, start: bool = False, tensors: bool = True) -> None:
         """The rollout adapter (or, with tensors=False, only the stream position) to every rollout
         process; the start message and stops too."""
+        trainer = self.trainer
         message = transport.WeightsMessage(
             version=self.version,
-            tensors=lora.adapter_state_dict(self.transformer, lora.OLD) if tensors and not stop else {},
+            tensors=trainer.algorithm.rollout_state(trainer.transformer) if tensors and not stop else {},
             stop=stop,
             stream_start=self.stream_start,
             stream_offset=scheduler.stream_offset(self.skipped, self.lent_trained),
@@ -491,28 +504,24 @@ class SeparateTrainer(NFTTrainer):
                 ) from e
 
     # ------------------------------------------------------------------ the run
-    def fit(self, resume: str | None = None) -> dict[str, Any]:
-        self.stopping = False
-        if resume:
-            self.load(resume)
+    def start(self) -> None:
+        """Rollout starts from the trainer's rollout weights and stream position (after a resume)."""
         self.last_step_end = time.perf_counter()
-        try:
-            self._send_weights(stop=False, start=True)  # rollout starts from these weights and position
-            self.receiver = threading.Thread(target=self._receive, name="rollout-receiver", daemon=True)
-            self.receiver.start()
-            return super().fit(None)
-        except BaseException:
-            if not self.stopping:
-                self._stop_rollout(quietly=True)  # the original error is the one to see
-            raise
+        self._send_weights(stop=False, start=True)
+        self.receiver = threading.Thread(target=self._receive, name="rollout-receiver", daemon=True)
+        self.receiver.start()
 
-    def finish_run(self) -> dict[str, Any]:
+    def abort(self) -> None:
+        if not self.stopping:
+            self._stop_rollout(quietly=True)  # the original error is the one to see
+
+    def finish(self) -> dict[str, Any]:
         """Stop the rollout processes (before the final evaluation), settle the buffer, report."""
         self._stop_rollout(quietly=False)
         with self.ready:
             self.buffer.drop_waiting("run_ended")
             stats = self.buffer.report()
-        return {"execution": self._summary(stats), **super().finish_run()}
+        return {"execution": self._summary(stats)}
 
     def _summary(self, buffer_stats: dict[str, Any]) -> dict[str, Any]:
         loop_s = self.last_step_end - (self.loop_start or self.last_step_end)

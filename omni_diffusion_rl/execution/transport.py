@@ -2,7 +2,8 @@
 
 A message is a length header followed by the bytes on one process group and tag; nothing is
 pickled. `pack_group`/`unpack_group` carry one scored prompt group from a rollout process to the
-trainer (and a trainer's share of a step, or a lent group); `pack_weights`/`unpack_weights` carry
+trainer (and a trainer's share of a step, or a lent group) as a NamedBatch (named tensors and texts;
+the experience type checks its schema on arrival) with its scores; `pack_weights`/`unpack_weights` carry
 the rollout adapter (or a stop) the other way; `pack_lend_request` asks a trainer to make a group.
 """
 
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ..named_batch import BatchSchemaError, NamedBatch
 from ..reward import ScoreResult
-from ..rollout import Rollout
 from ..serving.wire import read_metadata
 
 DATA_TAG = 11
@@ -73,20 +74,21 @@ def _wait(work: Any, timeout_s: float | None, what: str) -> None:
         raise TimeoutError(f"{what} within {timeout_s:g} s")
 
 
+_KINDS = {"sample.": "per_sample", "shared.": "shared"}
+
+
 def pack_group(
-    rollout: Rollout, scored: ScoreResult, version: int, info: dict[str, float] | None = None
+    batch: NamedBatch, scored: ScoreResult, version: int, info: dict[str, float] | None = None
 ) -> bytes:
     """One scored prompt group made with weights `version`; `info`: the sender's timings."""
     tensors = {
-        "x0": rollout.x0.detach().cpu().contiguous(),
-        "group_ids": rollout.group_ids.cpu(),
-        "grid": rollout.grid.cpu(),
-        "total": scored.total,
-        **{f"cond.{k}": v.detach().cpu().contiguous() for k, v in rollout.cond.items()},
-        **{f"part.{k}": v for k, v in scored.parts.items()},
+        **{f"sample.{k}": v.detach().cpu().contiguous() for k, v in batch.per_sample.items()},
+        **{f"shared.{k}": v.detach().cpu().contiguous() for k, v in batch.shared.items()},
+        "score.total": scored.total.contiguous(),
+        **{f"part.{k}": v.contiguous() for k, v in scored.parts.items()},
     }
     meta = {
-        "prompts": json.dumps(rollout.prompts),
+        "texts": json.dumps(batch.texts),
         "failures": json.dumps({str(i): r for i, r in scored.failures.items()}),
         "version": str(version),
         "info": json.dumps(info or {}),
@@ -94,20 +96,20 @@ def pack_group(
     return save_tensors(tensors, metadata=meta)
 
 
-def unpack_group(data: bytes) -> tuple[Rollout, ScoreResult, int, dict[str, float]]:
+def unpack_group(data: bytes) -> tuple[NamedBatch, ScoreResult, int, dict[str, float]]:
+    """What pack_group sent; a message whose scores do not cover its samples is refused."""
     meta = read_metadata(data)
     t = load_tensors(data)
-    rollout = Rollout(
-        prompts=json.loads(meta["prompts"]),
-        group_ids=t["group_ids"],
-        x0=t["x0"],
-        cond={k.removeprefix("cond."): v for k, v in t.items() if k.startswith("cond.")},
-        grid=t["grid"],
-    )
+    batch = NamedBatch(texts={str(k): list(v) for k, v in json.loads(meta["texts"]).items()})
+    for prefix, kind in _KINDS.items():
+        getattr(batch, kind).update({k.removeprefix(prefix): v for k, v in t.items() if k.startswith(prefix)})
     failures = {int(i): r for i, r in json.loads(meta["failures"]).items()}
     parts = {k.removeprefix("part."): v for k, v in t.items() if k.startswith("part.")}
+    total = t["score.total"]
+    if any(len(v) != len(total) for v in parts.values()) or len(total) != len(batch):
+        raise BatchSchemaError(f"a group of {len(batch)} samples came with {len(total)} scores")
     info = {str(k): float(v) for k, v in json.loads(meta.get("info", "{}")).items()}
-    return rollout, ScoreResult(t["total"], parts, failures), int(meta["version"]), info
+    return batch, ScoreResult(total, parts, failures), int(meta["version"]), info
 
 
 def pack_lend_request(group_id: int) -> bytes:

@@ -1,43 +1,78 @@
 """What the trainer learns with: an `Algorithm` turns a step's scored experience into one update.
 
-The trainer (and every execution mode built on it) owns the experience, its gathering over
-processes and the accounting of dropped samples; an algorithm receives the step's rewards, prompt
-groups and trainable mask, computes its own learning signal, runs the backward passes on this
-process's samples and calls `trainer.apply_gradients` once. Algorithms are registered by name
-(`algorithm.name`); the rollout side always generates with the `old` adapter, which an algorithm
-keeps as its rollout weights (DiffusionNFT: a soft-updated copy; RAFT: the trained adapter itself).
+The trainer (and every execution mode) owns the experience, its gathering over processes and the
+accounting of dropped samples; an algorithm receives the step's rewards, prompt groups and trainable
+mask, computes its own learning signal, runs the backward passes on this process's samples and calls
+`learner.apply_gradients` once. It also says which weights the rollout side generates with
+(`rollout_weights`), what a weight sync carries (`rollout_state` / `load_rollout_state`) and what a
+checkpoint holds (`checkpoint_tensors` / `load_checkpoint_tensors`). The defaults are the two-adapter
+layout of the LoRA policies (generate with `old`, train `trained`), which both algorithms here use.
 
-Adding an algorithm: subclass `Algorithm`, implement `metric_names` and `update`, register it with
-`@algorithms.register("name")`, and select it with `algorithm.name=name`. RAFT below is the example.
+Algorithms are registered by name (`algorithm.name`). Adding one: subclass `Algorithm`, implement
+`metric_names` and `update`, register it with `@algorithms.register("name")`, and select it with
+`algorithm.name=name`. RAFT below is the example.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
 
 import torch
 
 from ..algorithms.advantages import group_advantages, optimality_probability
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import old_adapter_decay
+from ..config import ExperimentConfig
 from ..models import lora
 from ..registry import algorithms
-from ..rollout import Rollout
-
-if TYPE_CHECKING:
-    from .nft import NFTTrainer
+from ..rollout import Rollout, step_generator
+from .learner import Learner
 
 
 class Algorithm:
     """One update from a step's experience (see the module docstring)."""
 
-    def __init__(self, trainer: NFTTrainer) -> None:
-        self.trainer = trainer
-        self.cfg = trainer.cfg.algorithm
+    display_name = "training"  # the progress bar's label
 
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        self.cfg = learner.cfg.algorithm
+        self._metric_names: list[str] = []
+
+    # ------------------------------------------------------------------ the rollout weights
+    @staticmethod
+    def rollout_weights(transformer: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
+        """A context in which the policy generates with the rollout side's weights."""
+        return lora.using_adapter(transformer, lora.OLD)
+
+    @staticmethod
+    def rollout_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The tensors a weight sync sends to the rollout processes."""
+        return lora.adapter_state_dict(transformer, lora.OLD)
+
+    @staticmethod
+    def load_rollout_state(transformer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Load what `rollout_state` sent (on a rollout process)."""
+        lora.load_adapter_state_dict(transformer, lora.OLD, tensors)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint holds (the optimizer state is the trainer's)."""
+        return lora.nft_adapter_tensors(self.learner.transformer)
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        lora.load_nft_adapter_tensors(self.learner.transformer, tensors)
+
+    # ------------------------------------------------------------------ learning
     def metric_names(self) -> list[str]:
         """The loss metrics `update` logs, averaged over processes by trained samples."""
         raise NotImplementedError
+
+    def loss_metric_names(self) -> list[str]:
+        """metric_names(), computed once."""
+        if not self._metric_names:
+            self._metric_names = self.metric_names()
+        return self._metric_names
 
     def update(
         self,
@@ -53,10 +88,36 @@ class Algorithm:
         raise NotImplementedError
 
 
+def noised_inputs(
+    cfg: ExperimentConfig, rollout: Rollout, step: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(t, noise, x_t) per trained timestep: `timestep_fraction` of the sampler grid (t > 0), in a
+    random order per sample, x_t forward-noised from x0 with fresh noise. Every draw is keyed by
+    (seed, step, prompt group), so it does not depend on how groups spread over processes."""
+    train_times = rollout.grid[:-1]
+    num_train = max(1, int(len(train_times) * cfg.algorithm.timestep_fraction))
+    k = cfg.data.group_size
+    orders, noises = [], []
+    for group_id in rollout.group_ids[::k].tolist():
+        gen = step_generator(cfg.train.seed, step, group_id, "train")
+        orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
+        noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
+    order = torch.stack(orders)
+    all_noise = torch.cat(noises, dim=1).to(rollout.x0.device)
+    inputs = []
+    for j in range(num_train):
+        t = train_times[order[:, j]].to(rollout.x0.device)
+        t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
+        inputs.append((t, all_noise[j], (1 - t_b) * rollout.x0 + t_b * all_noise[j]))
+    return inputs
+
+
 @algorithms.register("nft")
 class DiffusionNFT(Algorithm):
     """Negative-aware fine-tuning: r from group advantages, the NFT loss against the `old` adapter,
     then a soft update of `old` (algorithms/nft.py holds the math)."""
+
+    display_name = "DiffusionNFT"
 
     def metric_names(self) -> list[str]:
         a, empty = self.cfg, torch.zeros(0, 1)
@@ -83,13 +144,55 @@ class DiffusionNFT(Algorithm):
         local: slice,
         step: int,
     ) -> dict[str, float]:
-        a, trainer = self.cfg, self.trainer
+        a = self.cfg
         adv = torch.zeros(len(rewards))
         adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
         r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
-        metrics = trainer.train_on(rollout, r, step, keep[local])
+        metrics = self.train_on(rollout, r, step, keep[local])
         metrics["r/mean"] = float(r[keep[local]].mean()) if keep[local].any() else float("nan")
         return metrics
+
+    def train_on(
+        self, rollout: Rollout, r: torch.Tensor, step: int, keep: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step.
+
+        keep: [N] bool, the samples to train on (the others were dropped); the noise every sample
+        draws does not depend on which are dropped. A process left with none still joins the
+        gradient average, with weight 0; the caller skips the step when no process has any.
+        """
+        a, learner = self.cfg, self.learner
+        policy, transformer = learner.policy, learner.transformer
+        inputs = noised_inputs(learner.cfg, rollout, step)
+        if keep is not None and not bool(keep.all()):
+            index = keep.nonzero().flatten()
+            rollout, r = rollout.select(index), r[index]
+            dev = index.to(rollout.x0.device)
+            inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
+        r = r.to(rollout.x0.device)
+        learner.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for t, _, x_t in inputs if len(rollout) else []:
+            with torch.no_grad():
+                with lora.using_adapter(transformer, lora.OLD):
+                    v_old = policy.velocity(x_t, t, rollout.cond)
+                v_ref = None
+                if a.kl_coef > 0:
+                    with lora.adapters_disabled(transformer):
+                        v_ref = policy.velocity(x_t, t, rollout.cond)
+            v_theta = policy.velocity(x_t, t, rollout.cond)
+            loss, metrics = nft_loss(
+                v_theta, v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
+            )
+            (loss / len(inputs)).backward()
+            for name, value in {"loss/total": loss.detach(), **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
+        out = learner.weighted_mean_over_ranks(sums, float(len(rollout)), self.loss_metric_names())
+        learner.apply_gradients(out, weight=float(len(rollout)))
+        decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
+        lora.soft_update_old(transformer, decay)
+        out["old_decay"] = decay
+        return out
 
 
 @algorithms.register("raft")
@@ -97,6 +200,8 @@ class RewardRankedFineTuning(Algorithm):
     """RAFT / rejection-sampling fine-tuning: the `raft_keep` best trainable samples of each prompt
     group are fine-tuned on with the plain flow-matching loss at the trained timesteps; the rollout
     weights then follow the trained adapter (`old` := trained after every step)."""
+
+    display_name = "RAFT"
 
     def metric_names(self) -> list[str]:
         return ["loss/flow_matching", "loss/total"]
@@ -110,26 +215,26 @@ class RewardRankedFineTuning(Algorithm):
         local: slice,
         step: int,
     ) -> dict[str, float]:
-        trainer = self.trainer
+        learner = self.learner
         best = best_of_each_group(rewards, groups, keep, self.cfg.raft_keep)
         mine = best[local]
-        inputs = trainer.noised_inputs(rollout, step)  # drawn for every sample: independent of the pick
+        inputs = noised_inputs(learner.cfg, rollout, step)  # drawn for every sample: independent of the pick
         index = mine.nonzero().flatten()
         chosen = rollout.select(index)
         dev = index.to(rollout.x0.device)
-        trainer.optimizer.zero_grad(set_to_none=True)
+        learner.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for t, noise, x_t in inputs if len(index) else []:
             t, noise, x_t = t[dev], noise[dev], x_t[dev]
-            v_theta = trainer.policy.velocity(x_t, t, chosen.cond)
+            v_theta = learner.policy.velocity(x_t, t, chosen.cond)
             loss = flow_matching_loss(v_theta, noise, chosen.x0)
             (loss / len(inputs)).backward()
             total += float(loss.detach()) / len(inputs)
-        out = trainer._weighted_mean_over_ranks(
-            {"loss/flow_matching": total, "loss/total": total}, float(len(index))
+        out = learner.weighted_mean_over_ranks(
+            {"loss/flow_matching": total, "loss/total": total}, float(len(index)), self.loss_metric_names()
         )
-        trainer.apply_gradients(out, weight=float(len(index)))
-        lora.soft_update_old(trainer.transformer, old_adapter_decay("copy", step + 1))
+        learner.apply_gradients(out, weight=float(len(index)))
+        lora.soft_update_old(learner.transformer, old_adapter_decay("copy", step + 1))
         out["raft/trained_samples"] = float(best.sum())
         return out
 
@@ -147,6 +252,11 @@ def best_of_each_group(
     return chosen
 
 
-def build_algorithm(trainer: Any) -> Algorithm:
-    """The algorithm `algorithm.name` names, for this trainer."""
-    return algorithms.get(trainer.cfg.algorithm.name)(trainer)
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The registered algorithm called `name` (its rollout-weight methods need no instance)."""
+    return algorithms.get(name)
+
+
+def build_algorithm(learner: Learner) -> Algorithm:
+    """The algorithm `algorithm.name` names, for this learner."""
+    return algorithm_class(learner.cfg.algorithm.name)(learner)

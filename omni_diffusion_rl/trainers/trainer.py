@@ -1,9 +1,16 @@
-"""Colocated synchronous DiffusionNFT trainer: every process generates its share, all train together.
+"""The training loop every algorithm and every execution mode runs: batches from an experience
+source, one update by the algorithm per step, sample accounting, checkpoints, evaluation, previews,
+metrics and the run summary.
 
-Runs as one process or several under `accelerate launch`; gradients of the trained LoRA adapter
-are averaged across processes, and advantages are computed on the rewards of the whole batch.
-All per-step randomness derives from (seed, step, prompt group), so a resumed run replays exactly
-and 2 processes reproduce 1.
+Parts: an `ExperienceMaker` (policy + reward + prompt stream + seeds: rollout.py), a `Learner` (the
+policy, its optimizer and the processes it trains with: learner.py), an `Algorithm` (what to learn:
+algorithms.py) and an `ExperienceSource` (where batches come from: sources.py; colocated generates
+them here, the async modes take them from a replay buffer: execution/separate.py).
+
+Runs as one process or several under `accelerate launch`; gradients of the trained weights are
+averaged across processes, and advantages are computed on the rewards of the whole batch. All
+per-step randomness derives from (seed, step, prompt group), so a resumed run replays exactly and
+2 processes reproduce 1.
 """
 
 from __future__ import annotations
@@ -22,11 +29,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..algorithms.nft import nft_loss
-from ..algorithms.soft_update import old_adapter_decay
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import ConfigError, ExperimentConfig
-from ..distributed import all_gather_cat, all_reduce_sum
+from ..distributed import all_reduce_sum
 from ..evaluation import (
     MetricScorer,
     before_after_summary,
@@ -41,25 +46,62 @@ from ..evaluation import (
 )
 from ..media import save_previews
 from ..models import build_nft_policy, lora
+from ..models.policy import FlowPolicy
 from ..prompts import load_prompts
-from ..reward import RewardError, ScoreResult
+from ..reward import RewardError, ScoreResult, WeightedReward
 from ..reward_factory import reward_from_config
 from ..rollout import ExperienceMaker, Rollout, generate, step_generator
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from ..world import tiny_world
-from .algorithms import build_algorithm
+from .algorithms import algorithm_class, build_algorithm
+from .learner import Learner
+from .sources import ExperienceSource, LocalSource
 
 
-class NFTTrainer:
+def experience_maker(
+    cfg: ExperimentConfig, policy: FlowPolicy, reward: WeightedReward, prompts: list[str]
+) -> ExperienceMaker:
+    """The experience maker of a run: generation with the algorithm's rollout weights."""
+    s = cfg.sampling
+    algorithm = algorithm_class(cfg.algorithm.name)
+    return ExperienceMaker(
+        policy,
+        reward,
+        prompts,
+        cfg.train.seed,
+        cfg.data.group_size,
+        s.num_steps,
+        s.time_shift,
+        s.solver,
+        s.rollout_chunks,
+        rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
+        load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
+    )
+
+
+def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> ExperienceMaker:
+    """The policy, reward and prompt stream of a process that only makes experience (a rollout
+    process): no optimizer, no eval metrics."""
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.train.seed)
+    prompts = load_prompts(cfg.data.prompts)
+    reward = reward_from_config(cfg.reward)
+    return experience_maker(cfg, build_nft_policy(cfg.model, device), reward, prompts)
+
+
+class Trainer:
     def __init__(
         self,
         cfg: ExperimentConfig,
         accelerator: Any | None = None,
         device: torch.device | None = None,
         group: Any = None,
+        source: ExperienceSource | None = None,
     ) -> None:
         """`accelerator`: every process trains (colocated); or `device` and, when several processes
-        train together (the trainer processes of an async mode), their process `group`."""
+        train together (the trainer processes of an async mode), their process `group`. `source`:
+        where batches come from (default: generated here, colocated)."""
         built = time.perf_counter()
         self.cfg = cfg
         self.accelerator = accelerator
@@ -83,27 +125,18 @@ class NFTTrainer:
         self.reward = reward_from_config(cfg.reward)
         self._metrics: list[MetricScorer] | None = None  # eval metrics, built when first needed
         self.sample_counts: dict[str, int] = {}
-        self._metric_names: list[str] = []
-        self._t_generated = 0.0
         self.device = accelerator.device if accelerator is not None else (device or torch.device("cpu"))
         self.policy = build_nft_policy(cfg.model, self.device)
         self.transformer = self.policy.transformer
         self.params = lora.trainable_parameters(self.transformer)
-        self.algorithm = build_algorithm(self)
-        s = cfg.sampling
-        self.experience = ExperienceMaker(
-            self.policy,
-            self.reward,
-            self.train_prompts,
-            cfg.train.seed,
-            cfg.data.group_size,
-            s.num_steps,
-            s.time_shift,
-            s.solver,
-            s.rollout_chunks,
-            rollout_weights=lambda: lora.using_adapter(self.transformer, lora.OLD),
-        )
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.learner = Learner(
+            cfg, self.policy, self.params, self.optimizer, self.rank, self.world_size, group, self.device
+        )
+        self.algorithm = build_algorithm(self.learner)
+        self.experience = experience_maker(cfg, self.policy, self.reward, self.train_prompts)
+        self.source = source or LocalSource()
+        self.source.attach(self)
         self.step = 0
         self.eval_before: dict[str, float] | None = None
         self.output_dir = Path(cfg.train.output_dir)
@@ -127,7 +160,7 @@ class NFTTrainer:
             self.accelerator.wait_for_everyone()
         path = None
         if self.is_main:
-            tensors = lora.nft_adapter_tensors(self.transformer)
+            tensors = self.algorithm.checkpoint_tensors()
             objects = {
                 "optimizer": self.optimizer.state_dict(),
                 "torch_rng": torch.get_rng_state(),
@@ -142,7 +175,7 @@ class NFTTrainer:
                 "sample_counts": self.sample_counts,
                 "wandb_run_id": self.wandb_run_id,
                 "config": self.cfg.to_dict(),
-                **self.extra_state(),
+                **self.source.state_dict(),
             }
             path = save_checkpoint(self.output_dir / "checkpoints", self.step, tensors, objects, state)
         if self.accelerator is not None:
@@ -159,7 +192,7 @@ class NFTTrainer:
                 f"this run uses {dataclasses.asdict(self.cfg.model)}"
             )
         try:
-            lora.load_nft_adapter_tensors(self.transformer, tensors)
+            self.algorithm.load_checkpoint_tensors(tensors)
             self.optimizer.load_state_dict(objects["optimizer"])
             torch.set_rng_state(objects["torch_rng"])
             random.setstate(objects["python_rng"])
@@ -170,7 +203,7 @@ class NFTTrainer:
         self.eval_before = state.get("eval_before")
         self.sample_counts = dict(state.get("sample_counts", {}))
         self.wandb_run_id = state.get("wandb_run_id") or self.wandb_run_id
-        self.load_extra_state(state)
+        self.source.load_state_dict(state)
 
     @property
     def metrics(self) -> list[MetricScorer]:
@@ -186,18 +219,6 @@ class NFTTrainer:
         for metric in self._metrics or []:
             metric.close()
 
-    def finish_run(self) -> dict[str, Any]:
-        """Called once after the last step: more for the summary (execution modes stop their
-        processes here and report)."""
-        return {}
-
-    def extra_state(self) -> dict[str, Any]:
-        """More JSON state for checkpoints (execution modes add their buffer and stream)."""
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what extra_state saved (the state of the whole checkpoint is passed)."""
-
     # ------------------------------------------------------------------ data
     def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
         """This rank's prompts (and their global group ids) for `step`; epochs are reshuffled."""
@@ -212,138 +233,9 @@ class NFTTrainer:
         """The prompt at a position of the data stream: every epoch is a fresh permutation."""
         return self.experience.prompt_at(position)
 
-    # ------------------------------------------------------------------ distributed helpers
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return all_gather_cat(t, self.group, self.device) if self.world_size > 1 else t
-
-    def _weighted_mean_over_ranks(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
-        """sum_i w_i m_i / sum_i w_i over processes for the loss metrics (w_i: trained samples); a
-        process with none contributes nothing (its metrics may be empty)."""
-        names = self._loss_metric_names()
-        if self.world_size == 1:
-            return {n: metrics.get(n, float("nan")) for n in names}
-        values = torch.tensor([metrics.get(n, 0.0) * weight for n in names] + [weight], dtype=torch.float64)
-        values = all_reduce_sum(values, self.group, self.device)
-        total = float(values[-1])
-        return {
-            n: float(v) / total if total > 0 else float("nan")
-            for n, v in zip(names, values[:-1], strict=True)
-        }
-
-    def _loss_metric_names(self) -> list[str]:
-        """The loss metrics the algorithm logs (averaged over processes by trained samples)."""
-        if not self._metric_names:
-            self._metric_names = self.algorithm.metric_names()
-        return self._metric_names
-
-    def _average_gradients(self, weight: float = 1.0) -> None:
-        """Gradients averaged over processes, each weighted by its trained samples (`weight`)."""
-        if self.world_size == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        weights = torch.tensor([float(weight)], device=grads[0].device)
-        flat = torch.cat([g.flatten() * weight for g in grads] + [weights])
-        flat = all_reduce_sum(flat, self.group, self.device)
-        total, flat = flat[-1], flat[:-1]
-        flat /= total
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
-
     # ------------------------------------------------------------------ one step
-    def _group_generators(self, step: int, group_ids: list[int], stream: str) -> list[torch.Generator]:
-        """One generator per prompt group: results do not depend on how groups spread over ranks."""
-        return [step_generator(self.cfg.train.seed, step, g, stream) for g in group_ids]
-
-    def rollout(self, step: int) -> tuple[Rollout, ScoreResult]:
-        """Generate this rank's groups for `step` with the old adapter and score them.
-
-        With sampling.rollout_chunks > 1 the groups are generated chunk by chunk and each chunk is
-        scored on a background thread (or by a reward server) while the next one generates.
-        """
-        prompts, group_ids = self.prompts_for_step(step)
-        made = self.experience.make_step(step, prompts, group_ids)
-        self._t_generated = self.experience.generated_at
-        return made
-
-    def generate_with_rollout_adapter(
-        self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
-    ) -> Rollout:
-        """len(noise) / len(prompts) samples per prompt from the `old` (rollout) adapter."""
-        return self.experience.generate(prompts, group_ids, noise, num_steps)
-
-    def noised_inputs(
-        self, rollout: Rollout, step: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(t, noise, x_t) per trained timestep: `timestep_fraction` of the sampler grid (t > 0), in a
-        random order per sample, x_t forward-noised from x0 with fresh noise."""
-        train_times = rollout.grid[:-1]
-        num_train = max(1, int(len(train_times) * self.cfg.algorithm.timestep_fraction))
-        k = self.cfg.data.group_size
-        orders, noises = [], []
-        for gen in self._group_generators(step, rollout.group_ids[::k].tolist(), "train"):
-            orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
-            noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
-        order = torch.stack(orders)
-        all_noise = torch.cat(noises, dim=1).to(rollout.x0.device)
-        inputs = []
-        for j in range(num_train):
-            t = train_times[order[:, j]].to(rollout.x0.device)
-            t_b = t.view(-1, *([1] * (rollout.x0.ndim - 1)))
-            inputs.append((t, all_noise[j], (1 - t_b) * rollout.x0 + t_b * all_noise[j]))
-        return inputs
-
-    def apply_gradients(self, metrics: dict[str, float], weight: float = 1.0) -> None:
-        """Average gradients over processes (weighted by `weight`, this process's samples), clip, step."""
-        self._average_gradients(weight)
-        if self.cfg.optim.grad_clip > 0:
-            metrics["grad_norm"] = float(
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
-            )
-        self.optimizer.step()
-
-    def train_on(
-        self, rollout: Rollout, r: torch.Tensor, step: int, keep: torch.Tensor | None = None
-    ) -> dict[str, float]:
-        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step.
-
-        keep: [N] bool, the samples to train on (the others were dropped); the noise every sample
-        draws does not depend on which are dropped. A process left with none still joins the
-        gradient average, with weight 0; the caller skips the step when no process has any.
-        """
-        a = self.cfg.algorithm
-        inputs = self.noised_inputs(rollout, step)
-        if keep is not None and not bool(keep.all()):
-            index = keep.nonzero().flatten()
-            rollout, r = rollout.select(index), r[index]
-            dev = index.to(rollout.x0.device)
-            inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
-        r = r.to(rollout.x0.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for t, _, x_t in inputs if len(rollout) else []:
-            with torch.no_grad():
-                with lora.using_adapter(self.transformer, lora.OLD):
-                    v_old = self.policy.velocity(x_t, t, rollout.cond)
-                v_ref = None
-                if a.kl_coef > 0:
-                    with lora.adapters_disabled(self.transformer):
-                        v_ref = self.policy.velocity(x_t, t, rollout.cond)
-            v_theta = self.policy.velocity(x_t, t, rollout.cond)
-            loss, metrics = nft_loss(
-                v_theta, v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
-            )
-            (loss / len(inputs)).backward()
-            for name, value in {"loss/total": loss.detach(), **metrics}.items():
-                sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
-        out = self._weighted_mean_over_ranks(sums, float(len(rollout)))
-        self.apply_gradients(out, weight=float(len(rollout)))
-        decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
-        lora.soft_update_old(self.transformer, decay)
-        out["old_decay"] = decay
-        return out
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.learner.gather(t)
 
     def _agree_on_failure(self, error: BaseException | None, what: str) -> None:
         """Raise on every process when one failed (the others would wait for it in a collective)."""
@@ -368,19 +260,23 @@ class NFTTrainer:
         return {n: self._gather(parts.get(n, nan)) for n in names}
 
     def train_step(self) -> dict[str, float]:
+        """This process's share of the step from the source, one update, the source told."""
         step = self.step
         t0 = time.perf_counter()
         error = None
         try:
-            rollout, scored = self.rollout(step)
+            rollout, scored = self.source.next_batch(step)
         except Exception as e:
             error = e
         self._agree_on_failure(error, f"generating or scoring step {step + 1}")
-        return self.learn_from(step, rollout, scored, t0)
+        metrics = self.learn_from(step, rollout, scored, t0)
+        metrics.update(self.source.after_step(self.last_ok, self.last_keep))
+        return metrics
 
     def learn_from(self, step: int, rollout: Rollout, scored: ScoreResult, t0: float) -> dict[str, float]:
         """Advantages over the gathered step, drops, one optimizer step, accounting and metrics."""
         t2 = time.perf_counter()
+        generated_at = self.source.generated_at
         all_rewards = self._gather(scored.total)
         all_groups = self._gather(rollout.group_ids)
         all_ok = self._gather(scored.ok)
@@ -408,8 +304,8 @@ class NFTTrainer:
             {
                 "reward/mean": float(kept_rewards.mean()) if len(kept_rewards) else float("nan"),
                 "reward/std": float(kept_rewards.std(correction=0)) if len(kept_rewards) else float("nan"),
-                "time/rollout_s": self._t_generated - t0,
-                "time/reward_wait_s": t2 - self._t_generated,
+                "time/rollout_s": generated_at - t0,
+                "time/reward_wait_s": t2 - generated_at,
                 "time/train_s": t3 - t2,
                 "time/sec_per_prompt": (t3 - t0) / (self.cfg.data.prompts_per_step // self.world_size),
                 **{f"samples/{k}": float(v) for k, v in self.sample_counts.items()},
@@ -531,10 +427,20 @@ class NFTTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self, resume: str | None = None) -> dict[str, Any]:
-        cfg = self.cfg
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        """Train to train.steps (from `resume`, a checkpoint); the run summary. The source is started
+        after the checkpoint is loaded and stopped on any failure."""
         if resume:
             self.load(resume)
+        try:
+            self.source.start()
+            return self._loop()
+        except BaseException:
+            self.source.abort()
+            raise
+
+    def _loop(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.output_dir / "metrics.jsonl"
         if self.is_main:
             _truncate_metrics(metrics_path, keep_until=self.step)
@@ -558,7 +464,7 @@ class NFTTrainer:
         bar = tqdm(
             total=cfg.train.steps,
             initial=self.step,
-            desc="DiffusionNFT",
+            desc=self.algorithm.display_name,
             disable=not (cfg.train.progress and self.is_main),
         )
         first_step, loop_start = self.step, time.perf_counter()
@@ -607,7 +513,7 @@ class NFTTrainer:
             steady = (loop_end - first_step_end) / (self.step - first_step - 1) / p
             summary["steady_seconds_per_trained_prompt"] = round(steady, 4)
         try:
-            summary.update(self.finish_run())
+            summary.update(self.source.finish())
         except BaseException:
             logger.close()
             self.close_scorers()

@@ -1,0 +1,100 @@
+"""What an algorithm optimizes: the policy, its trained parameters and optimizer, and the processes
+that train together (gradients averaged over them, each weighted by its trained samples).
+
+A `Learner` knows nothing of where experience comes from or of the training loop; the trainer builds
+one, and a benchmark or a test can build one around any policy and optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ExperimentConfig
+from ..distributed import all_gather_cat, all_reduce_sum
+from ..models.policy import FlowPolicy
+
+
+@dataclass
+class Learner:
+    """The policy under training on this process and the process group it trains with (None: the
+    default group, or this process alone when `world_size` is 1)."""
+
+    cfg: ExperimentConfig
+    policy: FlowPolicy
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def in_group(
+        cls,
+        cfg: ExperimentConfig,
+        policy: FlowPolicy,
+        params: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        accelerator: Any = None,
+        group: Any = None,
+        device: torch.device | None = None,
+    ) -> Learner:
+        """A learner over `group` (its rank and size), else the accelerator's processes, else alone."""
+        if group is not None:
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            rank = accelerator.process_index if accelerator else 0
+            world_size = accelerator.num_processes if accelerator else 1
+        return cls(cfg, policy, params, optimizer, rank, world_size, group, device or torch.device("cpu"))
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.policy.transformer
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` of every process, concatenated in rank order."""
+        return all_gather_cat(t, self.group, self.device) if self.world_size > 1 else t
+
+    def weighted_mean_over_ranks(
+        self, metrics: dict[str, float], weight: float, names: list[str]
+    ) -> dict[str, float]:
+        """sum_i w_i m_i / sum_i w_i over processes for `names` (w_i: trained samples); a process
+        with none contributes nothing (its metrics may be empty)."""
+        if self.world_size == 1:
+            return {n: metrics.get(n, float("nan")) for n in names}
+        values = torch.tensor([metrics.get(n, 0.0) * weight for n in names] + [weight], dtype=torch.float64)
+        values = all_reduce_sum(values, self.group, self.device)
+        total = float(values[-1])
+        return {
+            n: float(v) / total if total > 0 else float("nan")
+            for n, v in zip(names, values[:-1], strict=True)
+        }
+
+    def average_gradients(self, weight: float = 1.0) -> None:
+        """Gradients averaged over processes, each weighted by its trained samples (`weight`)."""
+        if self.world_size == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        weights = torch.tensor([float(weight)], device=grads[0].device)
+        flat = torch.cat([g.flatten() * weight for g in grads] + [weights])
+        flat = all_reduce_sum(flat, self.group, self.device)
+        total, flat = flat[-1], flat[:-1]
+        flat /= total
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def apply_gradients(self, metrics: dict[str, float], weight: float = 1.0) -> None:
+        """Average gradients over processes (weighted by `weight`, this process's samples), clip, step."""
+        self.average_gradients(weight)
+        if self.cfg.optim.grad_clip > 0:
+            metrics["grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+            )
+        self.optimizer.step()
