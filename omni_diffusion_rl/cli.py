@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, describe, load_config
+from .config import ConfigError, ExecutionConfig, describe, load_config
 from .export import EXPORT_HELP, add_export_arguments, run_export
 from .lifeline import exit_with_parent
 
@@ -51,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return trainer.fit(resume=resume)
 
     if cfg.execution.mode == "auto":
-        from .execution.auto import run_auto
+        from .execution.planner.auto import run_auto
 
         summary = run_auto(cfg, accelerator.num_processes, accelerator.device, args.resume, run_mode)
     else:
@@ -245,13 +245,13 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .execution import costs as presets
-    from .execution.costs import CostModel, Workload
-    from .execution.simulate import format_report, simulate_settings
+    from .execution.planner import costs as presets
+    from .execution.planner.costs import read_costs_file
+    from .execution.planner.simulate import format_report, simulate_settings
 
     reported = None
     if args.measure:
-        from .execution.measure import costs_to_json, measure_costs
+        from .execution.planner.measure import costs_to_json, measure_costs
 
         cfg = load_config(args.measure, list(args.overrides))
         short, long = cfg.sampling.num_steps, args.long_steps or 4 * cfg.sampling.num_steps
@@ -275,20 +275,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         args.costs = str(costs_path)
     if args.costs:
         try:
-            spec = json.loads(Path(args.costs).read_text(encoding="utf-8"))
-            costs = CostModel(**spec["costs"])
-            workloads = {k: Workload(**v) for k, v in spec["workloads"].items()}
-            lengths = {k: float(v) for k, v in spec["lengths"].items()}
-        except (OSError, KeyError, TypeError, ValueError) as e:
+            found = read_costs_file(args.costs)
+            if not found.workloads or not found.lengths:
+                raise ValueError(f"{args.costs}: no 'workloads' or no 'lengths' to simulate")
+        except ValueError as e:
             raise ConfigError(
-                f"--costs {args.costs}: {type(e).__name__}: {e}. Expected JSON with 'costs' (CostModel "
-                "fields), 'workloads' ({'colocated': {...}, 'async': {...}} or {'all': {...}}; Workload "
-                "fields) and 'lengths' ({'short': 3, 'long': 40})"
+                f"--costs {e}. Expected JSON with 'costs' (CostModel fields), 'workloads' "
+                "({'colocated': {...}, 'async': {...}} or {'all': {...}}; Workload fields) and 'lengths' "
+                "({'short': 3, 'long': 40})"
             ) from e
+        costs, workloads, lengths = found.costs, found.workloads, found.lengths
     else:
         costs, workloads = presets.SEED_4XH800_COSTS, presets.SEED_4XH800_WORKLOADS
         lengths, reported = presets.SEED_4XH800_LENGTHS, presets.SEED_4XH800_REPORTED
-    report = simulate_settings(costs, workloads, lengths, steps=args.steps)
+    report = simulate_settings(costs, workloads, lengths, steps=args.steps, margin=args.margin)
     print(format_report(report, reported))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"source": args.costs or args.preset, "report": report}, indent=1))
@@ -308,6 +308,16 @@ def _ints(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in _names(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2 ({e})") from e
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from e
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -456,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
         "decisions and a cost model: the seed's 4 x H800 preset, or --costs FILE.json.",
     )
     simulate.add_argument("--preset", default="seed-4xh800", choices=("seed-4xh800",))
+    simulate.add_argument(
+        "--margin",
+        type=_fraction,
+        default=ExecutionConfig().auto_switch_margin,
+        help="auto's pick rule: colocated unless another mode is this fraction faster (steady seconds "
+        "per prompt); execution.auto_switch_margin (default %(default)s)",
+    )
     simulate.add_argument("--costs", help="JSON with 'costs', 'workloads' and 'lengths' instead of a preset")
     simulate.add_argument(
         "--steps",

@@ -10,21 +10,21 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.config import ConfigError, load_config
-from omni_diffusion_rl.execution.auto import (
+from omni_diffusion_rl.execution.planner.auto import (
     load_costs,
     predict,
     rollout_choices,
     simulate_layout,
     simulate_modes,
 )
-from omni_diffusion_rl.execution.measure import costs_to_json
-from omni_diffusion_rl.execution.recheck import (
+from omni_diffusion_rl.execution.planner.costs import MAX_COSTS_FILE_BYTES
+from omni_diffusion_rl.execution.planner.measure import costs_to_json
+from omni_diffusion_rl.execution.planner.pick import next_mode, pick_mode
+from omni_diffusion_rl.execution.planner.recheck import (
     AutoRecheck,
     StepTimings,
     calibrate,
-    first_pick,
     mean_timings,
-    next_mode,
     steady_seconds,
 )
 from omni_diffusion_rl.trainers.trainer import Trainer
@@ -91,7 +91,10 @@ def test_auto_costs_file_formats_and_errors(tmp_path: Path) -> None:
     summary.write_text(json.dumps({"steps": 3, "auto": {"measured_costs": costs_to_json(POINTS)}}))
     assert load_costs(str(measured)) == load_costs(str(summary)) == POINTS
     (tmp_path / "bad.json").write_text(json.dumps({"steps": 3}))
-    for bad in ("bad.json", "missing.json"):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{")
+    (tmp_path / "huge.json").write_bytes(b" " * (MAX_COSTS_FILE_BYTES + 1))
+    for bad in ("bad.json", "missing.json", "list.json", "binary.json", "huge.json"):
         with pytest.raises(ConfigError, match="auto_costs=.*odrl simulate"):
             load_costs(str(tmp_path / bad))
 
@@ -112,10 +115,10 @@ def test_async_modes_are_predicted_at_their_fastest_split() -> None:
 
 def test_first_pick_prefers_colocated_unless_another_mode_is_clearly_faster() -> None:
     inf = float("inf")
-    assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.1) == "colocated"
-    assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.85}, 0.1) == "hybrid"
-    assert first_pick({"colocated": inf, "separate": 0.95, "hybrid": 0.99}, 0.1) == "separate"
-    assert first_pick({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.0) == "hybrid"
+    assert pick_mode({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.1) == "colocated"
+    assert pick_mode({"colocated": 1.0, "separate": 0.95, "hybrid": 0.85}, 0.1) == "hybrid"
+    assert pick_mode({"colocated": inf, "separate": 0.95, "hybrid": 0.99}, 0.1) == "separate"
+    assert pick_mode({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.0) == "hybrid"
 
 
 def test_the_switch_estimate_counts_ending_and_restarting_the_mode(tmp_path: Path) -> None:

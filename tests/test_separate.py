@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.benchmarks.recheck import wrong_prior
-from omni_diffusion_rl.execution.recheck import first_pick
+from omni_diffusion_rl.execution.planner.pick import pick_mode
 from omni_diffusion_rl.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
@@ -200,7 +200,7 @@ def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_p
     auto = summary["auto"]
     predicted = auto["predicted_s_per_prompt"]
     assert set(predicted) == {"colocated", "separate", "hybrid"} and all(v > 0 for v in predicted.values())
-    assert auto["picked"] == first_pick(predicted, 0.1)  # colocated unless clearly slower
+    assert auto["picked"] == pick_mode(predicted, 0.1)  # colocated unless clearly slower
     measured = auto[
         "measured_costs"
     ]  # at one length the measured points are kept (the fitted slope may be 0)

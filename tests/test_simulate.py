@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.execution import scheduler
-from omni_diffusion_rl.execution.costs import (
+from omni_diffusion_rl.execution.planner.costs import (
     SEED_4XH800_COSTS,
     SEED_4XH800_LENGTHS,
     SEED_4XH800_REPORTED,
@@ -18,7 +18,8 @@ from omni_diffusion_rl.execution.costs import (
     CostModel,
     Workload,
 )
-from omni_diffusion_rl.execution.simulate import best_mode, simulate, simulate_settings
+from omni_diffusion_rl.execution.planner.pick import pick_mode
+from omni_diffusion_rl.execution.planner.simulate import MODES, simulate, simulate_settings
 
 from .helpers import ENV, REPO, odrl
 
@@ -93,9 +94,15 @@ def test_staleness_gate_follows_the_stream_offset() -> None:
     assert not scheduler.may_make_group(5, 0, 1, 4, scheduler.stream_offset(0, 3))
 
 
-def test_auto_picks_the_fastest_predicted_mode() -> None:
-    mode, results = best_mode(COSTS.with_length(60), WORK)
-    assert results[mode].seconds_per_prompt == min(r.seconds_per_prompt for r in results.values())
+def test_simulate_reports_the_pick_auto_would_make_by_its_own_rule() -> None:
+    for margin in (0.0, 0.1, 0.5):
+        row = simulate_settings(COSTS, {"all": WORK}, {"x": 60}, steps=20, margin=margin)["x"]
+        steady = {m: row["modes"][m]["steady_seconds_per_prompt"] for m in MODES}
+        assert row["auto_picks"] == pick_mode(steady, margin)
+    assert row["fastest_steady"] == min(steady, key=steady.get)
+    assert simulate_settings(COSTS, {"all": WORK}, {"x": 60}, margin=0.0)["x"]["auto_picks"] == min(
+        steady, key=steady.get
+    ), "with no margin, the fastest"
 
 
 def test_seed_preset_reproduces_the_seeds_direction_and_figures() -> None:
@@ -109,7 +116,12 @@ def test_seed_preset_reproduces_the_seeds_direction_and_figures() -> None:
     for row in report.values():  # lending never costs more than 3% over separate
         modes = row["modes"]
         assert modes["hybrid"]["seconds_per_prompt"] <= 1.03 * modes["separate"]["seconds_per_prompt"]
-    assert report["long"]["auto_picks"] != "colocated"
+    # auto's rule (steady seconds, 10% margin): hybrid is 26% faster at short lengths; at long ones
+    # separate is 8.8% faster, inside the margin, so auto stays colocated; with no margin it leaves
+    assert (report["short"]["auto_picks"], report["long"]["auto_picks"]) == ("hybrid", "colocated")
+    assert report["long"]["fastest_steady"] == "separate"
+    no_margin = simulate_settings(SEED_4XH800_COSTS, SEED_4XH800_WORKLOADS, SEED_4XH800_LENGTHS, margin=0.0)
+    assert no_margin["long"]["auto_picks"] == "separate"
 
 
 def test_simulate_cli_prints_a_table_and_writes_json(tmp_path: Path) -> None:
@@ -141,7 +153,7 @@ def test_simulate_cli_prints_a_table_and_writes_json(tmp_path: Path) -> None:
 
 def test_measured_costs_grow_with_length_and_feed_the_simulator(tmp_path: Path) -> None:
     from omni_diffusion_rl.config import load_config
-    from omni_diffusion_rl.execution.measure import measure_costs
+    from omni_diffusion_rl.execution.planner.measure import measure_costs
 
     from .helpers import fast_overrides, tiny_model_dir
 
@@ -154,12 +166,12 @@ def test_measured_costs_grow_with_length_and_feed_the_simulator(tmp_path: Path) 
     assert [x for x, _ in one.gen_points] == [2.0, 4.0] == [x for x, _ in one.train_points]
     assert one.gen(2) == one.gen_points[0][1] and one.points_length == 3
     work = Workload(replicas=2, prompts_per_step=2, group_size=2, rollout_replicas=1)
-    mode, results = best_mode(costs, work, steps=5)
-    assert mode in results and all(r.trained_prompts == 10 for r in results.values())
+    results = [simulate(mode, costs, work, 5) for mode in MODES]
+    assert all(r.trained_prompts == 10 and r.seconds > 0 for r in results)
 
 
 def test_measured_points_are_interpolated_and_survive_json() -> None:
-    from omni_diffusion_rl.execution.measure import costs_to_json
+    from omni_diffusion_rl.execution.planner.measure import costs_to_json
 
     costs = dataclasses.replace(  # with points, the linear coefficients are not used
         COSTS,
@@ -180,7 +192,7 @@ def test_measured_points_are_interpolated_and_survive_json() -> None:
 
 def test_auto_predicts_steady_state_and_rules_out_layouts_that_cannot_run() -> None:
     from omni_diffusion_rl.config import load_config
-    from omni_diffusion_rl.execution.auto import predict
+    from omni_diffusion_rl.execution.planner.auto import predict
 
     cfg = load_config(None, ["data.prompts_per_step=4", "data.group_size=4"])
     predicted = predict(COSTS, cfg, 2)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..execution.simulate import MODES
+from ..execution.planner.simulate import MODES
 from .common import DEFAULT_CONFIG, QUIET, launch_training, median, publish, steady_s_per_prompt
 
 RUN_MODES = ("auto", "colocated", "separate", "hybrid")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costs import CostModel, Workload
+from .planner.costs import CostModel, Workload
 
 # Prompt groups a trainer generates itself (hybrid lending) come from this far part of the data
 # stream, so their group ids (and noise keys) never meet the rollout processes' ids.

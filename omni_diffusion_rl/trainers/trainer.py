@@ -140,7 +140,7 @@ class Trainer:
         self.step = 0
         self.eval_before: dict[str, float] | None = None
         self.output_dir = Path(cfg.train.output_dir)
-        self.recheck: Any = None  # auto: execution.recheck.AutoRecheck, told about every step
+        self.recheck: Any = None  # auto: execution.planner.recheck.AutoRecheck, told about every step
         self.wandb_run_id = uuid.uuid4().hex[:16]  # kept in checkpoints: a resumed run logs to the same run
         self.built_at = time.perf_counter()
         self.build_s = self.built_at - built

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ..config import ExperimentConfig
-from ..rollout import score
+from ...config import ExperimentConfig
+from ...rollout import score
 from .costs import CostModel
 
 
@@ -73,7 +73,7 @@ def _measure(
     replicas: int,
     device: torch.device | None,
 ) -> CostModel:
-    from ..trainers.trainer import Trainer
+    from ...trainers.trainer import Trainer
 
     trainer = Trainer(cfg, device=device)
     k = cfg.data.group_size

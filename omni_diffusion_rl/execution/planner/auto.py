@@ -1,7 +1,7 @@
 """auto: measure the job's unit costs in the running processes, predict each mode with the
 simulator, and run the fastest.
 
-Every process times the same warm-up (execution/measure.py) at the same time, so the costs carry
+Every process times the same warm-up (measure.py) at the same time, so the costs carry
 the contention the real run will see (processes sharing cores or a node); the costs are averaged
 over processes, so every process computes the same prediction and picks the same mode. The
 measurement uses a throw-away copy of the policy, freed before the run builds its own.
@@ -20,12 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import atomic_write_text
-from ..config import ConfigError, ExperimentConfig
-from ..distributed import mean_over_processes
-from .costs import CostModel, Workload
+from ...checkpoint import atomic_write_text
+from ...config import ConfigError, ExperimentConfig
+from ...distributed import mean_over_processes
+from .costs import CostModel, Workload, read_costs_file
 from .measure import costs_to_json, measure_costs
-from .recheck import AutoRecheck, agree_on_switch, first_pick, rollout_replicas_of, steady_seconds
+from .pick import pick_mode
+from .recheck import AutoRecheck, agree_on_switch, rollout_replicas_of, steady_seconds
 from .simulate import MODES, SimResult, simulate
 
 PREDICTED_STEPS = 20
@@ -103,18 +104,13 @@ def _mean_over_processes(costs: CostModel, device: torch.device | None = None) -
 
 
 def load_costs(path: str) -> CostModel:
-    """Unit costs from a JSON file: what `odrl simulate --measure` writes ({"costs": ...}), or an
-    earlier auto run's summary.json (its auto.measured_costs)."""
+    """execution.auto_costs: unit costs from a costs file (costs.read_costs_file)."""
     try:
-        spec = json.loads(Path(path).read_text(encoding="utf-8"))
-        found = spec.get("costs") or spec.get("auto", {}).get("measured_costs")
-        if not isinstance(found, dict):
-            raise KeyError("no 'costs' object and no 'auto.measured_costs'")
-        return CostModel(**found)
-    except (OSError, AttributeError, KeyError, TypeError, ValueError) as e:
+        return read_costs_file(path).costs
+    except ValueError as e:
         raise ConfigError(
-            f"execution.auto_costs={path}: {type(e).__name__}: {e}. Give the JSON that `odrl simulate "
-            "--measure` writes, or an auto run's summary.json; or leave it empty to measure at warm-up"
+            f"execution.auto_costs={e}. Give the JSON that `odrl simulate --measure` writes, or an auto "
+            "run's summary.json; or leave it empty to measure at warm-up"
         ) from e
 
 
@@ -138,7 +134,7 @@ def choose_mode(
         gc.collect()
     results = simulate_modes(costs, cfg, processes)
     predicted = {m: steady_seconds(r) for m, r in results.items()}
-    picked = first_pick(predicted, cfg.execution.auto_switch_margin)
+    picked = pick_mode(predicted, cfg.execution.auto_switch_margin)
     if predicted[picked] == float("inf"):
         raise ConfigError(
             f"auto: no execution mode can run this layout ({processes} processes, "

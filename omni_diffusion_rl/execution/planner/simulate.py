@@ -14,9 +14,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..buffer import Group, ReplayBuffer
-from . import scheduler
+from ...buffer import Group, ReplayBuffer
+from .. import scheduler
 from .costs import CostModel, Workload
+from .pick import pick_mode
 
 MODES = ("colocated", "separate", "hybrid")
 
@@ -74,16 +75,6 @@ def simulate(mode: str, costs: CostModel, work: Workload, steps: int) -> SimResu
     if mode in ("separate", "hybrid"):
         return _Async(costs, work, lend=mode == "hybrid").run(steps)
     raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-
-
-def predict_all(costs: CostModel, work: Workload, steps: int) -> dict[str, SimResult]:
-    return {mode: simulate(mode, costs, work, steps) for mode in MODES}
-
-
-def best_mode(costs: CostModel, work: Workload, steps: int = 20) -> tuple[str, dict[str, SimResult]]:
-    """auto: the mode the simulator predicts fastest (seconds per trained prompt) for these costs."""
-    results = predict_all(costs, work, steps)
-    return min(results, key=lambda m: results[m].seconds_per_prompt), results
 
 
 def _colocated(costs: CostModel, work: Workload, steps: int) -> SimResult:
@@ -268,29 +259,41 @@ def simulate_settings(
     workloads: dict[str, Workload],
     lengths: dict[str, float],
     steps: int = 20,
+    margin: float = 0.1,
 ) -> dict[str, Any]:
-    """Each mode at each length setting, and the mode auto would pick. `workloads` has a
-    "colocated" and an "async" (separate, hybrid) layout, or one "all" for both."""
+    """Each mode at each length setting, and the mode auto would pick there by its own rule
+    (pick.pick_mode on steady seconds per prompt, with `margin`: execution.auto_switch_margin).
+    `workloads` has a "colocated" and an "async" (separate, hybrid) layout, or one "all" for both."""
     report: dict[str, Any] = {}
     for setting, length in lengths.items():
         c = costs.with_length(length)
-        rows = {}
+        rows, steady = {}, {}
         for mode in MODES:
             work = workloads.get("colocated" if mode == "colocated" else "async", workloads.get("all"))
             if work is None:
                 raise ValueError("workloads needs 'colocated' and 'async' layouts, or 'all'")
-            rows[mode] = simulate(mode, c, work, steps).as_dict()
-        best = min(rows, key=lambda m: rows[m]["seconds_per_prompt"])
-        report[setting] = {"length": length, "modes": rows, "auto_picks": best}
+            result = simulate(mode, c, work, steps)
+            rows[mode], steady[mode] = result.as_dict(), result.steady_seconds_per_prompt
+        fastest = min(steady, key=steady.get)
+        report[setting] = {
+            "length": length,
+            "modes": rows,
+            "auto_picks": pick_mode(steady, margin),
+            "fastest_steady": fastest,
+            "margin": margin,
+        }
     return report
 
 
 def format_report(report: dict[str, Any], reported: dict[str, dict[str, float]] | None = None) -> str:
-    """A table: seconds per trained prompt per mode and setting (and the published figures if any)."""
+    """A table: seconds per trained prompt per mode and setting, the steady ones (without the first
+    step; what auto picks by), and the published figures if any."""
     lines = [f"{'setting':<10}{'length':>8}  " + "".join(f"{m:>12}" for m in MODES) + f"{'auto picks':>14}"]
     for setting, row in report.items():
         cells = "".join(f"{row['modes'][m]['seconds_per_prompt']:>12.3f}" for m in MODES)
         lines.append(f"{setting:<10}{row['length']:>8g}  {cells}{row['auto_picks']:>14}")
+        steady = "".join(f"{row['modes'][m]['steady_seconds_per_prompt']:>12.3f}" for m in MODES)
+        lines.append(f"{'  steady':<18}  {steady}")
         if reported and setting in reported:
             published = "".join(f"{reported[setting].get(m, float('nan')):>12.3f}" for m in MODES)
             lines.append(f"{'  reported':<18}  {published.replace('nan', '  -')}")

@@ -16,7 +16,6 @@ resumes from it in the new mode. Colocated and async checkpoints resume each oth
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,8 +23,9 @@ from typing import Any
 
 import torch
 
-from ..distributed import broadcast_ints, mean_over_processes
+from ...distributed import broadcast_ints, mean_over_processes
 from .costs import CostModel
+from .pick import next_mode
 from .simulate import MODES, SimResult
 
 
@@ -63,36 +63,6 @@ def mean_timings(window: list[StepTimings]) -> StepTimings:
         train_samples=statistics.fmean(t.train_samples for t in window),
         train_s=statistics.fmean(t.train_s for t in window),
     )
-
-
-def next_mode(
-    predicted: dict[str, float], current: str, remaining_prompts: int, switch_cost_s: float, margin: float
-) -> tuple[str, str]:
-    """(the mode to run next, why): the fastest predicted mode if it beats the running one by more
-    than `margin` (a fraction) and saves more than `switch_cost_s` over the remaining prompts."""
-    best = min(predicted, key=predicted.get)
-    now, new = predicted[current], predicted[best]
-    if best == current:
-        return current, "the running mode is still predicted fastest"
-    if not math.isfinite(new):
-        return current, "no mode is predicted to run"
-    if not math.isfinite(now):
-        return best, f"{best} is predicted to run, the running layout is not"
-    if new > now * (1 - margin):
-        return current, f"{best} is predicted {100 * (1 - new / now):.1f}% faster, within the margin"
-    saved = (now - new) * remaining_prompts
-    if saved <= switch_cost_s:
-        return current, f"{best} would save {saved:.1f} s, less than the switch ({switch_cost_s:.1f} s)"
-    return best, f"{best} is predicted {100 * (1 - new / now):.1f}% faster, saving {saved:.1f} s"
-
-
-def first_pick(predicted: dict[str, float], margin: float) -> str:
-    """The mode to start with: colocated (on-policy, no buffer to fill) unless another mode is
-    predicted faster by more than `margin`, the simulator's error on a short warm-up being of that
-    order; otherwise the fastest."""
-    best = min(predicted, key=predicted.get)
-    colocated = predicted.get("colocated", math.inf)
-    return "colocated" if math.isfinite(colocated) and predicted[best] > colocated * (1 - margin) else best
 
 
 def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int) -> StepTimings | None:

@@ -13,9 +13,14 @@ fits them exactly where a least-squares line with a clamped intercept does not.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from ..async_layout import buffer_capacity, check_async_layout
+from ...async_layout import buffer_capacity, check_async_layout
+
+MAX_COSTS_FILE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -150,3 +155,41 @@ SEED_4XH800_REPORTED = {
     "short": {"colocated": 1.522, "separate": 1.663},
     "long": {"colocated": 2.813, "separate": 2.624},
 }
+
+
+@dataclass(frozen=True)
+class CostsFile:
+    """A costs file: the unit costs, and for `odrl simulate` the layouts and lengths to simulate
+    (empty when the file has none, e.g. an auto run's summary.json)."""
+
+    costs: CostModel
+    workloads: dict[str, Workload] = field(default_factory=dict)
+    lengths: dict[str, float] = field(default_factory=dict)
+
+
+def read_costs_file(path: str | Path) -> CostsFile:
+    """The one reader of unit-cost files: what `odrl simulate --measure` writes ({"costs": ...,
+    "workloads": ..., "lengths": ...}) or an auto run's summary.json (its auto.measured_costs).
+    A ValueError names what is wrong; the file is read with a size bound and never executed."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_COSTS_FILE_BYTES + 1)
+        if len(data) > MAX_COSTS_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_COSTS_FILE_BYTES >> 20} MiB")
+        spec: Any = json.loads(data.decode("utf-8"))
+        if not isinstance(spec, dict):
+            raise ValueError("not a JSON object")
+        auto = spec.get("auto")
+        found = spec.get("costs") or (auto.get("measured_costs") if isinstance(auto, dict) else None)
+        if not isinstance(found, dict):
+            raise ValueError("no 'costs' object and no 'auto.measured_costs'")
+        workloads, lengths = spec.get("workloads", {}), spec.get("lengths", {})
+        if not isinstance(workloads, dict) or not isinstance(lengths, dict):
+            raise ValueError("'workloads' and 'lengths' must be objects")
+        return CostsFile(
+            CostModel(**found),
+            {str(k): Workload(**v) for k, v in workloads.items()},
+            {str(k): float(v) for k, v in lengths.items()},
+        )
+    except (OSError, UnicodeDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {type(e).__name__}: {e}") from e
