@@ -175,7 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "modes":
         from .benchmarks.modes import run_modes_bench
 
-        run_modes_bench(args.output or Path("runs/bench/modes.json"), args.config, args.overrides, **steps)
+        output = args.output or Path("runs/bench/modes.json")
+        run_modes_bench(output, args.config, args.overrides, **steps, repeats=repeats or 4)
         return 0
     if args.name == "learning":
         from .benchmarks.learning import run_learning_bench

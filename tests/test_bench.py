@@ -71,7 +71,9 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
     assert overhead["added_ms"] == pytest.approx(overhead["served_ms"] - overhead["in_process_ms"], abs=0.02)
 
 
-def test_modes_bench_runs_every_mode_and_reports_predictions(tmp_path: Path) -> None:
+def test_modes_bench_runs_every_mode_and_reports_predictions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from omni_diffusion_rl.benchmarks.modes import RUN_MODES, run_modes_bench
 
     from .helpers import fast_overrides, tiny_model_dir
@@ -84,13 +86,16 @@ def test_modes_bench_runs_every_mode_and_reports_predictions(tmp_path: Path) -> 
     assert report == json.loads(json.dumps(result)) and output.with_suffix(".png").is_file()
     row = report["settings"]["short"]
     assert set(row["real_s_per_prompt"]) == set(RUN_MODES) == {"auto", "colocated", "separate", "hybrid"}
-    assert all(v > 0 for v in row["real_s_per_prompt"].values())
+    real = row["real_s_per_prompt"]
+    assert all(0 < r["min"] <= r["median"] <= r["max"] for r in real.values())
     assert set(row["predicted_s_per_prompt"]) == {"colocated", "separate", "hybrid"}
-    assert all(math.isfinite(v) for v in row["prediction_error"].values())
+    assert all(math.isfinite(v["median"]) for v in row["prediction_error"].values())
     assert row["auto_picked"][0] in row["predicted_s_per_prompt"] and row["auto_warmup_s"][0] > 0
-    assert row["fastest_fixed_mode"] == min(
-        ("colocated", "separate", "hybrid"), key=row["real_s_per_prompt"].get
-    )
+    fixed = ("colocated", "separate", "hybrid")
+    assert row["fastest_fixed_mode"] == min(fixed, key=lambda m: real[m]["median"])
+    for key in ("auto_vs_fastest", "separate_vs_colocated", "hybrid_vs_separate", "hybrid_vs_colocated"):
+        assert row[key]["verdict"] in ("faster", "slower", "within noise", "met", "missed"), key
+    assert "interleaved rounds" in capsys.readouterr().out
 
 
 def test_recheck_bench_compares_a_wrong_pick_with_and_without_the_recheck(tmp_path: Path) -> None:

@@ -68,6 +68,40 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min, max and the range relative to the median, of one figure over rounds."""
+    mid = median(values)
+    return {
+        "median": round(mid, 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "relative_range": round((max(values) - min(values)) / mid, 4) if mid else float("nan"),
+    }
+
+
+def compare_paired(a: list[float], b: list[float], at_most: float | None = None) -> dict[str, Any]:
+    """a against b, paired by round (the rounds interleave the runs, so a pair saw the same state
+    of the machine): r_i = a_i / b_i - 1. Without `at_most`: "faster" or "slower" when every round
+    agrees on the sign, else "within noise". With `at_most` (a claim "a is at most that fraction
+    slower than b"): "met" when every round is within it, "missed" when none is, else "within noise"."""
+    ratios = [x / y - 1 for x, y in zip(a, b, strict=True)]
+    low, high = min(ratios), max(ratios)
+    if at_most is None:
+        verdict = "faster" if high < 0 else "slower" if low > 0 else "within noise"
+    else:
+        verdict = "met" if high <= at_most else "missed" if low > at_most else "within noise"
+    out: dict[str, Any] = {
+        "median": round(median(ratios), 4),
+        "min": round(low, 4),
+        "max": round(high, 4),
+        "each_round": [round(r, 4) for r in ratios],
+        "verdict": verdict,
+    }
+    if at_most is not None:
+        out["at_most"] = at_most
+    return out
+
+
 def publish(
     result: dict[str, Any],
     output: Path,

@@ -3,12 +3,16 @@
 For each generation setting (by default 10 sampling steps, and 40 with the same 6 trained timesteps
 per sample, so that generation grows 4x and training does not), every mode (auto, colocated 2+0,
 separate 1+1, hybrid 1+1 with lending) trains the same number of steps, so the same number of
-prompts, under `accelerate launch`; the modes take turns, `repeats` rounds, and the median is
-reported. The unit costs auto measures inside the two running processes during its warm-up give
-the simulator's prediction for every mode, reported next to each real run with the error. Real
-seconds per trained prompt are steady-state: the training loop after its first step (start-up,
-auto's warm-up, the async buffer's first fill and saving excluded; the warm-up and the whole-loop
-figure are reported too). Prints a table, writes JSON and a bar chart.
+prompts, under `accelerate launch`. The modes take turns, `repeats` rounds, each round starting with
+the next mode (so no mode always runs first or last); every figure is reported as the median over
+rounds with its min and max. Comparisons are paired by round (a round's runs saw the same state of
+this noisy machine) and stated as a verdict: faster / slower, or met / missed for a target, only
+when every round agrees, otherwise "within noise" (common.compare_paired). The unit costs auto
+measures inside the two running processes during its warm-up give the simulator's prediction for
+every mode, reported next to each real run with the error. Real seconds per trained prompt are
+steady-state: the training loop after its first step (start-up, auto's warm-up, the async buffer's
+first fill and saving excluded; the warm-up and the whole-loop figure are reported too). Prints a
+table, writes JSON and a bar chart.
 """
 
 from __future__ import annotations
@@ -17,13 +21,30 @@ from pathlib import Path
 from typing import Any
 
 from ..execution.planner.simulate import MODES
-from .common import DEFAULT_CONFIG, QUIET, launch_training, median, publish, steady_s_per_prompt
+from .common import (
+    DEFAULT_CONFIG,
+    QUIET,
+    compare_paired,
+    launch_training,
+    median,
+    publish,
+    spread,
+    steady_s_per_prompt,
+)
 
 RUN_MODES = ("auto", "colocated", "separate", "hybrid")
 SETTINGS = {
     "short": ["sampling.num_steps=10", "algorithm.timestep_fraction=0.6"],
     "long": ["sampling.num_steps=40", "algorithm.timestep_fraction=0.15"],
 }
+AUTO_TARGET = 0.05  # auto should be at most 5% slower than the fastest fixed mode
+PREDICTION_TARGET = 0.15  # predictions within 15% of the real steady seconds
+
+
+def round_order(round_index: int) -> list[str]:
+    """The modes of one round, starting with a different one each round."""
+    k = round_index % len(RUN_MODES)
+    return [*RUN_MODES[k:], *RUN_MODES[:k]]
 
 
 def run_modes_bench(
@@ -32,7 +53,7 @@ def run_modes_bench(
     overrides: list[str] | None = None,
     steps: int = 8,
     settings: dict[str, list[str]] | None = None,
-    repeats: int = 2,
+    repeats: int = 4,
 ) -> dict[str, Any]:
     """Every mode `repeats` times per setting (default: short and long); real against predicted."""
     overrides = list(overrides or [])
@@ -42,61 +63,95 @@ def run_modes_bench(
     for setting, setting_overrides in settings.items():
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in RUN_MODES}
         for round_index in range(repeats):
-            for mode in RUN_MODES:
+            for mode in round_order(round_index):
                 port += 1
                 run_dir = output.parent / f"modes_{setting}_{mode}_{round_index}"
                 args = [*overrides, *setting_overrides, *QUIET, f"train.steps={steps}"]
-                args += [f"train.output_dir={run_dir}", f"execution.mode={mode}"]
+                args += [f"train.output_dir={run_dir}", f"execution.mode={mode}", "train.overwrite=true"]
                 runs[mode].append(launch_training(config, args, port))
-        real = {m: median([steady_s_per_prompt(r) for r in runs[m]]) for m in RUN_MODES}
-        whole = {m: median([r["seconds_per_trained_prompt"] for r in runs[m]]) for m in RUN_MODES}
-        autos = [r["auto"] for r in runs["auto"]]
-        predicted = {m: round(median([a["predicted_s_per_prompt"][m] for a in autos]), 4) for m in MODES}
-        fixed = {m: real[m] for m in MODES}
-        best = min(fixed, key=fixed.get)
-        rows[setting] = {
-            "overrides": setting_overrides,
-            "real_s_per_prompt": {m: round(v, 4) for m, v in real.items()},
-            "real_s_per_prompt_each_round": {m: [steady_s_per_prompt(r) for r in runs[m]] for m in RUN_MODES},
-            "whole_loop_s_per_prompt": {m: round(v, 4) for m, v in whole.items()},
-            "predicted_s_per_prompt": predicted,
-            "prediction_error": {m: round(predicted[m] / real[m] - 1, 4) for m in MODES},
-            "fastest_fixed_mode": best,
-            "auto_picked": [a["picked"] for a in autos],
-            "auto_vs_best": round(real["auto"] / fixed[best] - 1, 4),
-            "auto_warmup_s": [a["warmup_s"] for a in autos],
-            "hybrid_vs_separate": round(real["hybrid"] / real["separate"] - 1, 4),
-            "hybrid_lends": [r["execution"]["hybrid"]["lends"] for r in runs["hybrid"]],
-            "idle_fraction": {m: runs[m][0]["execution"]["idle_fraction"] for m in ("separate", "hybrid")},
-            "measured_costs": autos[0]["measured_costs"],
-        }
+        rows[setting] = _setting_row(setting_overrides, runs)
     result = {"processes": 2, "steps_per_run": steps, "rounds": repeats, "settings": rows}
     publish(result, output, format_table(result), _draw, (4.5 * len(rows), 3.2), panels=len(rows))
     return result
 
 
+def _setting_row(setting_overrides: list[str], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One setting's figures (median, min, max over rounds), predictions and paired comparisons."""
+    real = {m: [steady_s_per_prompt(r) for r in runs[m]] for m in RUN_MODES}
+    whole = {m: [float(r["seconds_per_trained_prompt"]) for r in runs[m]] for m in RUN_MODES}
+    autos = [r["auto"] for r in runs["auto"]]
+    predicted = {m: round(median([a["predicted_s_per_prompt"][m] for a in autos]), 4) for m in MODES}
+    medians = {m: median(real[m]) for m in RUN_MODES}
+    best = min(MODES, key=lambda m: medians[m])
+    picked_colocated = [i for i, a in enumerate(autos) if a["picked"] == "colocated"]
+    return {
+        "overrides": setting_overrides,
+        "real_s_per_prompt": {m: spread(real[m]) for m in RUN_MODES},
+        "real_s_per_prompt_each_round": {m: [round(v, 4) for v in real[m]] for m in RUN_MODES},
+        "whole_loop_s_per_prompt": {m: spread(whole[m]) for m in RUN_MODES},
+        "predicted_s_per_prompt": predicted,
+        "prediction_error": {  # against each round's real figure: the error's own spread
+            m: compare_paired([predicted[m]] * len(real[m]), real[m], at_most=PREDICTION_TARGET)
+            for m in MODES
+        },
+        "fastest_fixed_mode": best,
+        "auto_picked": [a["picked"] for a in autos],
+        "auto_vs_fastest": compare_paired(real["auto"], real[best], at_most=AUTO_TARGET),
+        # the same mode run by auto (its pick) and directly: what auto itself costs while running
+        "auto_running_colocated_vs_colocated": compare_paired(
+            [real["auto"][i] for i in picked_colocated], [real["colocated"][i] for i in picked_colocated]
+        )
+        if picked_colocated
+        else None,
+        "auto_warmup_s": [a["warmup_s"] for a in autos],
+        "separate_vs_colocated": compare_paired(real["separate"], real["colocated"]),
+        "hybrid_vs_separate": compare_paired(real["hybrid"], real["separate"]),
+        "hybrid_vs_colocated": compare_paired(real["hybrid"], real["colocated"]),
+        "hybrid_lends": [r["execution"]["hybrid"]["lends"] for r in runs["hybrid"]],
+        "idle_fraction": {m: runs[m][0]["execution"]["idle_fraction"] for m in ("separate", "hybrid")},
+        "measured_costs": autos[0]["measured_costs"],
+    }
+
+
+def _range(figure: dict[str, float]) -> str:
+    return f"{figure['median']:.3f} [{figure['min']:.3f}-{figure['max']:.3f}]"
+
+
+def _verdict(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "-"
+    return f"{c['median']:+.1%} [{c['min']:+.1%}, {c['max']:+.1%}] {c['verdict']}"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """Plain-text table: per setting and mode, real and predicted seconds per prompt."""
+    """Plain-text table: per setting and mode, real (median [min-max] over rounds) and predicted
+    seconds per prompt, then the paired comparisons with their verdicts."""
     lines = [
-        f"execution modes, 2 processes, {result['steps_per_run']} steps per run, median of "
-        f"{result['rounds']} rounds (steady seconds per trained prompt; whole loop incl. the first step)",
-        f"{'setting':<9}{'mode':<11}{'real':>8}{'predicted':>11}{'error':>8}{'whole':>8}",
+        f"execution modes, 2 processes, {result['steps_per_run']} steps per run, {result['rounds']} "
+        "interleaved rounds; steady seconds per trained prompt, median [min-max]; whole loop incl. the "
+        "first step",
+        f"{'setting':<9}{'mode':<11}{'real':>22}{'predicted':>11}{'error':>26}{'whole':>22}",
     ]
     for setting, row in result["settings"].items():
         for mode in RUN_MODES:
-            real = row["real_s_per_prompt"][mode]
             pred = row["predicted_s_per_prompt"].get(mode)
-            err = row["prediction_error"].get(mode)
             pred_text = f"{pred:>11.3f}" if pred is not None else f"{'-':>11}"
-            err_text = f"{err:>+8.0%}" if err is not None else f"{'-':>8}"
-            whole = row["whole_loop_s_per_prompt"][mode]
-            lines.append(f"{setting:<9}{mode:<11}{real:>8.3f}{pred_text}{err_text}{whole:>8.3f}")
+            err = row["prediction_error"].get(mode)
+            err_text = f"{err['median']:+.0%} [{err['min']:+.0%}, {err['max']:+.0%}]" if err else "-"
+            real, whole = row["real_s_per_prompt"][mode], row["whole_loop_s_per_prompt"][mode]
+            lines.append(
+                f"{setting:<9}{mode:<11}{_range(real):>22}{pred_text}{err_text:>26}{_range(whole):>22}"
+            )
         warmup = "/".join(f"{w:.1f}" for w in row["auto_warmup_s"])
-        lines.append(
-            f"  fastest fixed: {row['fastest_fixed_mode']}; auto picked {'/'.join(row['auto_picked'])} "
-            f"({row['auto_vs_best']:+.1%} vs fastest, warm-up {warmup} s); "
-            f"hybrid vs separate {row['hybrid_vs_separate']:+.1%} (lends {row['hybrid_lends']})"
-        )
+        lines += [
+            f"  auto picked {'/'.join(row['auto_picked'])} (warm-up {warmup} s); vs the fastest fixed "
+            f"mode ({row['fastest_fixed_mode']}, target <= {AUTO_TARGET:+.0%}): "
+            f"{_verdict(row['auto_vs_fastest'])}",
+            f"  auto running colocated vs colocated: {_verdict(row['auto_running_colocated_vs_colocated'])}",
+            f"  separate vs colocated: {_verdict(row['separate_vs_colocated'])}; hybrid vs separate: "
+            f"{_verdict(row['hybrid_vs_separate'])} (lends {row['hybrid_lends']}); hybrid vs colocated: "
+            f"{_verdict(row['hybrid_vs_colocated'])}",
+        ]
     return "\n".join(lines)
 
 
@@ -104,7 +159,11 @@ def _draw(axes: list[Any], result: dict[str, Any]) -> None:
     """Real against predicted seconds per prompt, one panel per setting."""
     for ax, (setting, row) in zip(axes, result["settings"].items(), strict=True):
         xs = range(len(RUN_MODES))
-        ax.bar([x - 0.2 for x in xs], [row["real_s_per_prompt"][m] for m in RUN_MODES], 0.4, label="real")
+        real = [row["real_s_per_prompt"][m] for m in RUN_MODES]
+        low = [r["median"] - r["min"] for r in real]
+        high = [r["max"] - r["median"] for r in real]
+        medians = [r["median"] for r in real]
+        ax.bar([x - 0.2 for x in xs], medians, 0.4, yerr=[low, high], capsize=3, label="real (min-max)")
         predicted = [row["predicted_s_per_prompt"].get(m, 0.0) for m in RUN_MODES]
         ax.bar([x + 0.2 for x in xs], predicted, 0.4, label="predicted")
         ax.set_xticks(list(xs), RUN_MODES)

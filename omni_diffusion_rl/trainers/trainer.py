@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, atomic_write_text, load_checkpoint, save_checkpoint
 from ..config import ConfigError, ExperimentConfig
 from ..distributed import all_reduce_sum
 from ..evaluation import (
@@ -526,7 +526,8 @@ class Trainer:
         summary["samples"] = dict(self.sample_counts)
         if self.is_main:
             plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
-            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+            if self.recheck is None:  # under auto, its driver writes the whole run's summary once
+                atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
 
 
