@@ -222,6 +222,19 @@ def test_separate_packages_do_not_import_each_other() -> None:
     assert not crossing, "\n".join(crossing)
 
 
+def test_execution_modes_import_no_algorithm() -> None:
+    """Execution modes decide who does what; what is learned (the algorithms, their math, the
+    two-adapter LoRA layout they keep their rollout weights in) stays behind the Algorithm seam."""
+    algorithm_modules = (f"{PACKAGE}.trainers.algorithms", f"{PACKAGE}.algorithms", f"{PACKAGE}.models.lora")
+    graph = import_graph()
+    found = {
+        module: sorted(m for m in imports if any(_matches(a, m) for a in algorithm_modules))
+        for module, imports in graph.items()
+        if _matches(f"{PACKAGE}.execution", module)
+    }
+    assert found and not any(found.values()), {m: i for m, i in found.items() if i}
+
+
 def test_the_package_root_imports_nothing_of_the_package() -> None:
     """Importing any module runs omni_diffusion_rl/__init__.py first: whatever it imported would sit
     below every module."""

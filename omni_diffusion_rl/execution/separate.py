@@ -451,8 +451,9 @@ class BufferSource(ExperienceSource):
         with self.ready:
             group_seconds, self.group_seconds = self.group_seconds, []
         metrics: dict[str, float] = {}
-        if group_seconds:
-            metrics["rollout/seconds_per_group"] = sum(group_seconds) / len(group_seconds)
+        self.rollout_group_s = sum(group_seconds) / len(group_seconds) if group_seconds else None
+        if self.rollout_group_s is not None:
+            metrics["rollout/seconds_per_group"] = self.rollout_group_s
         metrics.update(
             {
                 "buffer/depth": float(self.depths[-1]),

@@ -29,6 +29,7 @@ class ExperienceSource:
 
     share_group: Any = None  # the process group over which a leader's decisions reach the others
     generated_at = 0.0  # perf_counter when the last batch finished generating (or arrived)
+    rollout_group_s: float | None = None  # async: rollout's mean seconds per group during the last step
 
     def attach(self, trainer: Trainer) -> None:
         """Called once by the trainer it feeds (its experience maker, step and process group)."""

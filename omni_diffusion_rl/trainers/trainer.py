@@ -55,6 +55,7 @@ from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from ..world import tiny_world
 from .algorithms import algorithm_class, build_algorithm
 from .learner import Learner
+from .phases import LoopStart, ProcessPlace, StepPhases
 from .sources import ExperienceSource, LocalSource
 
 
@@ -142,10 +143,11 @@ class Trainer:
         self.output_dir = Path(cfg.train.output_dir)
         self.recheck: Any = None  # auto: execution.planner.recheck.AutoRecheck, told about every step
         self.wandb_run_id = uuid.uuid4().hex[:16]  # kept in checkpoints: a resumed run logs to the same run
+        self.building_started_at = built
         self.built_at = time.perf_counter()
         self.build_s = self.built_at - built
-        self.startup_s = self.build_s  # + loading, start-up messages (set at the loop's start)
         self.save_s = 0.0  # the last checkpoint's seconds (part of what a mode switch costs)
+        self.step_times = (0.0, 0.0, 0.0)  # the last step's generation, reward wait and training seconds
 
     # ------------------------------------------------------------------ identity and state
     def model_fingerprint(self) -> str:
@@ -291,6 +293,7 @@ class Trainer:
             metrics = {"step_skipped": 1.0}
         t3 = time.perf_counter()
         self.step += 1
+        self.step_times = (generated_at - t0, t2 - generated_at, t3 - t2)  # generate, reward wait, train
         counts = {
             "generated": len(all_ok),
             "trained": int(keep_all.sum()),
@@ -468,9 +471,10 @@ class Trainer:
             disable=not (cfg.train.progress and self.is_main),
         )
         first_step, loop_start = self.step, time.perf_counter()
-        self.startup_s = self.build_s + loop_start - self.built_at - evaluating_s  # what a restart costs
+        startup_s = self.build_s + loop_start - self.built_at - evaluating_s  # what a restart costs
+        place = ProcessPlace(self.rank, self.world_size, self.device, self.source.share_group)
         if self.recheck is not None:
-            self.recheck.loop_started(self)
+            self.recheck.loop_started(LoopStart(self.building_started_at, startup_s), cfg.execution)
         switching = False  # auto: the re-check stops this mode here to resume in another
         try:
             while self.step < cfg.train.steps and not switching:
@@ -492,7 +496,9 @@ class Trainer:
                         plot_reward_curve(read_metrics(metrics_path), self.output_dir / "reward_curve.png")
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save()
-                switching = self.recheck is not None and self.recheck.after_step(self, metrics)
+                if self.recheck is not None:  # the step's phases, its checkpoint (if any) saved
+                    phases = StepPhases(self.step, *self.step_times, self.source.rollout_group_s, self.save_s)
+                    switching = self.recheck.after_step(phases, place)
         except BaseException:
             self.close_scorers()  # connections and the scoring thread; the error propagates
             raise

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ...distributed import broadcast_ints, mean_over_processes
+from ...trainers.phases import LoopStart, ProcessPlace, StepPhases
 from .costs import CostModel
 from .pick import next_mode
 from .simulate import MODES, SimResult
@@ -65,23 +66,23 @@ def mean_timings(window: list[StepTimings]) -> StepTimings:
     )
 
 
-def _timings_of(mode: str, metrics: dict[str, float], cfg: Any, world_size: int) -> StepTimings | None:
-    """One step's timings from the running mode's step metrics (None when it measured none)."""
+def _timings_of(mode: str, phases: StepPhases, cfg: Any, world_size: int) -> StepTimings | None:
+    """One step's timings in the cost model's terms, from the phases the loop timed (None when the
+    running mode measured no generation: an async step during which no group arrived)."""
     k, p = cfg.data.group_size, cfg.data.prompts_per_step
-    if mode == "colocated":
-        share = p // world_size * k
-        gen_s = metrics["time/rollout_s"] + metrics["time/reward_wait_s"]
-        return StepTimings(share, gen_s, share, metrics["time/train_s"])
-    if "rollout/seconds_per_group" not in metrics:  # no group arrived during this step
-        return None
     share = p // world_size * k  # world_size: the trainer processes
-    return StepTimings(k, metrics["rollout/seconds_per_group"], share, metrics["time/train_s"])
+    if mode == "colocated":
+        return StepTimings(share, phases.generate_s + phases.reward_wait_s, share, phases.train_s)
+    if phases.rollout_group_s is None:
+        return None
+    return StepTimings(k, phases.rollout_group_s, share, phases.train_s)
 
 
 class AutoRecheck:
-    """Called by the trainer around its loop (Trainer.recheck): collects the steps' timings and,
-    every `every` steps, decides whether to keep the running mode. One object lives for the whole
-    run; each mode's segment reports to it."""
+    """Called by the training loop (Trainer.recheck) with what it measured (trainers/phases.py),
+    never with the trainer itself: collects the steps' timings and, every `every` steps, decides
+    whether to keep the running mode. One object lives for the whole run; each mode's segment
+    reports to it."""
 
     def __init__(
         self,
@@ -114,10 +115,10 @@ class AutoRecheck:
         """run_auto is about to start a mode (its process groups, then its trainer)."""
         self.segment_started_at = time.perf_counter()
 
-    def loop_started(self, trainer: Any) -> None:
-        """A segment's loop starts (its first step, which may fill a buffer, is not measured)."""
+    def loop_started(self, start: LoopStart, ex: Any) -> None:
+        """A segment's loop starts in mode `ex.mode` (execution config); its first step, which may
+        fill a buffer, is not measured."""
         now = time.perf_counter()
-        ex = trainer.cfg.execution
         self.mode, self.rollout = ex.mode, (None if ex.mode == "colocated" else ex.rollout_replicas)
         if self.decided_at is not None:  # the switch just made: from the decision to this loop start
             self.measured_switch_s.append(now - self.decided_at)
@@ -127,43 +128,43 @@ class AutoRecheck:
         self.switch_to = self.switch_rollout = None
         before_trainer = 0.0  # process groups made before the trainer was built
         if self.segment_started_at is not None:
-            before_trainer = max(0.0, trainer.built_at - trainer.build_s - self.segment_started_at)
-        self.startup_s = trainer.startup_s + before_trainer
+            before_trainer = max(0.0, start.building_started_at - self.segment_started_at)
+        self.startup_s = start.startup_s + before_trainer
         self.window, self.skip_next = [], True
 
-    def after_step(self, trainer: Any, metrics: dict[str, float]) -> bool:
+    def after_step(self, phases: StepPhases, place: ProcessPlace) -> bool:
         """Record the step; at a re-check step decide. True: stop the loop here and switch."""
-        timings = _timings_of(self.mode, metrics, self.cfg, trainer.world_size)
+        timings = _timings_of(self.mode, phases, self.cfg, place.world_size)
         if self.skip_next:
             self.skip_next = False
         elif timings is not None:
             self.window.append(timings)
         steps = self.cfg.train.steps
-        if trainer.step % self.every or trainer.step >= steps:
+        if phases.step % self.every or phases.step >= steps:
             return False
         if self.mode == "colocated":  # every process is here at the same step: pool the timings
             if not self.window:  # a collective needs every process, each with something to send
                 self.window.append(timings)  # type: ignore[arg-type]  # colocated always measures
-            pooled = mean_over_processes(list(dataclasses.astuple(mean_timings(self.window))), trainer.device)
+            pooled = mean_over_processes(list(dataclasses.astuple(mean_timings(self.window))), place.device)
             measured: StepTimings | None = StepTimings(*pooled)
             group = None  # the decision goes to every process
         else:  # async: the trainer leader sees the rollout timings; other trainers follow it
             measured = mean_timings(self.window) if self.window else None
-            group = trainer.source.share_group
+            group = place.decision_group
         self.window = []  # the next re-check sees only the steps after this one, on every process
-        self.teardown_s = self._ending_s(trainer, measured)
-        switch = trainer.rank == 0 and measured is not None and self._decide(trainer.step, measured)
-        if trainer.world_size > 1:  # one process decides (rounding could split the others)
-            switch = self._follow_leader(switch, group, trainer.device)
+        self.teardown_s = self._ending_s(phases, measured)
+        switch = place.rank == 0 and measured is not None and self._decide(phases.step, measured)
+        if place.world_size > 1:  # one process decides (rounding could split the others)
+            switch = self._follow_leader(switch, group, place.device)
         return switch
 
-    def _ending_s(self, trainer: Any, measured: StepTimings | None) -> float:
+    def _ending_s(self, phases: StepPhases, measured: StepTimings | None) -> float:
         """What ending the running mode at this step costs: the checkpoint it writes then (none
         when this step's regular one is already written; sized by the largest save seen so far),
         and for an async mode the rollout group in flight, which the stop waits for."""
-        self.save_s = max(self.save_s, trainer.save_s)
-        every = trainer.cfg.train.checkpoint_every
-        saves = not every or trainer.step % every
+        self.save_s = max(self.save_s, phases.last_save_s)
+        every = self.cfg.train.checkpoint_every
+        saves = not every or phases.step % every
         in_flight = 0.0 if measured is None or self.mode == "colocated" else measured.gen_s
         return (self.save_s if saves else 0.0) + in_flight
 
