@@ -74,20 +74,12 @@ class SamplingConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    name: str = _spec(
-        "nft",
-        "what the trainer learns with: nft (DiffusionNFT) | raft (reward-ranked flow-matching fine-tuning, "
-        "a baseline) | a registered algorithm",
-    )
-    raft_keep: int = _spec(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
+class NFTConfig:
+    """DiffusionNFT's options (algorithm.name=nft), flat in the algorithm section."""
+
     beta: float = _spec(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
     adv_clip_max: float = _spec(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
-    adv_mode: str = _spec(
-        "continuous",
-        "how clipped advantages become r",
-        choices=ADV_MODES,
-    )
+    adv_mode: str = _spec("continuous", "how clipped advantages become r", choices=ADV_MODES)
     per_group_std: bool = _spec(False, "normalise by each group's std instead of the batch std")
     kl_coef: float = _spec(
         0.5,
@@ -95,8 +87,29 @@ class AlgorithmConfig:
         "reference forward)",
         ge=0,
     )
-    timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
     decay_schedule: str = _spec("linear_to_0_5", "soft update of `old`", choices=DECAY_SCHEDULES)
+
+
+@dataclass
+class RAFTConfig:
+    """RAFT's options (algorithm.name=raft), flat in the algorithm section."""
+
+    raft_keep: int = _spec(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
+
+
+@dataclass
+class AlgorithmConfig(NFTConfig, RAFTConfig):
+    """The algorithm section: which algorithm, what every algorithm shares, each built-in one's own
+    options (NFTConfig, RAFTConfig: one dataclass per algorithm, its keys flat here, e.g.
+    algorithm.beta, algorithm.raft_keep) and a registered algorithm's options (algorithm.options)."""
+
+    name: str = _spec(
+        "nft",
+        "what the trainer learns with: nft (DiffusionNFT) | raft (reward-ranked flow-matching fine-tuning, "
+        "a baseline) | a registered algorithm",
+    )
+    timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
+    options: dict[str, Any] = _spec({}, "a registered algorithm's own options (key -> value), read by it")
 
 
 @dataclass

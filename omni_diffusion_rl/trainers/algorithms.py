@@ -16,13 +16,15 @@ Algorithms are registered by name (`algorithm.name`). Adding one: subclass `Algo
 from __future__ import annotations
 
 import contextlib
+from dataclasses import fields
+from typing import Any
 
 import torch
 
 from ..algorithms.advantages import group_advantages, optimality_probability
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import old_adapter_decay
-from ..config import ExperimentConfig
+from ..config import ExperimentConfig, NFTConfig, RAFTConfig
 from ..models import lora
 from ..registry import algorithms
 from ..rollout import Rollout, step_generator
@@ -33,10 +35,16 @@ class Algorithm:
     """One update from a step's experience (see the module docstring)."""
 
     display_name = "training"  # the progress bar's label
+    options_type: type | None = None  # its options dataclass (config.py), read from the algorithm section
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
-        self.cfg = learner.cfg.algorithm
+        section = learner.cfg.algorithm
+        self.options: Any = (
+            None
+            if self.options_type is None
+            else self.options_type(**{f.name: getattr(section, f.name) for f in fields(self.options_type)})
+        )
         self._metric_names: list[str] = []
 
     # ------------------------------------------------------------------ the rollout weights
@@ -118,9 +126,10 @@ class DiffusionNFT(Algorithm):
     then a soft update of `old` (algorithms/nft.py holds the math)."""
 
     display_name = "DiffusionNFT"
+    options_type = NFTConfig
 
     def metric_names(self) -> list[str]:
-        a, empty = self.cfg, torch.zeros(0, 1)
+        a, empty = self.options, torch.zeros(0, 1)
         _, metrics = nft_loss(
             empty,
             empty,
@@ -144,7 +153,7 @@ class DiffusionNFT(Algorithm):
         local: slice,
         step: int,
     ) -> dict[str, float]:
-        a = self.cfg
+        a = self.options
         adv = torch.zeros(len(rewards))
         adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
         r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
@@ -161,7 +170,7 @@ class DiffusionNFT(Algorithm):
         draws does not depend on which are dropped. A process left with none still joins the
         gradient average, with weight 0; the caller skips the step when no process has any.
         """
-        a, learner = self.cfg, self.learner
+        a, learner = self.options, self.learner
         policy, transformer = learner.policy, learner.transformer
         inputs = noised_inputs(learner.cfg, rollout, step)
         if keep is not None and not bool(keep.all()):
@@ -202,6 +211,7 @@ class RewardRankedFineTuning(Algorithm):
     weights then follow the trained adapter (`old` := trained after every step)."""
 
     display_name = "RAFT"
+    options_type = RAFTConfig
 
     def metric_names(self) -> list[str]:
         return ["loss/flow_matching", "loss/total"]
@@ -216,7 +226,7 @@ class RewardRankedFineTuning(Algorithm):
         step: int,
     ) -> dict[str, float]:
         learner = self.learner
-        best = best_of_each_group(rewards, groups, keep, self.cfg.raft_keep)
+        best = best_of_each_group(rewards, groups, keep, self.options.raft_keep)
         mine = best[local]
         inputs = noised_inputs(learner.cfg, rollout, step)  # drawn for every sample: independent of the pick
         index = mine.nonzero().flatten()
