@@ -58,6 +58,9 @@ class ModelConfig:
     lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)
     lora_alpha: float = _spec(32.0, "LoRA alpha (reference recipes use 2 x rank)", gt=0)
     lora_targets: list[str] = _spec([], "module names to adapt; empty = the family's default")
+    gradient_checkpointing: bool = _spec(
+        False, "recompute the transformer's blocks in the backward pass: less memory, about 1/3 more compute"
+    )
 
 
 @dataclass
@@ -195,6 +198,12 @@ class TrainConfig:
     checkpoint_every: int = _spec(20, "steps between checkpoints (0: only at the end)", ge=0)
     eval_at_start_and_end: bool = _spec(True, "evaluate held-out reward before and after training")
     deterministic: bool = _spec(True, "torch deterministic algorithms (exact resume on CPU)")
+    mixed_precision: str = _spec(
+        "fp32",
+        "bf16: the transformer's forward passes under bf16 autocast (trained weights, optimizer and "
+        "losses stay fp32); fp32 also follows `accelerate launch --mixed_precision bf16`",
+        choices=("fp32", "bf16"),
+    )
     progress: bool = _spec(True, "show a progress bar")
 
 

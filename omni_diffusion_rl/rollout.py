@@ -161,6 +161,7 @@ class ExperienceMaker:
         rollout_chunks: int = 1,
         rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
         self.group_size, self.num_steps, self.time_shift, self.solver = (
@@ -172,6 +173,7 @@ class ExperienceMaker:
         self.rollout_chunks = rollout_chunks
         self.rollout_weights = rollout_weights
         self._load_rollout_state = load_rollout_state
+        self.autocast = autocast  # generation's precision (precision.py)
         self.generated_at = 0.0  # perf_counter when the last make_step finished generating
         self.batch_type = Rollout  # what it makes (to_named / from_named at process boundaries)
 
@@ -191,7 +193,7 @@ class ExperienceMaker:
         self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
     ) -> Rollout:
         """len(noise) / len(prompts) samples per prompt with the rollout weights."""
-        with self.rollout_weights():
+        with self.rollout_weights(), self.autocast():
             return generate(self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver)
 
     def make_group(self, position: int) -> tuple[Rollout, ScoreResult]:

@@ -33,6 +33,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.distributed",
         f"{PACKAGE}.state_codec",
         f"{PACKAGE}.named_batch",
+        f"{PACKAGE}.precision",
         f"{PACKAGE}.checkpoint",
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",

@@ -56,4 +56,15 @@ def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> Fl
         )
     except lora.LoraTargetError as e:
         raise ConfigError(str(e)) from e
+    if cfg.gradient_checkpointing:
+        enable = getattr(policy.transformer, "enable_gradient_checkpointing", None)
+        try:
+            if enable is None:
+                raise ValueError("it has no enable_gradient_checkpointing()")
+            enable()
+        except ValueError as e:
+            raise ConfigError(
+                f"model.gradient_checkpointing=true: the {cfg.family} transformer "
+                f"({type(policy.transformer).__name__}) cannot recompute its blocks ({e}); set it to false"
+            ) from e
     return policy

@@ -135,6 +135,8 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
     """Velocity model for the tiny latent (`LatentLayout`): picture patches, one timing token
     (visibility and loudness) and one pitch token (the spectrum), attended jointly with the words."""
 
+    _supports_gradient_checkpointing = True
+
     @register_to_config
     def __init__(
         self,
@@ -168,6 +170,7 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
         self.time_mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.text_pool = nn.Linear(dim, dim)
         self.blocks = nn.ModuleList([Block(dim, heads, mlp_ratio) for _ in range(depth)])
+        self.gradient_checkpointing = False  # enable_gradient_checkpointing() turns it on
         self.final_norm = nn.LayerNorm(dim, elementwise_affine=False)
         self.final_modulation = nn.Linear(dim, 2 * dim)
         nn.init.zeros_(self.final_modulation.weight)
@@ -210,7 +213,10 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
         ones = torch.ones(x.shape[0], latent_tokens.shape[1], dtype=torch.bool, device=x.device)
         key_mask = torch.cat([text_mask, ones], dim=1)
         for block in self.blocks:
-            tokens = block(tokens, cond, key_mask)
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                tokens = self._gradient_checkpointing_func(block, tokens, cond, key_mask)
+            else:
+                tokens = block(tokens, cond, key_mask)
         shift, scale = self.final_modulation(F.silu(cond))[:, None].chunk(2, dim=-1)
         out = self.final_norm(tokens[:, words.shape[1] :]) * (1 + scale) + shift
         n = self.grid**2

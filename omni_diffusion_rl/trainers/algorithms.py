@@ -182,16 +182,17 @@ class DiffusionNFT(Algorithm):
         learner.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for t, _, x_t in inputs if len(rollout) else []:
-            with torch.no_grad():
+            with torch.no_grad(), learner.autocast():
                 with lora.using_adapter(transformer, lora.OLD):
-                    v_old = policy.velocity(x_t, t, rollout.cond)
+                    v_old = policy.velocity(x_t, t, rollout.cond).float()
                 v_ref = None
                 if a.kl_coef > 0:
                     with lora.adapters_disabled(transformer):
-                        v_ref = policy.velocity(x_t, t, rollout.cond)
-            v_theta = policy.velocity(x_t, t, rollout.cond)
+                        v_ref = policy.velocity(x_t, t, rollout.cond).float()
+            with learner.autocast():
+                v_theta = policy.velocity(x_t, t, rollout.cond)
             loss, metrics = nft_loss(
-                v_theta, v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
+                v_theta.float(), v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
             )
             (loss / len(inputs)).backward()
             for name, value in {"loss/total": loss.detach(), **metrics}.items():
@@ -236,8 +237,9 @@ class RewardRankedFineTuning(Algorithm):
         total = 0.0
         for t, noise, x_t in inputs if len(index) else []:
             t, noise, x_t = t[dev], noise[dev], x_t[dev]
-            v_theta = learner.policy.velocity(x_t, t, chosen.cond)
-            loss = flow_matching_loss(v_theta, noise, chosen.x0)
+            with learner.autocast():
+                v_theta = learner.policy.velocity(x_t, t, chosen.cond)
+            loss = flow_matching_loss(v_theta.float(), noise, chosen.x0)
             (loss / len(inputs)).backward()
             total += float(loss.detach()) / len(inputs)
         out = learner.weighted_mean_over_ranks(

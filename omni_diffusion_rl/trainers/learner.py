@@ -7,6 +7,8 @@ one, and a benchmark or a test can build one around any policy and optimizer.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,8 @@ class Learner:
     world_size: int = 1
     group: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # the context forward passes run in (precision.py: bf16 autocast, or none); losses stay fp32
+    autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
 
     @classmethod
     def in_group(

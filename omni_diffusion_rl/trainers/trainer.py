@@ -47,6 +47,7 @@ from ..evaluation import (
 from ..media import save_previews
 from ..models import build_nft_policy, lora
 from ..models.policy import FlowPolicy
+from ..precision import autocast_factory, resolve_mixed_precision
 from ..prompts import load_prompts
 from ..reward import RewardError, ScoreResult, WeightedReward
 from ..reward_factory import reward_from_config
@@ -60,9 +61,14 @@ from .sources import ExperienceSource, LocalSource
 
 
 def experience_maker(
-    cfg: ExperimentConfig, policy: FlowPolicy, reward: WeightedReward, prompts: list[str]
+    cfg: ExperimentConfig,
+    policy: FlowPolicy,
+    reward: WeightedReward,
+    prompts: list[str],
+    device: torch.device,
 ) -> ExperienceMaker:
-    """The experience maker of a run: generation with the algorithm's rollout weights."""
+    """The experience maker of a run: generation with the algorithm's rollout weights, in the run's
+    precision."""
     s = cfg.sampling
     algorithm = algorithm_class(cfg.algorithm.name)
     return ExperienceMaker(
@@ -77,6 +83,7 @@ def experience_maker(
         s.rollout_chunks,
         rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
         load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
+        autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
     )
 
 
@@ -88,7 +95,7 @@ def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> Exper
     torch.manual_seed(cfg.train.seed)
     prompts = load_prompts(cfg.data.prompts)
     reward = reward_from_config(cfg.reward)
-    return experience_maker(cfg, build_nft_policy(cfg.model, device), reward, prompts)
+    return experience_maker(cfg, build_nft_policy(cfg.model, device), reward, prompts, device)
 
 
 class Trainer:
@@ -131,11 +138,13 @@ class Trainer:
         self.transformer = self.policy.transformer
         self.params = lora.trainable_parameters(self.transformer)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.autocast = autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), self.device)
         self.learner = Learner(
             cfg, self.policy, self.params, self.optimizer, self.rank, self.world_size, group, self.device
         )
+        self.learner.autocast = self.autocast
         self.algorithm = build_algorithm(self.learner)
-        self.experience = experience_maker(cfg, self.policy, self.reward, self.train_prompts)
+        self.experience = experience_maker(cfg, self.policy, self.reward, self.train_prompts, self.device)
         self.source = source or LocalSource()
         self.source.attach(self)
         self.step = 0
@@ -373,11 +382,23 @@ class Trainer:
         return batches
 
     def _score_heldout_batch(self, prompts: list[str], noise: torch.Tensor, reasons: list[str]) -> dict:
-        s = self.cfg.sampling
-        rollout = generate(
-            self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
-        )
+        rollout = self._generate_trained(prompts, noise)
         return score_heldout(self.policy.decode(rollout.x0), prompts, self.reward, self.metrics, reasons)
+
+    def _generate_trained(self, prompts: list[str], noise: torch.Tensor) -> Rollout:
+        """One sample per noise row with the trained weights at the eval sampling steps (evaluation
+        and previews), in the run's precision."""
+        s = self.cfg.sampling
+        with self.autocast():
+            return generate(
+                self.policy,
+                prompts,
+                list(range(len(prompts))),
+                noise,
+                s.eval_num_steps,
+                s.time_shift,
+                s.solver,
+            )
 
     def _evaluate_logged(self, logger: MetricsLogger) -> dict[str, float]:
         """evaluate() logged as eval/...; when it fails, the logger and the scorers are closed first."""
@@ -399,13 +420,10 @@ class Trainer:
         stride = max(1, len(self.eval_prompts) // prompts_shown)
         chosen = self.eval_prompts[::stride][:prompts_shown]  # spread over the held-out set
         prompts = [p for p in chosen for _ in range(samples_per_prompt)]
-        s = self.cfg.sampling
         noise = torch.randn(
             (len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview")
         )
-        rollout = generate(
-            self.policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
-        )
+        rollout = self._generate_trained(prompts, noise)
         media = self.policy.decode(rollout.x0)
         failures: dict[int, str] = {}
         columns = score_heldout(media, prompts, self.reward, self.metrics, sample_failures=failures)

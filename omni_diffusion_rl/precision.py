@@ -1,0 +1,41 @@
+"""Mixed precision: the transformer's forward passes under autocast, everything else in fp32.
+
+`train.mixed_precision=bf16` (or `accelerate launch --mixed_precision bf16`, which sets
+ACCELERATE_MIXED_PRECISION for every process) runs generation and the training forward passes under
+bf16 autocast; the trained weights, their gradients, the optimizer state and the losses stay fp32,
+so no loss scaling is needed. fp16 is not offered (it would need a gradient scaler).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import torch
+
+PRECISIONS = {"bf16": torch.bfloat16}
+
+
+def resolve_mixed_precision(configured: str) -> str:
+    """The run's precision, fp32 or bf16: the config's, else what `accelerate launch
+    --mixed_precision` set (ACCELERATE_MIXED_PRECISION: no or bf16)."""
+    if configured != "fp32":
+        return configured
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launched not in ("no", *PRECISIONS):
+        raise ValueError(
+            f"accelerate launch --mixed_precision {launched}: only bf16 is supported (fp16 would need "
+            "a gradient scaler); use --mixed_precision bf16 or no"
+        )
+    return "fp32" if launched == "no" else launched
+
+
+def autocast_factory(
+    precision: str, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager[object]]:
+    """A zero-argument factory of the autocast context for `precision` on `device` (fp32: none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = PRECISIONS[precision]
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
