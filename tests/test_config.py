@@ -17,6 +17,8 @@ from omni_diffusion_rl.config import (
     parse_override,
 )
 
+from .helpers import REPO
+
 YAML = """\
 # a recipe
 algorithm:
@@ -216,3 +218,12 @@ def test_reward_options_reach_the_reward_and_must_name_a_used_reward(tmp_path: P
         load_config(None, ["reward.weights={color_match: 1.0}", "reward.options={pitch_match: {}}"])
     with pytest.raises(ConfigError, match="reward.options.color_match: expected a mapping"):
         load_config(None, ["reward.options={color_match: 3}"])
+
+
+RECIPES = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_validates(recipe: Path) -> None:
+    cfg = load_config(recipe)
+    assert cfg.train.output_dir.startswith("runs/") and cfg.model.family
