@@ -52,12 +52,17 @@ def _spec(default: Any, doc: str, **checks: Any) -> Any:
 class ModelConfig:
     family: str = _spec(
         "tiny_av",
-        "policy family: tiny_av (built-in) | sd3 | stable_audio | a registered family",
+        "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | a registered family",
     )
     pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
     lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)
     lora_alpha: float = _spec(32.0, "LoRA alpha (reference recipes use 2 x rank)", gt=0)
     lora_targets: list[str] = _spec([], "module names to adapt; empty = the family's default")
+    options: dict[str, Any] = _spec(
+        {},
+        "the family's own options, e.g. ltx2: {height: 512, width: 768, num_frames: 121, frame_rate: 24, "
+        "max_sequence_length: 1024} (the clip size it generates)",
+    )
     gradient_checkpointing: bool = _spec(
         False, "recompute the transformer's blocks in the backward pass: less memory, about 1/3 more compute"
     )

@@ -23,7 +23,7 @@ def build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     try:
         return _build_policy(cfg)
     except (OSError, ValueError) as e:  # a missing folder, an offline or unknown hub id, a bad config.json
-        if isinstance(e, ModelLoadError):
+        if isinstance(e, ConfigError):  # already says what is wrong (a ModelLoadError, a bad option)
             raise
         raise ModelLoadError(
             f"model.pretrained={cfg.pretrained} (family {cfg.family}) could not be loaded: "
@@ -49,6 +49,9 @@ def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> Fl
     from . import lora
 
     policy, default_targets = build_policy(cfg)
+    move = getattr(policy, "to", None)
+    if callable(move):  # every module it holds (VAEs, text encoder, ...), not only the transformer
+        move(device)
     policy.transformer.to(device).requires_grad_(False)
     try:
         lora.add_nft_adapters(

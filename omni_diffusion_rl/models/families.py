@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import ConfigError
 from ..registry import models
 
 if TYPE_CHECKING:
@@ -44,6 +45,24 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
         policy.prompt_encoder = TransformersPromptEncoder.from_pretrained(
             cfg.pretrained, hidden_dim=config.joint_attention_dim, pooled_dim=config.pooled_projection_dim
         )
+    return policy, list(policy.lora_target_modules)
+
+
+@models.register("ltx2")
+def load_ltx2(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
+    """LTX-2 (text to joint audio and video) through LTX2Pipeline's components (models/ltx2.py): a
+    saved pipeline directory or hub id; model.options sets the clip size."""
+    import inspect
+
+    from .ltx2 import LTX2Policy
+
+    allowed = [n for n in inspect.signature(LTX2Policy.__init__).parameters if n not in ("self", "pipeline")]
+    unknown = sorted(set(cfg.options) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"model.options: {', '.join(unknown)} unknown to ltx2; it takes {', '.join(allowed)}"
+        )
+    policy = LTX2Policy.from_pretrained(cfg.pretrained, **cfg.options)
     return policy, list(policy.lora_target_modules)
 
 
