@@ -180,3 +180,29 @@ def test_bad_options_and_a_missing_component_are_named(pipeline_dir: Path, tmp_p
     shutil.rmtree(pipeline_dir / "vocoder")
     with pytest.raises(ConfigError, match="lacks the component folder.s. vocoder that model_index.json"):
         build_nft_policy(load_config(None, _overrides(pipeline_dir, tmp_path / "c", 1)).model)
+
+
+def test_the_trained_adapter_exports_for_ltx2_pipeline_load_lora_weights(
+    pipeline_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.export import export_adapter
+
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(None, _overrides(pipeline_dir, run, 1)))
+    trainer.fit()
+    out = export_adapter(run / "checkpoints", tmp_path / "lora", "diffusers")
+    x = torch.randn(2, *trainer.policy.latent_shape, generator=torch.Generator().manual_seed(3))
+    t = torch.tensor([0.7, 0.3])
+
+    def velocity(policy: LTX2Policy) -> torch.Tensor:
+        with torch.no_grad():
+            return policy.velocity(x, t, policy.encode_prompts(["a red circle", "a low tone"]))
+
+    lora.set_active_adapter(trainer.transformer, lora.TRAINED)
+    trained = velocity(trainer.policy)
+    fresh = LTX2Policy.from_pretrained(str(pipeline_dir), **CLIP)
+    base = velocity(fresh)
+    fresh.pipeline.load_lora_weights(str(out))
+    loaded = velocity(fresh)
+    assert not torch.allclose(base, trained, atol=1e-6), "one step moved the adapter"
+    torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
