@@ -52,7 +52,7 @@ def _spec(default: Any, doc: str, **checks: Any) -> Any:
 class ModelConfig:
     family: str = _spec(
         "tiny_av",
-        "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | a registered family",
+        "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | minimax_h3 | a registered family",
     )
     pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
     lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)
@@ -61,7 +61,9 @@ class ModelConfig:
     options: dict[str, Any] = _spec(
         {},
         "the family's own options, e.g. ltx2: {height: 512, width: 768, num_frames: 121, frame_rate: 24, "
-        "max_sequence_length: 1024} (the clip size it generates)",
+        "max_sequence_length: 1024, vae_tiling: null, vae_slicing: false} (the clip size it generates and "
+        "decoding memory); minimax_h3: {height: 768, width: 1344, num_frames: 124, text_encoder_layer: 50, "
+        "max_sequence_length: 512, vae_tiling: null, vae_slicing: false}",
     )
     gradient_checkpointing: bool = _spec(
         False, "recompute the transformer's blocks in the backward pass: less memory, about 1/3 more compute"
@@ -208,6 +210,12 @@ class TrainConfig:
         "bf16: the transformer's forward passes under bf16 autocast (trained weights, optimizer and "
         "losses stay fp32); fp32 also follows `accelerate launch --mixed_precision bf16`",
         choices=("fp32", "bf16"),
+    )
+    micro_batch_size: int = _spec(
+        0,
+        "samples per training forward and backward pass (0: all of a process's samples at once); "
+        "smaller needs less activation memory for the same gradient (large models: 1-2)",
+        ge=0,
     )
     progress: bool = _spec(True, "show a progress bar")
 

@@ -86,3 +86,30 @@ def test_gradient_checkpointing_recomputes_the_blocks_and_leaves_the_step_unchan
         assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-5)
     for p, q in zip(plain.params, trainer.params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["nft", "raft"])
+def test_micro_batches_give_the_same_step_with_smaller_passes(
+    model_dir: Path, tmp_path: Path, algorithm: str
+) -> None:
+    from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
+
+    whole = _run(model_dir, tmp_path / "whole", 2, f"algorithm.name={algorithm}")
+    sizes: list[int] = []
+    velocity = TinyAVPolicy.velocity
+
+    def counting(self, x_t, t, cond):  # noqa: ANN001, ANN202
+        sizes.append(len(x_t))
+        return velocity(self, x_t, t, cond)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TinyAVPolicy, "velocity", counting)
+        split = _run(
+            model_dir, tmp_path / "split", 2, f"algorithm.name={algorithm}", "train.micro_batch_size=1"
+        )
+    assert max(sizes) > 1 and 1 in sizes, "generation ran whole, training one sample at a time"
+    rows = [step_records(tmp_path / name) for name in ("whole", "split")]
+    for a, b in zip(*rows, strict=True):
+        assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-5)
+    for p, q in zip(whole.params, split.params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

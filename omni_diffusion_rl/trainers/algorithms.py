@@ -26,6 +26,7 @@ from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import old_adapter_decay
 from ..config import ExperimentConfig, NFTConfig, RAFTConfig
 from ..models import lora
+from ..models.policy import index_condition
 from ..registry import algorithms
 from ..rollout import Rollout, step_generator
 from .learner import Learner
@@ -181,22 +182,35 @@ class DiffusionNFT(Algorithm):
         r = r.to(rollout.x0.device)
         learner.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for t, _, x_t in inputs if len(rollout) else []:
-            with torch.no_grad(), learner.autocast():
-                with lora.using_adapter(transformer, lora.OLD):
-                    v_old = policy.velocity(x_t, t, rollout.cond).float()
-                v_ref = None
-                if a.kl_coef > 0:
-                    with lora.adapters_disabled(transformer):
-                        v_ref = policy.velocity(x_t, t, rollout.cond).float()
-            with learner.autocast():
-                v_theta = policy.velocity(x_t, t, rollout.cond)
-            loss, metrics = nft_loss(
-                v_theta.float(), v_old, x_t, rollout.x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef
-            )
-            (loss / len(inputs)).backward()
-            for name, value in {"loss/total": loss.detach(), **metrics}.items():
-                sums[name] = sums.get(name, 0.0) + float(value) / len(inputs)
+        parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
+        for t_all, _, x_all in inputs if len(rollout) else []:
+            for part in parts:  # the same gradient as one pass: each part's mean weighted by its share
+                share = (part.stop - part.start) / len(rollout)
+                t, x_t, cond = t_all[part], x_all[part], index_condition(rollout.cond, part)
+                with torch.no_grad(), learner.autocast():
+                    with lora.using_adapter(transformer, lora.OLD):
+                        v_old = policy.velocity(x_t, t, cond).float()
+                    v_ref = None
+                    if a.kl_coef > 0:
+                        with lora.adapters_disabled(transformer):
+                            v_ref = policy.velocity(x_t, t, cond).float()
+                with learner.autocast():
+                    v_theta = policy.velocity(x_t, t, cond)
+                loss, metrics = nft_loss(
+                    v_theta.float(),
+                    v_old,
+                    x_t,
+                    rollout.x0[part],
+                    t,
+                    r[part],
+                    a.beta,
+                    a.adv_clip_max,
+                    v_ref,
+                    a.kl_coef,
+                )
+                (loss * share / len(inputs)).backward()
+                for name, value in {"loss/total": loss.detach(), **metrics}.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * share / len(inputs)
         out = learner.weighted_mean_over_ranks(sums, float(len(rollout)), self.loss_metric_names())
         learner.apply_gradients(out, weight=float(len(rollout)))
         decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
@@ -235,13 +249,16 @@ class RewardRankedFineTuning(Algorithm):
         dev = index.to(rollout.x0.device)
         learner.optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        parts = micro_batches(len(index), learner.cfg.train.micro_batch_size)
         for t, noise, x_t in inputs if len(index) else []:
             t, noise, x_t = t[dev], noise[dev], x_t[dev]
-            with learner.autocast():
-                v_theta = learner.policy.velocity(x_t, t, chosen.cond)
-            loss = flow_matching_loss(v_theta.float(), noise, chosen.x0)
-            (loss / len(inputs)).backward()
-            total += float(loss.detach()) / len(inputs)
+            for part in parts:
+                share = (part.stop - part.start) / len(index)
+                with learner.autocast():
+                    v_theta = learner.policy.velocity(x_t[part], t[part], index_condition(chosen.cond, part))
+                loss = flow_matching_loss(v_theta.float(), noise[part], chosen.x0[part])
+                (loss * share / len(inputs)).backward()
+                total += float(loss.detach()) * share / len(inputs)
         out = learner.weighted_mean_over_ranks(
             {"loss/flow_matching": total, "loss/total": total}, float(len(index)), self.loss_metric_names()
         )
@@ -249,6 +266,12 @@ class RewardRankedFineTuning(Algorithm):
         lora.soft_update_old(learner.transformer, old_adapter_decay("copy", step + 1))
         out["raft/trained_samples"] = float(best.sum())
         return out
+
+
+def micro_batches(count: int, size: int) -> list[slice]:
+    """`count` samples in consecutive pieces of at most `size` (train.micro_batch_size; 0: one piece)."""
+    size = size or count
+    return [slice(i, min(i + size, count)) for i in range(0, count, max(size, 1))]
 
 
 def best_of_each_group(
