@@ -6,9 +6,9 @@ does (base model from the checkpoint's config, no pickle read) and writes the tr
 
 - `peft`: `adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.save_pretrained`
   writes; `peft.PeftModel.from_pretrained(base_transformer, OUT)` loads it as the `default` adapter.
-- `diffusers` (diffusers families with a LoRA loader: sd3, ltx2): `pytorch_lora_weights.safetensors`
-  with `transformer.`-prefixed keys and the LoRA config as metadata, what a pipeline's
-  `save_lora_weights` writes; `pipeline.load_lora_weights(OUT)` and
+- `diffusers` (diffusers families with a LoRA loader: sd3, ltx2, minimax_h3):
+  `pytorch_lora_weights.safetensors` with `transformer.`-prefixed keys and the LoRA config as
+  metadata, what a pipeline's `save_lora_weights` writes; `pipeline.load_lora_weights(OUT)` and
   `transformer.load_lora_adapter(OUT, weight_name="pytorch_lora_weights.safetensors")` load it.
 
 Both directories also hold `odrl_export.json` (where the adapter came from). The output is written
@@ -40,7 +40,11 @@ EXPORT_HELP = (
     "write a checkpoint's trained LoRA adapter for peft (PeftModel) or diffusers (load_lora_weights)"
 )
 
-_DIFFUSERS_LORA_SAVERS = {"sd3": "SD3LoraLoaderMixin", "ltx2": "LTX2LoraLoaderMixin"}
+_DIFFUSERS_LORA_SAVERS = {
+    "sd3": "SD3LoraLoaderMixin",
+    "ltx2": "LTX2LoraLoaderMixin",
+    "minimax_h3": "MiniMaxH3LoraLoaderMixin",
+}
 """Model family -> the diffusers LoRA loader mixin whose `save_lora_weights` writes its pipeline format."""
 
 _NO_DIFFUSERS_LOADER = {
@@ -193,7 +197,7 @@ def _fsync_tree(directory: Path) -> None:
 def export_adapter(checkpoint: str | Path, out: str | Path, fmt: str = "peft") -> Path:
     """Write the trained adapter of `checkpoint` to the directory `out` in format `fmt`; returns `out`.
 
-    `fmt` is "peft" (PeftModel.from_pretrained) or "diffusers" (load_lora_weights; sd3 and ltx2).
+    `fmt` is "peft" (PeftModel.from_pretrained) or "diffusers" (load_lora_weights; sd3, ltx2 and minimax_h3).
     Raises ExportError (a ConfigError) for an unknown format, a family without that format or an
     `out` that is a file or a non-empty directory, and CheckpointError for a path that is not a
     complete checkpoint. objects.pt (a pickle) is never read.
@@ -243,8 +247,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
             "Write the trained LoRA adapter of a checkpoint (not the 'old' sampling adapter) in a format "
             "other tools load: peft (adapter_config.json + adapter_model.safetensors, for "
             "PeftModel.from_pretrained on the base transformer) or diffusers (pytorch_lora_weights."
-            "safetensors, for pipeline.load_lora_weights; sd3, ltx2). The base model named in the "
-            "checkpoint's config must be available; OUT must be absent or empty."
+            "safetensors, for pipeline.load_lora_weights; sd3, ltx2, minimax_h3). The base model named in "
+            "the checkpoint's config must be available; OUT must be absent or empty."
         )
     parser.add_argument(
         "checkpoint", help="checkpoint directory (step_*), or a run's checkpoints/ folder (its latest)"

@@ -5,19 +5,21 @@ stereo waveform, and the whole training loop runs, checkpoints and resumes equal
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.models import build_nft_policy, lora
 from omni_diffusion_rl.models.ltx2 import LTX2Policy
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import RewardOutput
 from omni_diffusion_rl.rollout import generate
 from omni_diffusion_rl.trainers.trainer import Trainer
 
+from .av_rewards import AV_LEVEL_PLUGIN, AudioVideoLevel, clap_and_imagebind, needs_imagebind
 from .helpers import last_json_line, step_records
 from .ltx2_tiny import CLIP, GUIDANCE_OFF, tiny_ltx2_pipeline
 
@@ -85,14 +87,6 @@ def test_decoding_gives_frames_and_stereo_audio_and_each_sample_has_its_own_time
         policy.velocity(x[:, :10], torch.tensor([0.5] * 3), cond)
 
 
-class AudioVideoLevel:
-    """A test reward that needs both streams: mean brightness plus mean loudness."""
-
-    def score(self, media, prompts):  # noqa: ANN001, ANN201
-        level = media.video.mean(dim=(1, 2, 3, 4)) + media.audio.abs().mean(dim=(1, 2))
-        return RewardOutput(level.clamp(0, 1), {})
-
-
 @pytest.fixture
 def pipeline_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setitem(rewards._factories, "av_level", AudioVideoLevel)  # noqa: SLF001
@@ -138,30 +132,17 @@ def test_the_training_loop_runs_checkpoints_and_resumes_equal(pipeline_dir: Path
     assert state["config"]["model"]["family"] == "ltx2"
 
 
-PLUGIN = """
-from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import RewardOutput
-
-
-@rewards.register("av_level")
-class AudioVideoLevel:
-    def score(self, media, prompts):
-        level = media.video.mean(dim=(1, 2, 3, 4)) + media.audio.abs().mean(dim=(1, 2))
-        return RewardOutput(level.clamp(0, 1), {})
-"""
-
-
 @pytest.mark.slow
 def test_separate_mode_trains_ltx2_from_the_buffer_with_two_processes(
     pipeline_dir: Path, tmp_path: Path
 ) -> None:
-    from .test_separate import _launch
+    from .test_separate import REPO, _launch
 
     plugin = tmp_path / "av_level.py"
-    plugin.write_text(PLUGIN)
+    plugin.write_text(AV_LEVEL_PLUGIN)
     run = tmp_path / "run"
     args = [*_overrides(pipeline_dir, run, 3), f"reward.plugins=[{plugin}]", "execution.mode=separate"]
-    proc = _launch([*args, "execution.data_timeout_s=60"], 29641)
+    proc = _launch([*args, "execution.data_timeout_s=60"], 29641, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     buffer = last_json_line(proc.stdout)["execution"]["buffer"]
     assert buffer["trained"] == 3 * 2 * 2, buffer
@@ -206,3 +187,27 @@ def test_the_trained_adapter_exports_for_ltx2_pipeline_load_lora_weights(
     loaded = velocity(fresh)
     assert not torch.allclose(base, trained, atol=1e-6), "one step moved the adapter"
     torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+
+
+@needs_imagebind
+def test_ltx2_clips_are_scored_by_the_real_clap_and_imagebind_code(
+    pipeline_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "rewards.yaml"
+    config.write_text(yaml.safe_dump({"reward": clap_and_imagebind(tmp_path / "rewards")}))
+    overrides = [o for o in _overrides(pipeline_dir, tmp_path / "run", 1) if not o.startswith("reward.")]
+    summary = Trainer(load_config(config, overrides)).fit()
+    assert summary["samples"]["trained"] == 2 * 2
+    (row,) = step_records(tmp_path / "run")
+    for name in ("clap", "imagebind"):
+        assert math.isfinite(row[f"reward/{name}"]) and -1 <= row[f"reward/{name}"] <= 1, row
+
+
+def test_vae_tiling_and_slicing_reach_the_vae_and_slicing_decodes_the_same() -> None:
+    plain = LTX2Policy(tiny_ltx2_pipeline(), **CLIP)
+    sliced = LTX2Policy(tiny_ltx2_pipeline(), **CLIP, vae_tiling=True, vae_slicing=True)
+    assert (sliced.pipeline.vae.use_tiling, sliced.pipeline.vae.use_slicing) == (True, True)
+    assert (plain.pipeline.vae.use_tiling, plain.pipeline.vae.use_slicing) == (False, False)
+    x = torch.randn(2, *plain.latent_shape, generator=torch.Generator().manual_seed(4))
+    # tiles larger than these 32 x 32 frames: tiling leaves them whole, slicing is exact
+    torch.testing.assert_close(sliced.decode(x).video, plain.decode(x).video, rtol=0, atol=1e-5)

@@ -48,21 +48,39 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
     return policy, list(policy.lora_target_modules)
 
 
+def _check_options(family: str, cls: type, options: dict) -> None:
+    """model.options names only parameters of the policy's constructor (after its components)."""
+    import inspect
+
+    skip = {"self", "pipeline", "components"}
+    allowed = [n for n in inspect.signature(cls.__init__).parameters if n not in skip]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"model.options: {', '.join(unknown)} unknown to {family}; it takes {', '.join(allowed)}"
+        )
+
+
 @models.register("ltx2")
 def load_ltx2(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     """LTX-2 (text to joint audio and video) through LTX2Pipeline's components (models/ltx2.py): a
     saved pipeline directory or hub id; model.options sets the clip size."""
-    import inspect
-
     from .ltx2 import LTX2Policy
 
-    allowed = [n for n in inspect.signature(LTX2Policy.__init__).parameters if n not in ("self", "pipeline")]
-    unknown = sorted(set(cfg.options) - set(allowed))
-    if unknown:
-        raise ConfigError(
-            f"model.options: {', '.join(unknown)} unknown to ltx2; it takes {', '.join(allowed)}"
-        )
+    _check_options("ltx2", LTX2Policy, cfg.options)
     policy = LTX2Policy.from_pretrained(cfg.pretrained, **cfg.options)
+    return policy, list(policy.lora_target_modules)
+
+
+@models.register("minimax_h3")
+def load_minimax_h3(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
+    """MiniMax-H3 (text to joint audio and video) over diffusers' H3 transformer and VAEs with our
+    own sequence packing (models/minimax_h3.py): a directory (or hub id) of component folders;
+    model.options sets the clip size."""
+    from .minimax_h3 import MiniMaxH3Policy
+
+    _check_options("minimax_h3", MiniMaxH3Policy, cfg.options)
+    policy = MiniMaxH3Policy.from_pretrained(cfg.pretrained, **cfg.options)
     return policy, list(policy.lora_target_modules)
 
 

@@ -31,13 +31,16 @@ from torch import nn
 
 from ..media import MediaBatch
 from .policy import Condition
+from .vae_memory import configure_vae_memory
 
 VIDEO_CONTEXT, AUDIO_CONTEXT, CONTEXT_MASK = "video_context", "audio_context", "context_mask"
 MAX_INDEX_BYTES = 64 << 10
 
 
 class LTX2Policy:
-    """LTX-2 at a fixed clip size (height, width, frames, frame rate); see the module docstring."""
+    """LTX-2 at a fixed clip size (height, width, frames, frame rate); see the module docstring.
+    vae_tiling / vae_slicing: decode large frames tile by tile / a batch one clip at a time (None
+    keeps the VAE's default)."""
 
     # the q/k/v/out projections of all six attention modules of every block (video and audio self-
     # attention, their prompt cross-attention, and the audio<->video cross-modal attention)
@@ -51,6 +54,8 @@ class LTX2Policy:
         num_frames: int = 121,
         frame_rate: float = 24.0,
         max_sequence_length: int = 1024,
+        vae_tiling: bool | None = None,
+        vae_slicing: bool = False,
     ) -> None:
         if height % 32 or width % 32:
             raise ValueError(f"LTX-2 needs height and width divisible by 32; got {height} x {width}")
@@ -59,6 +64,7 @@ class LTX2Policy:
         for module in (pipeline.vae, pipeline.audio_vae, pipeline.vocoder, pipeline.text_encoder):
             module.requires_grad_(False)
         pipeline.connectors.requires_grad_(False)
+        configure_vae_memory(pipeline.vae, vae_tiling, vae_slicing)
         self.frame_rate, self.max_sequence_length = float(frame_rate), max_sequence_length
         config = self.transformer.config
         self.video_grid = (
