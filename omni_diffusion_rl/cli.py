@@ -34,6 +34,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
     cfg = load_config(args.config, args.overrides)
+    if args.check:
+        return _preflight(args.config, cfg)
     from .run_dir import prepare_run_dir
     from .trainers.trainer import Trainer
 
@@ -60,6 +62,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary), flush=True)
     _close_process_group()
     return 0
+
+
+def _preflight(source: str | None, cfg) -> int:  # noqa: ANN001 - ExperimentConfig
+    """Print what the run needs and whether it is there; 1 when something is missing."""
+    from .preflight import MISSING, preflight, report
+
+    findings = preflight(cfg)
+    missing = [f for f in findings if f.status == MISSING]
+    print(
+        f"{source or 'the default config'}: valid ({cfg.model.family}, {cfg.algorithm.name}, "
+        f"{cfg.data.prompts_per_step} prompts x {cfg.data.group_size} samples per step)"
+    )
+    print(report(findings))
+    print(f"{len(missing)} missing: fix the lines marked MISSING first" if missing else "ready to train")
+    return 1 if missing else 0
 
 
 def _close_process_group() -> None:
@@ -345,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config (e.g. recipes/configs/tiny_t2av_nft.yaml)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. algorithm.beta=0.1")
     train.add_argument("--resume", help="checkpoint directory, or a run's checkpoints/ folder (its latest)")
+    train.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config and check what it needs (model files, reward checkpoints or server, "
+        "prompt files) without loading weights; exit 1 when something is missing",
+    )
     train.add_argument(
         "--nproc",
         type=_positive_int,

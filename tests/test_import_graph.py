@@ -45,6 +45,8 @@ LAYERS: list[list[str]] = [
     [f"{PACKAGE}.models", f"{PACKAGE}.world"],
     # rewards, the reward server and its client, the combined reward of a config, prompt sources
     [f"{PACKAGE}.reward", f"{PACKAGE}.serving", f"{PACKAGE}.reward_factory", f"{PACKAGE}.prompts"],
+    # what a run needs, checked before it starts (odrl train CONFIG --check)
+    [f"{PACKAGE}.preflight"],
     # generating and scoring batches, evaluation
     [f"{PACKAGE}.rollout", f"{PACKAGE}.evaluation", f"{PACKAGE}.inference", f"{PACKAGE}.eval_targets"],
     # training, the execution modes and their replay buffer, and the tools built on trained runs

@@ -1,0 +1,161 @@
+"""`odrl train CONFIG --check`: what a run needs that is not in the config, checked without loading
+any weights: the model's files (by family), the reward checkpoints or the reward server, the prompt
+files and the output folder. Each finding says what to download or start."""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ExperimentConfig
+
+OK, MISSING, NOTE = "ok", "MISSING", "note"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Finding:
+    status: str  # OK, MISSING or NOTE
+    what: str  # the config key or resource
+    detail: str
+
+
+def family_downloads(family: str) -> tuple[str, ...] | None:
+    """The files and folders a family's model.pretrained directory must hold (None: not known)."""
+    from .models.minimax_h3 import COMPONENTS
+
+    needs: dict[str, tuple[str, ...]] = {
+        "sd3": ("transformer",),
+        "stable_audio": ("transformer",),
+        "ltx2": (
+            "model_index.json",
+            "transformer",
+            "vae",
+            "audio_vae",
+            "vocoder",
+            "text_encoder",
+            "tokenizer",
+            "connectors",
+            "scheduler",
+        ),
+        "minimax_h3": COMPONENTS,
+    }
+    return needs.get(family)
+
+
+def check_model(family: str, pretrained: str) -> Finding:
+    what = f"model.pretrained ({family})"
+    if family == "tiny_av" and pretrained == "builtin":
+        return Finding(OK, what, "the shipped tiny base")
+    needs = family_downloads(family)
+    path = Path(os.path.expanduser(pretrained))
+    if path.is_dir():
+        if needs is None:
+            return Finding(NOTE, what, f"{path} exists; family {family} declares no files to check")
+        missing = [name for name in needs if not (path / name).exists()]
+        if missing:
+            return Finding(MISSING, what, f"{path} lacks {', '.join(missing)}: download them into it")
+        return Finding(OK, what, f"{path} holds {', '.join(needs)}")
+    if _HUB_ID.match(pretrained) and not path.exists():
+        return _check_hub_id(what, pretrained)
+    listing = f" with {', '.join(needs)}" if needs else ""
+    return Finding(MISSING, what, f"{path} does not exist: download the model{listing} there")
+
+
+def _check_hub_id(what: str, repo_id: str) -> Finding:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    if not offline:
+        return Finding(NOTE, what, f"hub id {repo_id}: downloaded into the cache on first use")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return Finding(MISSING, what, f"hub id {repo_id} is not in the local cache and HF_HUB_OFFLINE=1")
+    return Finding(OK, what, f"hub id {repo_id} is in the local cache")
+
+
+def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding]:
+    """The reward server answering /health when reward.url is set, else each local reward's
+    checkpoint path."""
+    reward = cfg.reward
+    if reward.url:
+        names = " ".join(reward.weights)
+        try:
+            with urllib.request.urlopen(f"{reward.url.rstrip('/')}/health", timeout=timeout_s) as answer:
+                answer.read(64 << 10)
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            return [
+                Finding(
+                    MISSING,
+                    "reward.url",
+                    f"{reward.url} does not answer ({reason}): start `odrl serve-reward {names}"
+                    " --options ...` with the checkpoints the config's header names",
+                )
+            ]
+        return [Finding(OK, "reward.url", f"{reward.url} answers /health")]
+    findings = []
+    for name in reward.weights:
+        options = reward.options.get(name, {}) if isinstance(reward.options, dict) else {}
+        checkpoint = options.get("checkpoint") if isinstance(options, dict) else None
+        if checkpoint is None:
+            continue
+        exists = Path(os.path.expanduser(str(checkpoint))).exists()
+        status, detail = (
+            (OK, str(checkpoint)) if exists else (MISSING, f"{checkpoint} does not exist: download it")
+        )
+        findings.append(Finding(status, f"reward.options.{name}.checkpoint", detail))
+    return findings
+
+
+def check_prompts(cfg: ExperimentConfig) -> list[Finding]:
+    from .prompts import PromptFileError, load_prompts
+
+    findings = []
+    for key, source, least in (
+        ("data.prompts", cfg.data.prompts, cfg.data.prompts_per_step),
+        ("data.eval_prompts", cfg.data.eval_prompts, 1),
+    ):
+        try:
+            count = len(load_prompts(source))
+        except PromptFileError as e:
+            findings.append(Finding(MISSING, key, str(e)))
+            continue
+        status = OK if count >= least else MISSING
+        need = f" (a step takes {least})" if key == "data.prompts" else ""
+        findings.append(Finding(status, key, f"{source}: {count} prompts{need}"))
+    return findings
+
+
+def check_output(cfg: ExperimentConfig) -> Finding:
+    from .run_dir import run_evidence
+
+    folder = Path(cfg.train.output_dir)
+    if folder.is_dir() and run_evidence(folder) and not cfg.train.overwrite:
+        return Finding(
+            NOTE,
+            "train.output_dir",
+            f"{folder} holds a run: continue it with --resume, or set train.overwrite=true to start over",
+        )
+    return Finding(OK, "train.output_dir", str(folder))
+
+
+def preflight(cfg: ExperimentConfig) -> list[Finding]:
+    """Every finding for `cfg`, model first."""
+    return [
+        check_model(cfg.model.family, cfg.model.pretrained),
+        *check_rewards(cfg),
+        *check_prompts(cfg),
+        check_output(cfg),
+    ]
+
+
+def report(findings: list[Finding]) -> str:
+    width = max(len(f.what) for f in findings)
+    return "\n".join(f"  {f.status:<7}  {f.what:<{width}}  {f.detail}" for f in findings)

@@ -1,0 +1,94 @@
+"""`odrl train CONFIG --check`: the shipped GPU recipes validate without their weights and name what
+to download or start; a complete setup (a tiny H3 directory, a reward server answering on loopback)
+is ready."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl.cli import main
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.preflight import MISSING, OK, preflight
+
+from .h3_tiny import save_tiny_h3
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b'{"status": "ok"}' if self.path == "/health" else b"{}"
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("recipe", ["h3_av_nft.yaml", "ltx2_av_nft.yaml"])
+def test_a_gpu_recipe_checks_without_weights_and_names_what_to_download(
+    recipe: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(REPO)
+    down = f"reward.url=http://127.0.0.1:{_free_port()}"
+    code = main(
+        ["train", f"recipes/configs/{recipe}", down, f"train.output_dir={tmp_path / 'run'}", "--check"]
+    )
+    out = capsys.readouterr().out
+    assert code == 1, out
+    folders = "transformer, vae, audio_vae, text_encoder, tokenizer" if "h3" in recipe else "vocoder"
+    assert "MISSING" in out and folders in out, out
+    assert "does not answer" in out and "odrl serve-reward clap imagebind" in out, out
+    assert "2 missing" in out
+
+
+def test_a_complete_setup_is_ready_and_a_missing_part_is_named(health_server: str, tmp_path: Path) -> None:
+    h3 = save_tiny_h3(tmp_path / "h3")
+    overrides = [
+        "model.family=minimax_h3",
+        f"model.pretrained={h3}",
+        f"reward.url={health_server}",
+        "reward.weights={clap: 1.0, imagebind: 1.0}",
+        "eval.metrics=[]",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
+    findings = preflight(load_config(None, overrides))
+    assert all(f.status == OK for f in findings), findings
+    (h3 / "vae").rename(tmp_path / "elsewhere")
+    model = preflight(load_config(None, overrides))[0]
+    assert (model.status, model.detail) == (MISSING, f"{h3} lacks vae: download them into it")
+    local = [o for o in overrides if not o.startswith("reward.")]
+    local += [
+        "reward.weights={clap: 1.0}",
+        f"reward.options={{clap: {{checkpoint: {tmp_path / 'no_clap'}}}}}",
+    ]
+    rewards = [f for f in preflight(load_config(None, local)) if f.what.startswith("reward")]
+    assert [(f.status, f.what) for f in rewards] == [(MISSING, "reward.options.clap.checkpoint")]
