@@ -66,16 +66,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _preflight(source: str | None, cfg) -> int:  # noqa: ANN001 - ExperimentConfig
     """Print what the run needs and whether it is there; 1 when something is missing."""
-    from .preflight import MISSING, preflight, report
+    from .preflight import FAILING, preflight, report
 
     findings = preflight(cfg)
-    missing = [f for f in findings if f.status == MISSING]
+    missing = [f for f in findings if f.status in FAILING]
     print(
         f"{source or 'the default config'}: valid ({cfg.model.family}, {cfg.algorithm.name}, "
         f"{cfg.data.prompts_per_step} prompts x {cfg.data.group_size} samples per step)"
     )
     print(report(findings))
-    print(f"{len(missing)} missing: fix the lines marked MISSING first" if missing else "ready to train")
+    print(f"{len(missing)} to fix first (the lines marked MISSING or WRONG)" if missing else "ready to train")
     return 1 if missing else 0
 
 

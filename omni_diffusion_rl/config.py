@@ -65,6 +65,12 @@ class ModelConfig:
         "decoding memory); minimax_h3: {height: 768, width: 1344, num_frames: 124, text_encoder_layer: 50, "
         "max_sequence_length: 512, vae_tiling: null, vae_slicing: false}",
     )
+    base_dtype: str = _spec(
+        "fp32",
+        "how the frozen base weights (transformer, VAEs, text encoder) are stored: bf16 halves their "
+        "memory, what 10B+ models need (ltx2, minimax_h3); the LoRA adapters and optimizer stay fp32",
+        choices=("fp32", "bf16"),
+    )
     gradient_checkpointing: bool = _spec(
         False, "recompute the transformer's blocks in the backward pass: less memory, about 1/3 more compute"
     )

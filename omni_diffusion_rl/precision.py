@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 
 PRECISIONS = {"bf16": torch.bfloat16}
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""model.base_dtype: how the frozen base weights are stored."""
 
 
 def resolve_mixed_precision(configured: str) -> str:
@@ -39,3 +41,14 @@ def autocast_factory(
         return contextlib.nullcontext
     dtype = PRECISIONS[precision]
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def base_weights_autocast(
+    dtype: torch.dtype, device: torch.device
+) -> contextlib.AbstractContextManager[object]:
+    """Autocast to `dtype` for a model whose frozen weights are stored in it (model.base_dtype=bf16),
+    so fp32 inputs and fp32 LoRA weights meet them in every path (training, sampling, odrl sample);
+    nothing when the weights are fp32 or autocast is already on."""
+    if dtype == torch.float32 or torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from .config import ExperimentConfig
 
-OK, MISSING, NOTE = "ok", "MISSING", "note"
+OK, MISSING, WRONG, NOTE = "ok", "MISSING", "WRONG", "note"
+FAILING = (MISSING, WRONG)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True)
 class Finding:
-    status: str  # OK, MISSING or NOTE
+    status: str  # OK, MISSING, WRONG or NOTE
     what: str  # the config key or resource
     detail: str
 
@@ -146,10 +147,22 @@ def check_output(cfg: ExperimentConfig) -> Finding:
     return Finding(OK, "train.output_dir", str(folder))
 
 
+def check_options(family: str, options: dict) -> Finding:
+    from .config import ConfigError
+    from .models.families import check_family_options
+
+    try:
+        check_family_options(family, options)
+    except ConfigError as e:
+        return Finding(WRONG, "model.options", str(e))
+    return Finding(OK, "model.options", ", ".join(f"{k}={v}" for k, v in options.items()) or "none")
+
+
 def preflight(cfg: ExperimentConfig) -> list[Finding]:
     """Every finding for `cfg`, model first."""
     return [
         check_model(cfg.model.family, cfg.model.pretrained),
+        check_options(cfg.model.family, cfg.model.options),
         *check_rewards(cfg),
         *check_prompts(cfg),
         check_output(cfg),

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-VIDEO_CHANNELS, AUDIO_CHANNELS, TEXT_WIDTH, TEXT_LAYERS = 4, 8, 16, 3
+VIDEO_CHANNELS, AUDIO_CHANNELS, TEXT_WIDTH, TEXT_LAYERS = 4, 8, 16, 4
 CLIP = {"height": 32, "width": 32, "num_frames": 22, "text_encoder_layer": 2, "max_sequence_length": 96}
 """22 frames: the smallest clip the video VAE decodes (17 + 5 -> 7 latent frames), 8 x 8 latents."""
 

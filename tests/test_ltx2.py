@@ -211,3 +211,23 @@ def test_vae_tiling_and_slicing_reach_the_vae_and_slicing_decodes_the_same() -> 
     x = torch.randn(2, *plain.latent_shape, generator=torch.Generator().manual_seed(4))
     # tiles larger than these 32 x 32 frames: tiling leaves them whole, slicing is exact
     torch.testing.assert_close(sliced.decode(x).video, plain.decode(x).video, rtol=0, atol=1e-5)
+
+
+def test_bf16_base_weights_train_with_fp32_adapters_and_sample_without_autocast(
+    pipeline_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.inference import generate_media, load_policy
+
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        run = tmp_path / dtype
+        trainer = Trainer(load_config(None, [*_overrides(pipeline_dir, run, 2), f"model.base_dtype={dtype}"]))
+        trainer.fit()
+        losses[dtype] = [r["loss/total"] for r in step_records(run)]
+    assert trainer.transformer.proj_in.weight.dtype == torch.bfloat16
+    assert trainer.policy.pipeline.text_encoder.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in trainer.params), "the trained adapter and AdamW are fp32"
+    for fp32, bf16 in zip(losses["fp32"], losses["bf16"], strict=True):
+        assert math.isfinite(bf16) and bf16 == pytest.approx(fp32, rel=0.05), losses
+    media = generate_media(load_policy(tmp_path / "bf16" / "checkpoints"), ["a red circle"], steps=2)
+    assert torch.isfinite(media.video).all() and torch.isfinite(media.audio).all()

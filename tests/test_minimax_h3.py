@@ -173,8 +173,8 @@ def test_bad_clip_sizes_and_long_prompts_are_named() -> None:
         MiniMaxH3Policy(components, **{**CLIP, "num_frames": 30})
     with pytest.raises(ValueError, match="height and width divisible by 8; got 36 x 32"):
         MiniMaxH3Policy(components, **{**CLIP, "height": 36})
-    with pytest.raises(ValueError, match="text_encoder_layer=3: the conditioner has 3 decoder layers"):
-        MiniMaxH3Policy(components, **{**CLIP, "text_encoder_layer": 3})
+    with pytest.raises(ValueError, match="text_encoder_layer=4: the conditioner has 4 decoder layers"):
+        MiniMaxH3Policy(components, **{**CLIP, "text_encoder_layer": 4})
     short = MiniMaxH3Policy(components, **{**CLIP, "max_sequence_length": 4})
     with pytest.raises(ValueError, match=r"is 12 tokens; MiniMax-H3 takes 1 to 4 here \(raise model.options"):
         short.encode_prompts(["a red circle"])
@@ -303,3 +303,70 @@ def test_vae_tiling_is_on_by_default_as_released_and_the_options_switch_it() -> 
     assert MiniMaxH3Policy(components, **CLIP).vae.use_tiling is True
     policy = MiniMaxH3Policy(components, **CLIP, vae_tiling=False, vae_slicing=True)
     assert (policy.vae.use_tiling, policy.vae.use_slicing) == (False, True)
+
+
+def test_bf16_base_weights_train_with_fp32_adapters_and_sample_without_autocast(
+    h3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_diffusion_rl.inference import generate_media, load_policy
+    from omni_diffusion_rl.registry import rewards
+
+    monkeypatch.setitem(rewards._factories, "av_level", AudioVideoLevel)  # noqa: SLF001
+    reward = {"weights": {"av_level": 1.0}}
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        trainer = Trainer(
+            load_config(*_config(h3_dir, reward, tmp_path / dtype, 2, f"model.base_dtype={dtype}"))
+        )
+        trainer.fit()
+        runs[dtype] = [r["loss/total"] for r in step_records(tmp_path / dtype)]
+    weights = dict(trainer.transformer.named_parameters())
+    assert weights["transformer_blocks.0.attn.to_q.base_layer.weight"].dtype == torch.bfloat16
+    assert weights["proj_in.weight"].dtype == torch.float32, "H3 keeps its input and output heads in fp32"
+    assert all(p.dtype == torch.float32 for p in trainer.params), "the trained adapter and AdamW are fp32"
+    assert (
+        trainer.policy.text_encoder.dtype == torch.bfloat16
+        and trainer.policy.audio_vae.dtype == torch.float32
+    )
+    for fp32, bf16 in zip(runs["fp32"], runs["bf16"], strict=True):
+        assert math.isfinite(bf16) and bf16 == pytest.approx(fp32, rel=0.05), runs
+    policy = load_policy(tmp_path / "bf16" / "checkpoints")  # odrl sample's path: no autocast around it
+    media = generate_media(policy, ["a red circle"], steps=2)
+    assert torch.isfinite(media.video).all() and torch.isfinite(media.audio).all()
+
+
+def test_another_familys_fp32_only_loader_refuses_bf16_base_weights(tmp_path: Path) -> None:
+    cfg = load_config(None, ["model.base_dtype=bf16", f"train.output_dir={tmp_path}"])
+    with pytest.raises(
+        ConfigError, match="model.base_dtype=bf16: the tiny_av family loads its weights in fp32"
+    ):
+        build_nft_policy(cfg.model)
+
+
+def test_the_conditioner_keeps_the_layers_it_reads_encodes_a_prompt_once_and_can_stay_off_device() -> None:
+    components = tiny_h3_components()
+    ids = torch.tensor([components["tokenizer"]("a red circle", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        full = (
+            components["text_encoder"]
+            .model(
+                input_ids=ids,
+                mm_token_type_ids=torch.zeros_like(ids),
+                output_hidden_states=True,
+                use_cache=False,
+            )
+            .hidden_states[CLIP["text_encoder_layer"]][0]
+        )
+    policy = MiniMaxH3Policy(components, **CLIP, offload_text_encoder=True)
+    assert len(policy.text_encoder.model.language_model.layers) == CLIP["text_encoder_layer"] + 1 < 4
+    calls = []
+    policy.text_encoder.model.register_forward_hook(lambda *_: calls.append(1))
+    first = policy.encode_prompts(["a red circle", "a red circle", "a low tone"])
+    again = policy.encode_prompts(["a red circle"])
+    assert len(calls) == 2, "two distinct prompts, each encoded once"
+    length = int(first[TEXT_LENGTH][0])
+    torch.testing.assert_close(first[TEXT][0, :length], full, rtol=0, atol=1e-6)
+    torch.testing.assert_close(again[TEXT][0], first[TEXT][0], rtol=0, atol=0)
+    policy.to("meta")
+    assert policy.transformer.proj_in.weight.device.type == "meta"
+    assert next(policy.text_encoder.parameters()).device.type == "cpu", "offloaded: stays in host memory"

@@ -13,7 +13,7 @@ import pytest
 
 from omni_diffusion_rl.cli import main
 from omni_diffusion_rl.config import load_config
-from omni_diffusion_rl.preflight import MISSING, OK, preflight
+from omni_diffusion_rl.preflight import MISSING, OK, WRONG, preflight
 
 from .h3_tiny import save_tiny_h3
 
@@ -67,7 +67,7 @@ def test_a_gpu_recipe_checks_without_weights_and_names_what_to_download(
     folders = "transformer, vae, audio_vae, text_encoder, tokenizer" if "h3" in recipe else "vocoder"
     assert "MISSING" in out and folders in out, out
     assert "does not answer" in out and "odrl serve-reward clap imagebind" in out, out
-    assert "2 missing" in out
+    assert "2 to fix first" in out and "ok       model.options" in out
 
 
 def test_a_complete_setup_is_ready_and_a_missing_part_is_named(health_server: str, tmp_path: Path) -> None:
@@ -92,3 +92,9 @@ def test_a_complete_setup_is_ready_and_a_missing_part_is_named(health_server: st
     ]
     rewards = [f for f in preflight(load_config(None, local)) if f.what.startswith("reward")]
     assert [(f.status, f.what) for f in rewards] == [(MISSING, "reward.options.clap.checkpoint")]
+
+
+def test_a_family_option_that_does_not_exist_is_wrong(tmp_path: Path) -> None:
+    cfg = load_config(None, ["model.family=minimax_h3", "model.options={fps: 24}", "eval.metrics=[]"])
+    options = preflight(cfg)[1]
+    assert options.status == WRONG and "fps unknown to minimax_h3; it takes height, width" in options.detail

@@ -46,9 +46,18 @@ def _build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
 
 def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> FlowPolicy:
     """The policy on `device`, base frozen, with the `default` and `old` LoRA adapters added."""
+    import torch
+
     from . import lora
 
     policy, default_targets = build_policy(cfg)
+    if cfg.base_dtype != "fp32" and not any(
+        p.dtype != torch.float32 for p in policy.transformer.parameters()
+    ):
+        raise ConfigError(
+            f"model.base_dtype={cfg.base_dtype}: the {cfg.family} family loads its weights in fp32 only "
+            "(ltx2 and minimax_h3 take bf16); set model.base_dtype=fp32"
+        )
     move = getattr(policy, "to", None)
     if callable(move):  # every module it holds (VAEs, text encoder, ...), not only the transformer
         move(device)

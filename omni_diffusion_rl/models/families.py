@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError
+from ..precision import BASE_DTYPES
 from ..registry import models
 
 if TYPE_CHECKING:
@@ -48,6 +49,18 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
     return policy, list(policy.lora_target_modules)
 
 
+def check_family_options(family: str, options: dict) -> None:
+    """model.options against the family's policy constructor (ltx2, minimax_h3); a ConfigError names
+    the unknown keys. Families without options take none."""
+    if family == "ltx2":
+        from .ltx2 import LTX2Policy as policy_class
+    elif family == "minimax_h3":
+        from .minimax_h3 import MiniMaxH3Policy as policy_class
+    else:
+        return
+    _check_options(family, policy_class, options)
+
+
 def _check_options(family: str, cls: type, options: dict) -> None:
     """model.options names only parameters of the policy's constructor (after its components)."""
     import inspect
@@ -67,8 +80,8 @@ def load_ltx2(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     saved pipeline directory or hub id; model.options sets the clip size."""
     from .ltx2 import LTX2Policy
 
-    _check_options("ltx2", LTX2Policy, cfg.options)
-    policy = LTX2Policy.from_pretrained(cfg.pretrained, **cfg.options)
+    check_family_options("ltx2", cfg.options)
+    policy = LTX2Policy.from_pretrained(cfg.pretrained, dtype=BASE_DTYPES[cfg.base_dtype], **cfg.options)
     return policy, list(policy.lora_target_modules)
 
 
@@ -79,8 +92,8 @@ def load_minimax_h3(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     model.options sets the clip size."""
     from .minimax_h3 import MiniMaxH3Policy
 
-    _check_options("minimax_h3", MiniMaxH3Policy, cfg.options)
-    policy = MiniMaxH3Policy.from_pretrained(cfg.pretrained, **cfg.options)
+    check_family_options("minimax_h3", cfg.options)
+    policy = MiniMaxH3Policy.from_pretrained(cfg.pretrained, dtype=BASE_DTYPES[cfg.base_dtype], **cfg.options)
     return policy, list(policy.lora_target_modules)
 
 

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from ..media import MediaBatch
+from ..precision import base_weights_autocast
 from .policy import Condition
-from .vae_memory import configure_vae_memory
+from .vae_memory import configure_vae_memory, stored_dtype
 
 VIDEO_CONTEXT, AUDIO_CONTEXT, CONTEXT_MASK = "video_context", "audio_context", "context_mask"
 MAX_INDEX_BYTES = 64 << 10
@@ -87,6 +88,7 @@ class LTX2Policy:
                 f"per audio token, the transformer expects {self.audio_channels} (audio_in_channels)"
             )
         self.video_size = int(np.prod(self.video_grid)) * self.video_channels
+        self.base_dtype = stored_dtype(self.transformer)
         self.audio_size = self.audio_frames * self.audio_channels
 
     @property
@@ -130,25 +132,26 @@ class LTX2Policy:
             batch, frames, height, width, x_t.device, fps=self.frame_rate
         )
         audio_coords = self.transformer.audio_rope.prepare_audio_coords(batch, self.audio_frames, x_t.device)
-        video_v, audio_v = self.transformer(
-            hidden_states=video.to(dtype),
-            audio_hidden_states=audio.to(dtype),
-            encoder_hidden_states=cond[VIDEO_CONTEXT],
-            audio_encoder_hidden_states=cond[AUDIO_CONTEXT],
-            timestep=timestep,
-            sigma=timestep,
-            encoder_attention_mask=cond[CONTEXT_MASK],
-            audio_encoder_attention_mask=cond[CONTEXT_MASK],
-            num_frames=frames,
-            height=height,
-            width=width,
-            fps=self.frame_rate,
-            audio_num_frames=self.audio_frames,
-            video_coords=video_coords,
-            audio_coords=audio_coords,
-            use_cross_timestep=True,
-            return_dict=False,
-        )
+        with base_weights_autocast(self.base_dtype, x_t.device):
+            video_v, audio_v = self.transformer(
+                hidden_states=video.to(dtype),
+                audio_hidden_states=audio.to(dtype),
+                encoder_hidden_states=cond[VIDEO_CONTEXT],
+                audio_encoder_hidden_states=cond[AUDIO_CONTEXT],
+                timestep=timestep,
+                sigma=timestep,
+                encoder_attention_mask=cond[CONTEXT_MASK],
+                audio_encoder_attention_mask=cond[CONTEXT_MASK],
+                num_frames=frames,
+                height=height,
+                width=width,
+                fps=self.frame_rate,
+                audio_num_frames=self.audio_frames,
+                video_coords=video_coords,
+                audio_coords=audio_coords,
+                use_cross_timestep=True,
+                return_dict=False,
+            )
         return torch.cat([video_v.flatten(1), audio_v.flatten(1)], dim=1).to(x_t.dtype)
 
     def time_grid(self, num_steps: int, shift: float) -> torch.Tensor:
@@ -202,14 +205,14 @@ class LTX2Policy:
         return int(round(100 * float(np.prod(self.pipeline.vocoder.config.upsample_factors))))
 
     @classmethod
-    def from_pretrained(cls, source: str, **clip: Any) -> LTX2Policy:
+    def from_pretrained(cls, source: str, dtype: torch.dtype = torch.float32, **clip: Any) -> LTX2Policy:
         """From a saved LTX2Pipeline directory or a hub id (in the local cache when offline). A local
         directory must hold every component folder its model_index.json lists (a ValueError names the
         missing ones)."""
         from diffusers import LTX2Pipeline
 
         check_pipeline_dir(Path(source))
-        return cls(LTX2Pipeline.from_pretrained(source), **clip)
+        return cls(LTX2Pipeline.from_pretrained(source, torch_dtype=dtype), **clip)
 
 
 def check_pipeline_dir(path: Path) -> None:

@@ -7,7 +7,9 @@ adapter builds what its t2va blocks build, with the pipeline's own helpers where
 - prompts: the prompt tokenized verbatim (no chat template, no special tokens) and read from the
   Qwen3-VL conditioner's `hidden_states[text_encoder_layer]` (50 for the released model), as
   `encoders.get_qwen3vl_prompt_embeds` does for a prompt without vision blocks; no mask, no
-  negative prompt (the checkpoint is guidance-distilled);
+  negative prompt (the checkpoint is guidance-distilled). The conditioner's layers past that one
+  are dropped at load, each distinct prompt is encoded once, and `offload_text_encoder` keeps the
+  conditioner in host memory (about 54 GB in bf16 with its first 51 of 64 layers);
 - one packed sequence per call, `[text | audio | video]` rows with their tags (text 1, audio 2,
   video 0), (t, h, w) positions and row indices from `MiniMaxH3PrepareLayoutStep.
   build_packed_sequence`, video rows from `patchify_video_latents`, audio rows channel-major
@@ -30,6 +32,7 @@ packed forward against a hand-packed call and the sampler against MiniMaxH3Sched
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +41,17 @@ import torch
 from torch import nn
 
 from ..media import MediaBatch
+from ..precision import base_weights_autocast
 from .policy import Condition
-from .vae_memory import configure_vae_memory
+from .vae_memory import configure_vae_memory, stored_dtype
 
 TEXT, TEXT_LENGTH = "h3_text", "h3_text_length"
 FPS = 24.0
 STEREO = 2
 COMPONENTS = ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer")
 """The folders a local H3 directory must hold (a `scheduler` folder is optional)."""
+PROMPT_CACHE = 4096
+"""Encoded prompts kept (a training prompt set is encoded once)."""
 LORA_MODULES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
 """Per main block: the shared attention projections and the SwiGLU feed-forward (the layout of the
 published H3 LoRAs, without the AdaLN projections); the text refiner is left alone."""
@@ -64,6 +70,7 @@ class MiniMaxH3Policy:
         max_sequence_length: int = 512,
         vae_tiling: bool | None = None,
         vae_slicing: bool = False,
+        offload_text_encoder: bool = False,
     ) -> None:
         from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
             align_num_frames,
@@ -120,6 +127,10 @@ class MiniMaxH3Policy:
             audio_latent_num_frames(num_frames),
         )
         self.text_encoder_layer, self.max_sequence_length = text_encoder_layer, max_sequence_length
+        language_model = self.text_encoder.model.language_model
+        language_model.layers = language_model.layers[: text_encoder_layer + 1]  # the rest never reach it
+        self.offload_text_encoder = offload_text_encoder
+        self._prompt_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.video_size = self.video_channels * int(np.prod(self.video_grid))
         self.audio_size = STEREO * self.audio_channels * self.audio_frames
         blocks = len(self.transformer.transformer_blocks)
@@ -127,6 +138,7 @@ class MiniMaxH3Policy:
             f"transformer_blocks.{i}.{m}" for i in range(blocks) for m in LORA_MODULES
         ]
         self._layouts: dict[int, dict[str, torch.Tensor]] = {}
+        self.base_dtype = stored_dtype(self.transformer)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -135,29 +147,45 @@ class MiniMaxH3Policy:
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Condition:
-        """Each prompt's conditioner hidden state, zero-padded to max_sequence_length, and its length."""
-        device = next(self.text_encoder.parameters()).device
+        """Each prompt's conditioner hidden state, zero-padded to max_sequence_length, and its length
+        (each distinct prompt encoded once; the last PROMPT_CACHE are kept)."""
+        device = next(self.transformer.parameters()).device
         width = int(self.transformer.config.text_dim)
         text = torch.zeros(len(prompts), self.max_sequence_length, width, device=device)
         lengths = torch.zeros(len(prompts), dtype=torch.long, device=device)
         for i, prompt in enumerate(prompts):
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if not 0 < len(ids) <= self.max_sequence_length:
-                raise ValueError(
-                    f"prompt {prompt[:60]!r} is {len(ids)} tokens; MiniMax-H3 takes 1 to "
-                    f"{self.max_sequence_length} here (raise model.options.max_sequence_length)"
-                )
-            input_ids = torch.tensor([ids], device=device)
-            hidden = self.text_encoder.model(
+            hidden = self._encode_one(prompt)
+            text[i, : len(hidden)] = hidden.to(device)
+            lengths[i] = len(hidden)
+        return {TEXT: text, TEXT_LENGTH: lengths}
+
+    def _encode_one(self, prompt: str) -> torch.Tensor:
+        """[L, D] fp32: the prompt tokenized verbatim, hidden_states[text_encoder_layer]."""
+        if prompt in self._prompt_cache:
+            self._prompt_cache.move_to_end(prompt)
+            return self._prompt_cache[prompt]
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not 0 < len(ids) <= self.max_sequence_length:
+            raise ValueError(
+                f"prompt {prompt[:60]!r} is {len(ids)} tokens; MiniMax-H3 takes 1 to "
+                f"{self.max_sequence_length} here (raise model.options.max_sequence_length)"
+            )
+        input_ids = torch.tensor([ids], device=next(self.text_encoder.parameters()).device)
+        hidden = (
+            self.text_encoder.model(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 mm_token_type_ids=torch.zeros_like(input_ids),  # no vision blocks in a t2va prompt
                 use_cache=False,
                 output_hidden_states=True,
-            ).hidden_states[self.text_encoder_layer]
-            text[i, : len(ids)] = hidden[0].float()
-            lengths[i] = len(ids)
-        return {TEXT: text, TEXT_LENGTH: lengths}
+            )
+            .hidden_states[self.text_encoder_layer][0]
+            .float()
+        )
+        self._prompt_cache[prompt] = hidden
+        while len(self._prompt_cache) > PROMPT_CACHE:
+            self._prompt_cache.popitem(last=False)
+        return hidden
 
     # ------------------------------------------------------------------ the velocity
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,15 +252,16 @@ class MiniMaxH3Policy:
         features = video.shape[1] * int(np.prod(self.patch_size))
         video_rows = patchify_video_latents(video, self.patch_size).reshape(batch, -1, features)
         audio_rows = audio.permute(0, 1, 3, 2).reshape(batch, -1, self.audio_channels)
-        video_v, audio_v = self.transformer(
-            hidden_states=video_rows,
-            audio_hidden_states=audio_rows,
-            encoder_hidden_states=text,
-            timestep=timestep.to(device),
-            timestep_indices=timestep_indices.to(device),
-            return_dict=False,
-            **layout,
-        )
+        with base_weights_autocast(self.base_dtype, device):
+            video_v, audio_v = self.transformer(
+                hidden_states=video_rows,
+                audio_hidden_states=audio_rows,
+                encoder_hidden_states=text,
+                timestep=timestep.to(device),
+                timestep_indices=timestep_indices.to(device),
+                return_dict=False,
+                **layout,
+            )
         return self._unpatchify(video_v, video.shape), audio_v.reshape(
             batch, STEREO, self.audio_frames, self.audio_channels
         ).permute(0, 1, 3, 2)
@@ -302,16 +331,22 @@ class MiniMaxH3Policy:
         return int(self.audio_vae.config.sampling_rate)
 
     def to(self, device: torch.device | str | None = None) -> MiniMaxH3Policy:
-        """Every component on `device` (in place); returns self."""
-        for module in (self.transformer, self.vae, self.audio_vae, self.text_encoder):
+        """Every component on `device` (in place), the conditioner too unless offload_text_encoder
+        keeps it in host memory; returns self."""
+        for module in (self.transformer, self.vae, self.audio_vae):
             module.to(device)
+        if not self.offload_text_encoder:
+            self.text_encoder.to(device)
         return self
 
     @classmethod
-    def from_pretrained(cls, source: str, **options: Any) -> MiniMaxH3Policy:
+    def from_pretrained(
+        cls, source: str, dtype: torch.dtype = torch.float32, **options: Any
+    ) -> MiniMaxH3Policy:
         """From a directory (or hub id) holding the component folders transformer, vae, audio_vae,
         text_encoder (Qwen3-VL), tokenizer and optionally scheduler; a local directory missing one is
-        refused by name before anything loads."""
+        refused by name before anything loads. `dtype` (model.base_dtype) stores the transformer, the
+        video VAE and the conditioner; the audio VAE stays fp32 (bf16 degrades its sound)."""
         from diffusers import (
             AutoencoderKLMiniMaxH3,
             AutoencoderKLMiniMaxH3Audio,
@@ -329,10 +364,14 @@ class MiniMaxH3Policy:
                     f"(it needs {', '.join(COMPONENTS)}; scheduler is optional)"
                 )
         loaded: dict[str, Any] = {
-            "transformer": MiniMaxH3Transformer3DModel.from_pretrained(source, subfolder="transformer"),
-            "vae": AutoencoderKLMiniMaxH3.from_pretrained(source, subfolder="vae"),
+            "transformer": MiniMaxH3Transformer3DModel.from_pretrained(
+                source, subfolder="transformer", torch_dtype=dtype
+            ),
+            "vae": AutoencoderKLMiniMaxH3.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
             "audio_vae": AutoencoderKLMiniMaxH3Audio.from_pretrained(source, subfolder="audio_vae"),
-            "text_encoder": Qwen3VLForConditionalGeneration.from_pretrained(source, subfolder="text_encoder"),
+            "text_encoder": Qwen3VLForConditionalGeneration.from_pretrained(
+                source, subfolder="text_encoder", dtype=dtype
+            ),
             "tokenizer": AutoTokenizer.from_pretrained(source, subfolder="tokenizer"),
         }
         if not root.is_dir() or (root / "scheduler").is_dir():

@@ -1,9 +1,17 @@
-"""VAE decoding memory options shared by the diffusers video families (model.options vae_tiling /
-vae_slicing): tiling decodes a large frame tile by tile, slicing decodes a batch one clip at a time."""
+"""Memory helpers shared by the diffusers video families: VAE decoding options (model.options
+vae_tiling / vae_slicing: tiling decodes a large frame tile by tile, slicing a batch one clip at a
+time) and the dtype the base weights are stored in."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+
+def stored_dtype(model: nn.Module) -> torch.dtype:
+    """bf16 when the model's weights are stored in bf16 (model.base_dtype; a few modules may be
+    kept in fp32), else fp32."""
+    return torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in model.parameters()) else torch.float32
 
 
 def configure_vae_memory(vae: nn.Module, tiling: bool | None, slicing: bool) -> None:
