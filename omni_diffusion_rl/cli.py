@@ -201,6 +201,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         output = args.output or Path("runs/bench/learning.json")
         run_learning_bench(output, args.config, args.overrides, modes=args.modes, seeds=args.seeds, **steps)
         return 0
+    if args.name == "memory":
+        from .benchmarks.memory import run_memory_bench
+
+        run_memory_bench(args.output or Path("runs/bench/memory.json"))
+        return 0
     if args.name == "reward-server":
         from .benchmarks.reward_server import run_reward_server_bench
 
@@ -523,9 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead), "
         "modes (auto, colocated, separate, hybrid with 2 processes, against the simulator), "
         "learning (held-out reward per execution mode over seeds, against colocated), "
-        "recheck (auto's re-check after a wrong first pick, and its cost)",
+        "recheck (auto's re-check after a wrong first pick, and its cost), "
+        "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes)",
     )
-    bench.add_argument("name", choices=("nft-step", "reward-server", "modes", "learning", "recheck"))
+    bench.add_argument(
+        "name", choices=("nft-step", "reward-server", "modes", "learning", "recheck", "memory")
+    )
     bench.add_argument(
         "--config",
         default="recipes/configs/tiny_t2av_nft.yaml",

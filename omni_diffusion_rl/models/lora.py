@@ -55,7 +55,7 @@ def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: 
     if not _lora_layers(model):
         raise LoraTargetError(_target_message(model, target_modules, "nothing matched"))
     for name, param in model.named_parameters():  # fp32 adapters on a bf16 base (peft copies its dtype)
-        if "lora_" in name and param.dtype != torch.float32:
+        if "lora_" in name and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
     copy_adapter(model, TRAINED, OLD)
     set_active_adapter(model, TRAINED)
