@@ -25,14 +25,15 @@ def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:  # start the processes; each runs this again
-        from .launch import run_launched, without_option
-
-        return run_launched(args.nproc, without_option(args.argv, "--nproc"))
-    exit_with_parent()  # a killed launcher takes this process down (never a run started from a shell)
     if args.config and "=" in args.config and not Path(args.config).exists():
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ and not args.check:
+        from .launch import run_launched, without_option
+
+        _check_process_layout(load_config(args.config, args.overrides), args.nproc)  # once, not per rank
+        return run_launched(args.nproc, without_option(args.argv, "--nproc"))  # each runs this again
+    exit_with_parent()  # a killed launcher takes this process down (never a run started from a shell)
     cfg = load_config(args.config, args.overrides)
     if args.check:
         return _preflight(args.config, cfg)
@@ -62,6 +63,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary), flush=True)
     _close_process_group()
     return 0
+
+
+def _check_process_layout(cfg, processes: int) -> None:  # noqa: ANN001 - ExperimentConfig
+    """The layout checks every process would make, made once before they start (a ConfigError)."""
+    if cfg.execution.mode in ("separate", "hybrid"):
+        from .execution.separate import check_layout
+
+        check_layout(cfg, processes)
+    elif cfg.data.prompts_per_step % processes:
+        raise ConfigError(
+            f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the {processes} "
+            "processes so that each generates whole prompt groups"
+        )
 
 
 def _preflight(source: str | None, cfg) -> int:  # noqa: ANN001 - ExperimentConfig
@@ -241,6 +255,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         max_wait_ms=args.max_wait_ms,
         max_request_mb=args.max_request_mb,
         max_in_flight=args.max_in_flight,
+        max_uploads_mb=args.max_uploads_mb,
         token=token,
         read_timeout_s=args.read_timeout_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
@@ -468,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=256,
         help="more concurrent requests get 503",
+    )
+    serve.add_argument(
+        "--max-uploads-mb",
+        type=float,
+        default=4096.0,
+        help="request bodies arriving at once, by declared size (chunked: --max-request-mb); more get 503",
     )
     serve.add_argument(
         "--read-timeout-s", type=float, default=30.0, help="time to receive a request's body; slower get 408"

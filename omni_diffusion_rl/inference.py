@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from .checkpoint import CheckpointError, load_checkpoint
 from .config import ModelConfig
 from .media import MediaBatch
 from .models import build_nft_policy, build_policy, lora
+from .models.fingerprint import fingerprint_matches
 from .models.policy import FlowPolicy
 from .rollout import generate
 
@@ -20,7 +22,14 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
         policy, _ = build_policy(ModelConfig(pretrained=pretrained))
         return policy
     tensors, _, state = load_checkpoint(checkpoint, objects=False)  # no training state read to sample
-    policy = build_nft_policy(checkpoint_model_config(state, checkpoint))
+    model = checkpoint_model_config(state, checkpoint)
+    policy = build_nft_policy(model)
+    if not fingerprint_matches(state, dataclasses.asdict(model), policy.transformer):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was trained on another base model than the one at "
+            f"model.pretrained={model.pretrained} now (its transformer config differs); give the base "
+            "it was trained on"
+        )
     try:
         lora.load_nft_adapter_tensors(policy.transformer, tensors)
     except ValueError as e:

@@ -133,6 +133,18 @@ def test_prompts_not_divisible_by_processes_is_one_clear_error(model_dir: Path, 
     assert f'File "{REPO / "omni_diffusion_rl"}' not in done.stderr  # a sentence, no traceback of ours
 
 
+def test_odrl_train_nproc_refuses_a_layout_before_starting_any_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from omni_diffusion_rl.cli import main
+
+    assert main(["train", "--nproc", "2", "data.prompts_per_step=3", "eval.metrics=[]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("data.prompts_per_step=3 must be divisible by the 2 processes") == 1, err
+    assert main(["train", "--nproc", "3", "execution.mode=separate", "data.prompts_per_step=3"]) == 2
+    assert "must be divisible by the 2 trainer processes" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # starts training or launcher processes
 def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_path: Path) -> None:
     missing = _train(f"model.pretrained={tmp_path / 'nowhere'}", f"train.output_dir={tmp_path / 'a'}")

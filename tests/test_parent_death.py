@@ -62,6 +62,15 @@ sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));
 run_process_tree([sys.executable, "-c", sleeper, sys.argv[1]], timeout_s=120)
 """
 
+# Starts a reward server through ServerProcess, writes its pid, then waits (argv: pid file).
+SERVER_OWNER = """
+import sys, time
+from omni_diffusion_rl.serving.process import ServerProcess
+server = ServerProcess(["color_match"]).start()
+open(sys.argv[1], "w").write(str(server.proc.pid))
+time.sleep(120)
+"""
+
 
 def _state(pid: int) -> str | None:
     """The process's state letter (R, S, Z, ...), or None when it does not exist."""
@@ -197,6 +206,22 @@ def test_a_benchmarks_launcher_dies_with_the_benchmark(tmp_path: Path) -> None:
         _kill(pid)
 
 
+@pytest.mark.slow
+def test_a_reward_server_started_by_server_process_dies_with_its_owner(tmp_path: Path) -> None:
+    pid_file = tmp_path / "server.pid"
+    env = {**PLAIN_ENV, "HF_HUB_OFFLINE": "1"}
+    with _session([sys.executable, "-c", SERVER_OWNER, str(pid_file)], env) as owner:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60) is not None
+        pid = int(pid_file.read_text())
+        try:
+            owner.kill()  # SIGKILL: no cleanup code of the owner runs
+            owner.wait(timeout=10)
+            # checked before the session ends (its killpg would stop the server regardless)
+            assert _wait_for(lambda: _gone(pid), 5) is not None, "the reward server outlived its owner"
+        finally:
+            _kill(pid)
+
+
 def test_killing_accelerate_launch_takes_its_training_processes_down(tmp_path: Path) -> None:
     """SIGKILL of `accelerate launch` (torch's elastic agent runs in it, the workers' parent) while
     2 CPU processes train: both exit within seconds instead of training on unsupervised."""
@@ -265,10 +290,12 @@ def test_sigterm_of_a_benchmark_stops_its_launcher_and_training_processes(tmp_pa
             _kill(pid)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"]
+)
 def test_odrl_train_nproc_stops_every_process_it_started(tmp_path: Path, sig: signal.Signals) -> None:
-    """`odrl train --nproc 2` starts accelerate itself; Ctrl-C or SIGTERM of it stops the launcher and
-    both training processes."""
+    """`odrl train --nproc 2` starts accelerate itself; Ctrl-C, SIGTERM or SIGKILL of it stops the
+    launcher and both training processes."""
     run = tmp_path / "run"
     overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), run, 100000)
     overrides += ["train.eval_at_start_and_end=false", "train.checkpoint_every=0", "tracking.wandb=false"]

@@ -175,6 +175,28 @@ def test_stalled_uploads_do_not_make_real_requests_wait_or_fail() -> None:
                 sock.close()
 
 
+def test_bodies_arriving_at_once_are_bounded_by_max_uploads_mb() -> None:
+    """A stalled upload declaring 1000 bytes against a budget of 1048: a second body that would not
+    fit gets 503 at once (its connection closed), and is received once the stalled one is cut off."""
+    settings = ServeSettings(
+        port=0, max_request_mb=0.001, max_uploads_mb=0.001, read_timeout_s=0.5, keepalive_timeout_s=1.0
+    )
+    with _in_process_server(settings, ["test_prompt_length"]) as url:
+        host, port = _host_port(url)
+        body = _good_body()
+        assert 1000 + len(body) > 0.001 * 2**20 >= len(body), len(body)
+        with _stalled_upload(host, port):
+            assert _wait_for(lambda: _get_json(f"{url}/info").get("reading") == 1, 5.0)
+            code, answer = _post(url + SCORE_PATH, body)
+            assert code == 503 and answer["kind"] == "busy" and "max_uploads_mb=0.001" in answer["error"]
+            time.sleep(0.8)  # the stalled upload passes read_timeout_s and is cut off
+            assert _get_json(f"{url}/info")["arriving_mb"] == 0
+            code, answer = _post(url + SCORE_PATH, body)
+            assert code == 200, answer
+    with pytest.raises(ValueError, match="max_uploads_mb .* must be a number of MB at least max_request_mb"):
+        ServeSettings(max_uploads_mb=1.0).check()
+
+
 def test_an_upload_that_stalls_past_the_read_timeout_gets_408_and_is_closed(quick_server: str) -> None:
     host, port = _host_port(quick_server)
     with _stalled_upload(host, port) as sock:

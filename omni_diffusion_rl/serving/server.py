@@ -59,6 +59,9 @@ class ServeSettings:
     max_wait_ms: float = 5.0  # how long the oldest request may wait for others to join its batch
     max_request_mb: float = 256.0
     max_in_flight: int = 256  # requests read (body in) and not yet answered; more get 503 (clients retry)
+    max_uploads_mb: float = (
+        4096.0  # bodies arriving at once, by declared size (chunked: max_request_mb); more: 503
+    )
     token: str | None = None
     read_timeout_s: float = 30.0  # to receive a request's body once its headers are in; slower: 408, closed
     keepalive_timeout_s: float = 15.0  # a connection without a complete request (headers) for this is closed
@@ -67,6 +70,11 @@ class ServeSettings:
     def check(self) -> None:
         if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_request_mb <= 0 or self.max_in_flight < 1:
             raise ValueError("max_batch and max_in_flight must be >= 1, max_wait_ms >= 0, max_request_mb > 0")
+        if not (math.isfinite(self.max_uploads_mb) and self.max_uploads_mb >= self.max_request_mb):
+            raise ValueError(
+                f"max_uploads_mb ({self.max_uploads_mb}) must be a number of MB at least max_request_mb "
+                f"({self.max_request_mb}), or no request of the largest size could ever be received"
+            )
         for name in ("read_timeout_s", "keepalive_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -332,6 +340,8 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
     }
     in_flight = 0  # requests whose body has been read, until answered
     reading = 0  # requests whose body is arriving
+    arriving = 0  # their declared bytes (a chunked body counts as max_request_mb)
+    max_arriving = int(settings.max_uploads_mb * 2**20)
 
     @web.middleware
     async def authorise(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -359,6 +369,7 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
                 "max_in_flight": settings.max_in_flight,
                 "in_flight": in_flight,
                 "reading": reading,
+                "arriving_mb": round(arriving / 2**20, 3),
                 "stats": {name: b.stats.as_dict() for name, b in batchers.items()},
             }
         )
@@ -369,7 +380,7 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
         return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
 
     async def score(request: web.Request) -> web.StreamResponse:
-        nonlocal in_flight, reading
+        nonlocal in_flight, reading, arriving
         name = request.match_info["name"]
         if name not in batchers:
             return _error(
@@ -381,8 +392,17 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
         if refusal is not None:
             return refusal
         # Only a request whose body has arrived counts as in flight: uploads that stall cannot crowd
-        # out the others, and each one is cut off after read_timeout_s.
+        # out the others, and each one is cut off after read_timeout_s. What may be arriving at once
+        # is bounded by max_uploads_mb, so uploads cannot exhaust memory.
+        declared = max_bytes if request.content_length is None else request.content_length
+        if arriving + declared > max_arriving:
+            message = (
+                f"busy: {arriving / 2**20:.1f} MB of request bodies are arriving (max_uploads_mb="
+                f"{settings.max_uploads_mb:g}); retry later"
+            )
+            return await _answer_and_close(request, _error(503, message, "busy"))
         reading += 1
+        arriving += declared
         try:
             body = await asyncio.wait_for(request.read(), settings.read_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
@@ -396,6 +416,7 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             return _too_large(None, max_bytes)
         finally:
             reading -= 1
+            arriving -= declared
         refusal = busy()
         if refusal is not None:
             return refusal

@@ -16,7 +16,6 @@ per-step randomness derives from (seed, step, prompt group), so a resumed run re
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import random
 import time
@@ -46,6 +45,7 @@ from ..evaluation import (
 )
 from ..media import save_previews
 from ..models import build_nft_policy, lora
+from ..models.fingerprint import fingerprint_matches, model_fingerprint
 from ..models.policy import FlowPolicy
 from ..precision import autocast_factory, resolve_mixed_precision
 from ..prompts import load_prompts
@@ -161,9 +161,7 @@ class Trainer:
     # ------------------------------------------------------------------ identity and state
     def model_fingerprint(self) -> str:
         """What a checkpoint must match: the model and its adapters (not the training knobs)."""
-        model_cfg = dict(self.transformer.config) if hasattr(self.transformer, "config") else {}
-        payload = {"model": dataclasses.asdict(self.cfg.model), "transformer": model_cfg}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return model_fingerprint(dataclasses.asdict(self.cfg.model), self.transformer)
 
     def save(self) -> Path | None:
         started = time.perf_counter()
@@ -196,7 +194,7 @@ class Trainer:
 
     def load(self, path: str | Path) -> None:
         tensors, objects, state = load_checkpoint(path)
-        if state.get("model_fingerprint") != self.model_fingerprint():
+        if not fingerprint_matches(state, dataclasses.asdict(self.cfg.model), self.transformer):
             saved = state.get("config", {}).get("model")
             raise CheckpointError(
                 f"checkpoint {path} was made for another model configuration ({saved}); "
