@@ -21,7 +21,7 @@ from omni_diffusion_rl.models.minimax_h3 import TEXT, TEXT_LENGTH, MiniMaxH3Poli
 from omni_diffusion_rl.rollout import generate
 from omni_diffusion_rl.trainers.trainer import Trainer
 
-from .av_rewards import AV_LEVEL_PLUGIN, AudioVideoLevel, clap_and_imagebind, needs_imagebind
+from .av_rewards import AudioVideoLevel, clap_and_imagebind, needs_imagebind
 from .h3_tiny import CLIP, save_tiny_h3, tiny_h3_components
 from .helpers import last_json_line, step_records
 
@@ -241,21 +241,22 @@ def test_the_loop_scores_with_clap_and_imagebind_trains_checkpoints_and_resumes_
 
 
 @pytest.mark.slow
-def test_separate_mode_trains_h3_from_the_buffer_with_two_processes(h3_dir: Path, tmp_path: Path) -> None:
+@needs_imagebind
+def test_separate_mode_trains_h3_from_the_buffer_scored_by_clap_and_imagebind(
+    h3_dir: Path, reward_section: dict, tmp_path: Path
+) -> None:
     from .test_separate import REPO, _launch
 
-    plugin = tmp_path / "av_level.py"
-    plugin.write_text(AV_LEVEL_PLUGIN)
     run = tmp_path / "run"
-    reward = {"weights": {"av_level": 1.0}, "plugins": [str(plugin)]}
-    path, overrides = _config(
-        h3_dir, reward, run, 3, "execution.mode=separate", "execution.data_timeout_s=60"
-    )
+    extra = ("execution.mode=separate", "execution.data_timeout_s=60")
+    path, overrides = _config(h3_dir, reward_section, run, 3, *extra)
     proc = _launch([str(path), *overrides], 29643, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     buffer = last_json_line(proc.stdout)["execution"]["buffer"]
     assert buffer["trained"] == 3 * 2 * 2, buffer
-    assert [r["step"] for r in step_records(run)] == [1, 2, 3]
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["reward/clap"]) and math.isfinite(r["reward/imagebind"]) for r in rows), rows
 
 
 def test_a_missing_component_and_unknown_options_are_named(h3_dir: Path, tmp_path: Path) -> None:
