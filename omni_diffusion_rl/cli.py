@@ -184,12 +184,14 @@ def _label_noise(text: str) -> dict[str, float]:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from .models.tiny_av import BUILTIN_WEIGHTS
-    from .trainers.pretrain import pretrain_base_model
+    from .models.tiny_av import BUILTIN_WEIGHTS, TEACHER_WEIGHTS
+    from .trainers.pretrain import TEACHER_RECIPE, pretrain_base_model
 
-    result = pretrain_base_model(
-        args.output or BUILTIN_WEIGHTS, steps=args.steps, label_noise=args.label_noise, seed=args.seed
-    )
+    recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
+    if args.label_noise is not None:
+        recipe["label_noise"] = args.label_noise
+    output = args.output or (TEACHER_WEIGHTS if args.teacher else BUILTIN_WEIGHTS)
+    result = pretrain_base_model(output, steps=args.steps, seed=args.seed, **recipe)
     print(json.dumps(result))
     return 0
 
@@ -441,7 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. reward.weights=...")
     probe.set_defaults(func=cmd_probe_rewards)
 
-    pretrain = sub.add_parser("pretrain", help="pre-train the tiny built-in base model on synthetic clips")
+    pretrain = sub.add_parser(
+        "pretrain",
+        help="pre-train the tiny built-in base model (or, --teacher, its teacher) on synthetic clips",
+    )
     pretrain.add_argument("--output", default=None, help="directory (default: the shipped builtin location)")
     pretrain.add_argument("--steps", type=_positive_int, default=6000)
     pretrain.add_argument(
@@ -452,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(attributes not named keep the shipped model's recipe, 0.5)",
     )
     pretrain.add_argument("--seed", type=int, default=0)
+    pretrain.add_argument(
+        "--teacher",
+        action="store_true",
+        help="the tiny teacher instead: larger (dim 128, 6 blocks), clean labels; default output "
+        "the shipped builtin-teacher location",
+    )
     pretrain.set_defaults(func=cmd_pretrain)
 
     serve = sub.add_parser(

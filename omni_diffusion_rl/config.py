@@ -113,8 +113,34 @@ class RAFTConfig:
     raft_keep: int = _spec(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
 
 
+DISTILL_STATES = ("visited", "noised")
+DISTILL_WEIGHTINGS = ("uniform", "step")
+
+
 @dataclass
-class AlgorithmConfig(NFTConfig, RAFTConfig):
+class DistillConfig:
+    """On-policy distillation's options (algorithm.name=distill), flat in the algorithm section."""
+
+    distill_states: str = _spec(
+        "visited",
+        "where the teacher gives targets: visited (the states the student's sampler passed) | noised "
+        "(the student's x0 forward-noised to each grid time)",
+        choices=DISTILL_STATES,
+    )
+    distill_weighting: str = _spec(
+        "uniform",
+        "weight per state: uniform | step (dt_k^2, the transition-mean form, scaled to mean 1 over the grid)",
+        choices=DISTILL_WEIGHTINGS,
+    )
+    nft_coef: float = _spec(
+        0.0,
+        "add this times the DiffusionNFT loss (reward and teacher in one run); 0: distillation alone",
+        ge=0,
+    )
+
+
+@dataclass
+class AlgorithmConfig(NFTConfig, RAFTConfig, DistillConfig):
     """The algorithm section: which algorithm, what every algorithm shares, each built-in one's own
     options (NFTConfig, RAFTConfig: one dataclass per algorithm, its keys flat here, e.g.
     algorithm.beta, algorithm.raft_keep) and a registered algorithm's options (algorithm.options)."""
@@ -122,10 +148,20 @@ class AlgorithmConfig(NFTConfig, RAFTConfig):
     name: str = _spec(
         "nft",
         "what the trainer learns with: nft (DiffusionNFT) | raft (reward-ranked flow-matching fine-tuning, "
-        "a baseline) | a registered algorithm",
+        "a baseline) | distill (on-policy distillation from `teacher`) | a registered algorithm",
     )
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
     options: dict[str, Any] = _spec({}, "a registered algorithm's own options (key -> value), read by it")
+
+
+@dataclass
+class TeacherConfig:
+    name: str = _spec("policy", "registered teacher (teachers/): policy serves a model family's policy")
+    options: dict[str, Any] = _spec(
+        {},
+        "the teacher's options, e.g. {pretrained: builtin-teacher, cfg_scale: 1.0, device: cuda:1} "
+        "(policy's default: the shipped tiny teacher)",
+    )
 
 
 @dataclass
@@ -290,6 +326,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -523,12 +560,12 @@ def check_consistency(cfg: ExperimentConfig) -> None:
 def check_registered(cfg: ExperimentConfig) -> None:
     """model.family and algorithm.name name registered ones (built-ins are entry points, so nothing
     is imported here; reward.plugins files may register more)."""
-    from .registry import algorithms, models
+    from .registry import algorithms, models, teachers
 
-    for key, value, registry in (
-        ("model.family", cfg.model.family, models),
-        ("algorithm.name", cfg.algorithm.name, algorithms),
-    ):
+    checks = [("model.family", cfg.model.family, models), ("algorithm.name", cfg.algorithm.name, algorithms)]
+    if cfg.algorithm.name == "distill":
+        checks.append(("teacher.name", cfg.teacher.name, teachers))
+    for key, value, registry in checks:
         if value not in registry.names():
             raise ConfigError(
                 f"{key}: unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())} "

@@ -11,7 +11,9 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,6 +38,8 @@ class Rollout:
     x0: torch.Tensor  # [N, *latent]
     cond: Condition
     grid: torch.Tensor  # [T + 1] sampler times, 1 -> 0
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-sample tensors an algorithm attaches (visited states, teacher targets): [N, ...] each."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -48,21 +52,24 @@ class Rollout:
             x0=self.x0[index.to(self.x0.device)],
             cond=index_condition(self.cond, index.to(self.x0.device)),
             grid=self.grid,
+            extras={k: v[index.to(v.device)] for k, v in self.extras.items()},
         )
 
     def to(self, device: torch.device) -> Rollout:
         """x0 and the condition on `device` (what came from another process is on the CPU)."""
         cond = {k: v.to(device) for k, v in self.cond.items()}
-        return Rollout(self.prompts, self.group_ids, self.x0.to(device), cond, self.grid)
+        extras = {k: v.to(device) for k, v in self.extras.items()}
+        return Rollout(self.prompts, self.group_ids, self.x0.to(device), cond, self.grid, extras)
 
     SCHEMA = BatchSchema(
-        per_sample=("x0", "group_ids"), prefixes=("cond.",), texts=("prompts",), shared=("grid",)
+        per_sample=("x0", "group_ids"), prefixes=("cond.", "extra."), texts=("prompts",), shared=("grid",)
     )
 
     def to_named(self) -> NamedBatch:
         """Named CPU tensors for another process (see named_batch.py)."""
         per_sample = {"x0": self.x0.detach().cpu().contiguous(), "group_ids": self.group_ids.cpu()}
         per_sample |= {f"cond.{k}": v.detach().cpu().contiguous() for k, v in self.cond.items()}
+        per_sample |= {f"extra.{k}": v.detach().cpu().contiguous() for k, v in self.extras.items()}
         return NamedBatch(per_sample, {"prompts": list(self.prompts)}, {"grid": self.grid.cpu()})
 
     @classmethod
@@ -71,7 +78,8 @@ class Rollout:
         cls.SCHEMA.check(batch, "a rollout")
         t = batch.per_sample
         cond = {k.removeprefix("cond."): v for k, v in t.items() if k.startswith("cond.")}
-        return cls(batch.texts["prompts"], t["group_ids"], t["x0"], cond, batch.shared["grid"])
+        extras = {k.removeprefix("extra."): v for k, v in t.items() if k.startswith("extra.")}
+        return cls(batch.texts["prompts"], t["group_ids"], t["x0"], cond, batch.shared["grid"], extras)
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
@@ -81,6 +89,7 @@ class Rollout:
             x0=torch.cat([r.x0 for r in parts]),
             cond=cat_conditions([r.cond for r in parts]),
             grid=parts[0].grid,
+            extras={k: torch.cat([r.extras[k] for r in parts]) for k in parts[0].extras},
         )
 
 
@@ -92,11 +101,14 @@ def generate(
     num_steps: int,
     time_shift: float,
     solver: str,
+    record_states: bool = False,
 ) -> Rollout:
     """len(noise) / len(prompts) samples per prompt (consecutive), integrated from `noise`.
 
     The time grid is the policy's own (`policy_time_grid`): diffusers policies use their
     scheduler's grid, the built-in tiny model the uniform one. Training reuses `Rollout.grid`.
+    record_states: keep the states the sampler visited, x_k at grid[k] for k < T, as
+    `extras["states"]` [N, T, *latent].
     """
     group_size = len(noise) // len(prompts)
     if group_size * len(prompts) != len(noise):
@@ -106,13 +118,15 @@ def generate(
     cond = {k: v.to(device) for k, v in cond.items()}
     noise = noise.to(device)
     grid = policy_time_grid(policy, num_steps, time_shift)  # the diffusers scheduler's or uniform
-    x0 = sample_ode(lambda x, t: policy.velocity(x, t.to(device), cond), noise, grid, solver)
+    states: list[torch.Tensor] | None = [] if record_states else None
+    x0 = sample_ode(lambda x, t: policy.velocity(x, t.to(device), cond), noise, grid, solver, states)
     return Rollout(
         prompts=[p for p in prompts for _ in range(group_size)],
         group_ids=torch.tensor(group_ids).repeat_interleave(group_size),
         x0=x0,
         cond=cond,
         grid=grid,
+        extras={} if states is None else {"states": torch.stack(states, dim=1)},
     )
 
 
@@ -139,6 +153,15 @@ def cat_results(parts: list[ScoreResult]) -> ScoreResult:
     )
 
 
+class Annotator(Protocol):
+    """Per-chunk extras an algorithm needs (omni_diffusion_rl/teacher_targets.py): `submit` returns a
+    future of per-sample tensors; `needs_states` asks generation to record the visited states."""
+
+    needs_states: bool
+
+    def submit(self, rollout: Rollout) -> Future[dict[str, torch.Tensor]]: ...
+
+
 class ExperienceMaker:
     """Scored prompt groups from the policy's rollout weights.
 
@@ -162,8 +185,10 @@ class ExperienceMaker:
         rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+        annotator: Annotator | None = None,
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
+        self.annotator = annotator  # an algorithm's per-chunk extras (teacher targets), made alongside
         self.group_size, self.num_steps, self.time_shift, self.solver = (
             group_size,
             num_steps,
@@ -193,15 +218,22 @@ class ExperienceMaker:
         self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
     ) -> Rollout:
         """len(noise) / len(prompts) samples per prompt with the rollout weights."""
+        record = self.annotator is not None and self.annotator.needs_states
         with self.rollout_weights(), self.autocast():
-            return generate(self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver)
+            return generate(
+                self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver, record
+            )
 
     def make_group(self, position: int) -> tuple[Rollout, ScoreResult]:
         """The prompt group at stream `position`, generated and scored (noise keyed by position)."""
         gen = step_generator(self.seed, 0, position, "rollout")
         noise = torch.randn((self.group_size, *self.policy.latent_shape), generator=gen)
         rollout = self.generate([self.prompt_at(position)], [position], noise, self.num_steps)
-        return rollout, score(self.policy, self.reward, rollout)
+        annotated = None if self.annotator is None else self.annotator.submit(rollout)
+        result = score(self.policy, self.reward, rollout)
+        if annotated is not None:
+            rollout.extras.update(annotated.result())
+        return rollout, result
 
     def make_step(self, step: int, prompts: list[str], group_ids: list[int]) -> tuple[Rollout, ScoreResult]:
         """A step's prompt groups (noise keyed by step and group), generated in `rollout_chunks`
@@ -210,7 +242,7 @@ class ExperienceMaker:
         generators = [step_generator(self.seed, step, g, "rollout") for g in group_ids]
         noise = torch.stack([torch.randn((k, *self.policy.latent_shape), generator=g) for g in generators])
         chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(self.rollout_chunks)]
-        parts, pending = [], []
+        parts, pending, annotations = [], [], []
         for chunk in chunks:
             part = self.generate(
                 [prompts[i] for i in chunk],
@@ -218,8 +250,12 @@ class ExperienceMaker:
                 noise[chunk].flatten(0, 1),
                 self.num_steps,
             )
+            if self.annotator is not None:
+                annotations.append(self.annotator.submit(part))
             with torch.no_grad():
                 pending.append(self.reward.submit(self.policy.decode(part.x0), part.prompts))
             parts.append(part)
         self.generated_at = time.perf_counter()
+        for part, annotated in zip(parts, annotations, strict=False):
+            part.extras.update(annotated.result())
         return Rollout.cat(parts), cat_results([f.result() for f in pending])

@@ -110,15 +110,22 @@ def policy_time_grid(policy: object, num_steps: int, shift: float) -> torch.Tens
 
 @torch.no_grad()
 def sample_ode(
-    velocity: VelocityFn, noise: torch.Tensor, grid: torch.Tensor, solver: str = "euler"
+    velocity: VelocityFn,
+    noise: torch.Tensor,
+    grid: torch.Tensor,
+    solver: str = "euler",
+    states: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Integrate dx/dt = v(x, t) from t = grid[0] (noise) to grid[-1]; returns the final x (x0)."""
+    """Integrate dx/dt = v(x, t) from t = grid[0] (noise) to grid[-1]; returns the final x (x0).
+    `states`, when given, receives the state at each grid time before its step (x_k at grid[k])."""
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver '{solver}'; choose one of {', '.join(SOLVERS)}")
     x = noise
     batch = noise.shape[0]
     for i in range(len(grid) - 1):
         t, t_next = grid[i], grid[i + 1]
+        if states is not None:
+            states.append(x)
         dt = (t_next - t).to(x.dtype)
         v = velocity(x, t.expand(batch))
         if solver == "heun" and t_next > 0:

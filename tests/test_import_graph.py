@@ -34,6 +34,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.state_codec",
         f"{PACKAGE}.named_batch",
         f"{PACKAGE}.precision",
+        f"{PACKAGE}.teacher",
         f"{PACKAGE}.checkpoint",
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",
@@ -48,7 +49,13 @@ LAYERS: list[list[str]] = [
     # what a run needs, checked before it starts (odrl train CONFIG --check)
     [f"{PACKAGE}.preflight"],
     # generating and scoring batches, evaluation
-    [f"{PACKAGE}.rollout", f"{PACKAGE}.evaluation", f"{PACKAGE}.inference", f"{PACKAGE}.eval_targets"],
+    [
+        f"{PACKAGE}.rollout",
+        f"{PACKAGE}.evaluation",
+        f"{PACKAGE}.inference",
+        f"{PACKAGE}.eval_targets",
+        f"{PACKAGE}.teacher_targets",
+    ],
     # training, the execution modes and their replay buffer, and the tools built on trained runs
     [
         f"{PACKAGE}.trainers",

@@ -23,6 +23,9 @@ from .policy import Condition
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"]
 BUILTIN_WEIGHTS = Path(__file__).resolve().parent.parent / "assets" / "tiny_av_base"
+TEACHER_WEIGHTS = BUILTIN_WEIGHTS.parent / "tiny_av_teacher"
+"""The shipped tiny teacher (`odrl pretrain --teacher`): larger, trained on clean labels."""
+BUILTIN_NAMES = {"builtin": BUILTIN_WEIGHTS, "builtin-teacher": TEACHER_WEIGHTS}
 
 
 class HashedWordTokenizer:
@@ -108,6 +111,13 @@ class LatentLayout:
         self.picture_dim = 3 * video_size * video_size
         self.sizes = [self.picture_dim, video_frames, audio_bins, audio_frames]
         self.dim = sum(self.sizes)
+
+    def describe(self) -> str:
+        """What the latent's entries mean (teachers and students must agree on it)."""
+        return (
+            f"picture 3x{self.video_size}x{self.video_size} | visibility {self.video_frames} | "
+            f"spectrum {self.audio_bins} | loudness {self.audio_frames}"
+        )
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[B, dim] -> picture [B, picture_dim], visibility [B, F], spectrum [B, K], loudness [B, T]."""
@@ -247,10 +257,12 @@ class TinyAVPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str | Path = "builtin") -> TinyAVPolicy:
-        """Load 'builtin' (the shipped base model) or a directory written by save_pretrained."""
-        path = BUILTIN_WEIGHTS if str(path) == "builtin" else Path(path)
+        """Load 'builtin' (the shipped base model), 'builtin-teacher' (the shipped tiny teacher) or a
+        directory written by save_pretrained."""
+        path = BUILTIN_NAMES.get(str(path), Path(path))
         if not (path / "config.json").is_file():
-            hint = " Run `odrl pretrain` to create it." if path == BUILTIN_WEIGHTS else ""
+            command = {BUILTIN_WEIGHTS: "odrl pretrain", TEACHER_WEIGHTS: "odrl pretrain --teacher"}.get(path)
+            hint = f" Run `{command}` to create it." if command else ""
             raise FileNotFoundError(f"no tiny_av model at {path} (config.json missing).{hint}")
         return cls(TinyAVTransformer.from_pretrained(path))
 

@@ -16,15 +16,16 @@ Algorithms are registered by name (`algorithm.name`). Adding one: subclass `Algo
 from __future__ import annotations
 
 import contextlib
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from ..algorithms.advantages import group_advantages, optimality_probability
+from ..algorithms.distill import distillation_loss
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import old_adapter_decay
-from ..config import ExperimentConfig, NFTConfig, RAFTConfig
+from ..config import DistillConfig, ExperimentConfig, NFTConfig, RAFTConfig
 from ..models import lora
 from ..models.policy import index_condition
 from ..registry import algorithms
@@ -63,6 +64,12 @@ class Algorithm:
     def load_rollout_state(transformer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Load what `rollout_state` sent (on a rollout process)."""
         lora.load_adapter_state_dict(transformer, lora.OLD, tensors)
+
+    @classmethod
+    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any) -> Any:
+        """What generation must attach to each chunk for this algorithm (rollout.Annotator: teacher
+        targets for distillation), built in every process that makes experience; None: nothing."""
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -172,6 +179,21 @@ class DiffusionNFT(Algorithm):
         gradient average, with weight 0; the caller skips the step when no process has any.
         """
         a, learner = self.options, self.learner
+        learner.optimizer.zero_grad(set_to_none=True)
+        rollout, sums = self.nft_gradients(rollout, r, step, keep)
+        out = learner.weighted_mean_over_ranks(sums, float(len(rollout)), self.loss_metric_names())
+        learner.apply_gradients(out, weight=float(len(rollout)))
+        decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
+        lora.soft_update_old(learner.transformer, decay)
+        out["old_decay"] = decay
+        return out
+
+    def nft_gradients(
+        self, rollout: Rollout, r: torch.Tensor, step: int, keep: torch.Tensor | None, scale: float = 1.0
+    ) -> tuple[Rollout, dict[str, float]]:
+        """Accumulate `scale` times the NFT loss's gradient; returns the kept samples and the loss
+        metrics (means over them)."""
+        a, learner = self.options, self.learner
         policy, transformer = learner.policy, learner.transformer
         inputs = noised_inputs(learner.cfg, rollout, step)
         if keep is not None and not bool(keep.all()):
@@ -180,7 +202,6 @@ class DiffusionNFT(Algorithm):
             dev = index.to(rollout.x0.device)
             inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
         r = r.to(rollout.x0.device)
-        learner.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
         for t_all, _, x_all in inputs if len(rollout) else []:
@@ -208,15 +229,126 @@ class DiffusionNFT(Algorithm):
                     v_ref,
                     a.kl_coef,
                 )
-                (loss * share / len(inputs)).backward()
+                scaled = loss if scale == 1.0 else loss * scale
+                (scaled * share / len(inputs)).backward()
                 for name, value in {"loss/total": loss.detach(), **metrics}.items():
                     sums[name] = sums.get(name, 0.0) + float(value) * share / len(inputs)
-        out = learner.weighted_mean_over_ranks(sums, float(len(rollout)), self.loss_metric_names())
-        learner.apply_gradients(out, weight=float(len(rollout)))
-        decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
-        lora.soft_update_old(transformer, decay)
+        return rollout, sums
+
+
+@dataclass
+class DistillOptions(NFTConfig, DistillConfig):
+    """What on-policy distillation reads: its own options and, for nft_coef > 0, DiffusionNFT's."""
+
+
+def state_weights(grid: torch.Tensor, weighting: str) -> torch.Tensor:
+    """[T] weight of the state at each sampler time: 1 (uniform), or dt_k^2 (the transition-mean form
+    of an Euler step), scaled to mean 1 so that the learning rate keeps its meaning."""
+    if weighting == "uniform":
+        return torch.ones(len(grid) - 1)
+    dt2 = (grid[:-1] - grid[1:]).float() ** 2
+    return dt2 / dt2.mean()
+
+
+def trained_state_order(cfg: ExperimentConfig, rollout: Rollout, step: int) -> torch.Tensor:
+    """[N, T]: each sample's states in a random order keyed by (seed, step, prompt group); the first
+    timestep_fraction of them are trained."""
+    steps, k = len(rollout.grid) - 1, cfg.data.group_size
+    orders = []
+    for start in range(0, len(rollout), k):
+        gen = step_generator(cfg.train.seed, step, int(rollout.group_ids[start]), "train")
+        orders += [torch.randperm(steps, generator=gen) for _ in range(min(k, len(rollout) - start))]
+    return torch.stack(orders)
+
+
+@algorithms.register("distill")
+class OnPolicyDistillation(DiffusionNFT):
+    """On-policy distillation: the student samples its own trajectories (the rollout weights), a
+    frozen teacher gives velocity targets on the states they visited (or on the student's x0
+    forward-noised), made alongside generation (teacher_targets.py) and carried with each group;
+    loss = weighted mean over states of mean_d (v_student - v_teacher)^2, plus nft_coef times the
+    DiffusionNFT loss. With nft_coef 0 the rollout adapter follows the trained one every step."""
+
+    display_name = "distillation"
+    options_type = DistillOptions
+
+    @classmethod
+    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any) -> Any:
+        from ..teacher_targets import TeacherTargets, make_checked_teacher
+
+        teacher = make_checked_teacher(cfg, policy)
+        return TeacherTargets(teacher, cfg.algorithm.distill_states, cfg.train.seed)
+
+    def metric_names(self) -> list[str]:
+        names = ["loss/distill", "loss/total"]
+        if self.options.nft_coef > 0:
+            names += [f"nft/{n}" for n in super().metric_names()]
+        return sorted(names)
+
+    def update(
+        self,
+        rollout: Rollout,
+        rewards: torch.Tensor,
+        groups: torch.Tensor,
+        keep: torch.Tensor,
+        local: slice,
+        step: int,
+    ) -> dict[str, float]:
+        a, learner = self.options, self.learner
+        mine = keep[local]
+        kept = rollout if bool(mine.all()) else rollout.select(mine.nonzero().flatten())
+        learner.optimizer.zero_grad(set_to_none=True)
+        sums = self.distill_gradients(kept, step)
+        sums["loss/total"] = sums["loss/distill"]
+        if a.nft_coef > 0:
+            adv = torch.zeros(len(rewards))
+            adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
+            r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
+            _, nft = self.nft_gradients(rollout, r, step, mine, scale=a.nft_coef)
+            sums |= {f"nft/{k}": v for k, v in nft.items()}
+            sums["loss/total"] += a.nft_coef * nft.get("loss/total", 0.0)
+        out = learner.weighted_mean_over_ranks(sums, float(len(kept)), self.loss_metric_names())
+        learner.apply_gradients(out, weight=float(len(kept)))
+        decay = old_adapter_decay("copy" if a.nft_coef == 0 else a.decay_schedule, step + 1)
+        lora.soft_update_old(learner.transformer, decay)
         out["old_decay"] = decay
         return out
+
+    def distill_gradients(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """Accumulate the velocity-matching loss's gradient at the trained states."""
+        from ..teacher_targets import STATES, TEACHER_V
+
+        a, learner = self.options, self.learner
+        if not len(rollout):
+            return {"loss/distill": 0.0}
+        missing = [k for k in (STATES, TEACHER_V) if k not in rollout.extras]
+        if missing:
+            raise ValueError(f"a distillation rollout lacks {', '.join(missing)} (made without a teacher?)")
+        device = rollout.x0.device
+        states, targets = rollout.extras[STATES].to(device), rollout.extras[TEACHER_V].to(device)
+        grid = rollout.grid.to(device)
+        weights = state_weights(rollout.grid, a.distill_weighting).to(device)
+        order = trained_state_order(learner.cfg, rollout, step).to(device)
+        num_train = max(1, int(order.shape[1] * learner.cfg.algorithm.timestep_fraction))
+        rows = torch.arange(len(rollout), device=device)
+        parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
+        total = 0.0
+        for j in range(num_train):
+            index = order[:, j]
+            x_all, t_all, v_all, w_all = (
+                states[rows, index],
+                grid[index],
+                targets[rows, index],
+                weights[index],
+            )
+            for part in parts:
+                share = (part.stop - part.start) / len(rollout)
+                with learner.autocast():
+                    v = learner.policy.velocity(x_all[part], t_all[part], index_condition(rollout.cond, part))
+                loss = distillation_loss(v.float(), v_all[part], w_all[part])
+                (loss * share / num_train).backward()
+                total += float(loss.detach()) * share / num_train
+        return {"loss/distill": total}
 
 
 @algorithms.register("raft")

@@ -1,0 +1,95 @@
+"""Teachers for on-policy distillation: frozen models that answer velocity targets for a student's
+states, and the checks that a teacher fits a student.
+
+A teacher answers `velocity(x_t, t, prompts)` in the project's convention (x_t = (1 - t) x0 + t eps,
+v = eps - x0, t = 1 noise) and describes itself with `TeacherInfo`: the latent shape and layout it
+works in, its convention and a fingerprint of its model. Teachers are registered by name
+(`omni_diffusion_rl.registry.teachers`, entry-point group `omni_diffusion_rl.teachers`); the
+built-in ones live in the top-level `teachers` package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+CONVENTION = "flow: x_t = (1 - t) x0 + t noise, v = noise - x0, t = 1 noise"
+"""The only convention teachers and students use here (adapters convert models that differ)."""
+PROBE_MIN_COSINE = 0.2
+"""cos(v(noise, t = 1), noise) of a sane model is clearly positive (v = noise - E[x0])."""
+
+
+class TeacherMismatch(ValueError):
+    """The teacher cannot teach this student: another latent layout, convention or a failed probe."""
+
+
+@dataclass(frozen=True)
+class TeacherInfo:
+    latent_shape: tuple[int, ...]
+    layout: str  # what the latent's entries mean (model family and data dimensions)
+    convention: str
+    fingerprint: str  # of the teacher's weights and config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "latent_shape": list(self.latent_shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TeacherInfo:
+        try:
+            return cls(
+                latent_shape=tuple(int(d) for d in data["latent_shape"]),
+                layout=str(data["layout"]),
+                convention=str(data["convention"]),
+                fingerprint=str(data["fingerprint"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise TeacherMismatch(f"a teacher described itself without a usable {e}: {data!r:.300}") from e
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    def info(self) -> TeacherInfo: ...
+
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """[B, *latent] float32 velocity targets at the states x_t [B, *latent] and times t [B]."""
+        ...
+
+
+def latent_layout(policy: object) -> str:
+    """What a policy's latent entries mean: its class and, for the built-in tiny model, the clip
+    dimensions its fixed decoder encodes (independent of the network's width or depth)."""
+    layout = getattr(getattr(policy, "transformer", None), "layout", None)
+    shape = tuple(getattr(policy, "latent_shape", ()))
+    if layout is not None and hasattr(layout, "describe"):
+        return f"{type(policy).__name__}:{layout.describe()}"
+    return f"{type(policy).__name__}:{shape}"
+
+
+def check_pair(student: TeacherInfo, teacher: TeacherInfo) -> None:
+    """Refuse a teacher whose latents mean something else than the student's."""
+    problems = []
+    if student.latent_shape != teacher.latent_shape:
+        problems.append(f"latent shape {teacher.latent_shape} against the student's {student.latent_shape}")
+    if student.layout != teacher.layout:
+        problems.append(f"latent layout '{teacher.layout}' against the student's '{student.layout}'")
+    if student.convention != teacher.convention:
+        problems.append(f"convention '{teacher.convention}' against '{student.convention}'")
+    if problems:
+        raise TeacherMismatch("the teacher does not fit the student: " + "; ".join(problems))
+
+
+def probe_convention(velocity: Any, latent_shape: tuple[int, ...], prompts: list[str], who: str) -> float:
+    """cos(v(noise, t = 1), noise) averaged over a few seeded draws; a flipped velocity sign (or a
+    model that predicts x0 - noise) gives a negative value and is refused."""
+    noise = torch.randn((len(prompts), *latent_shape), generator=torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        v = velocity(noise, torch.ones(len(prompts)), prompts).float().cpu()
+    cosine = float(torch.nn.functional.cosine_similarity(v.flatten(1), noise.flatten(1), dim=1).mean())
+    if not cosine > PROBE_MIN_COSINE:
+        raise TeacherMismatch(
+            f"the {who} fails the convention probe: cos(v(noise, t=1), noise) = {cosine:.3f}, expected > "
+            f"{PROBE_MIN_COSINE} for v = noise - x0 (a flipped velocity sign or time gives a negative value)"
+        )
+    return cosine

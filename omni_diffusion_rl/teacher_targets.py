@@ -1,0 +1,128 @@
+"""Teacher targets for a generated chunk, computed where the chunk is made: the teacher's velocity
+at every state the distillation trains on, attached to the rollout as extras so that it travels
+with the group (through the replay buffer in the async modes).
+
+`TeacherTargets.submit` returns a future: the teacher works on a thread of its own while the next
+chunk generates (colocated mode overlaps the two; a rollout process does the same). States are the
+ones the student's sampler visited (`extras["states"]`, recorded by `generate`) or its x0
+forward-noised at each grid time with noise keyed by the prompt group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .config import DISTILL_STATES, ExperimentConfig
+from .rollout import Rollout, step_generator
+from .teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
+
+STATE_KINDS = DISTILL_STATES
+TEACHER_V, STATES = "teacher_v", "states"
+
+
+def noised_states(rollout: Rollout, seed: int) -> torch.Tensor:
+    """[N, T, *latent]: x0 forward-noised to each sampler time grid[k] (k < T), the noise drawn per
+    sample from (seed, its prompt group), so it does not depend on where or when it is made."""
+    times = rollout.grid[:-1].to(rollout.x0.device)
+    group_size = max(1, int((rollout.group_ids == rollout.group_ids[0]).sum()))
+    noises = []
+    for start in range(0, len(rollout), group_size):
+        gen = step_generator(seed, 0, int(rollout.group_ids[start]), "train")
+        shape = (len(times), min(group_size, len(rollout) - start), *rollout.x0.shape[1:])
+        noises.append(torch.randn(shape, generator=gen).transpose(0, 1))
+    noise = torch.cat(noises).to(rollout.x0.device)
+    t = times.view(1, -1, *([1] * (rollout.x0.ndim - 1)))
+    return (1 - t) * rollout.x0[:, None] + t * noise
+
+
+def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """The teacher's answer as float32 on the states' device, refused unless it has their shape and
+    is finite (a failed teacher is an error, never a silent target)."""
+    if v.shape != states.shape or not torch.isfinite(v).all():
+        finite = bool(torch.isfinite(v).all()) if v.is_floating_point() else "not floating point"
+        raise ValueError(
+            f"the teacher answered {tuple(v.shape)} (finite: {finite}) for states {tuple(states.shape)}: "
+            "a teacher must give a finite velocity per state"
+        )
+    return v.to(states.device, torch.float32)
+
+
+def make_checked_teacher(cfg: ExperimentConfig, policy: object) -> Teacher:
+    """The config's teacher, refused unless it fits the student: the same latent shape, layout and
+    convention, and both pass the convention probe (which catches a flipped velocity sign)."""
+    from .registry import teachers
+
+    teacher = teachers.create(cfg.teacher.name, **cfg.teacher.options)
+    student = TeacherInfo(
+        latent_shape=tuple(policy.latent_shape),  # type: ignore[attr-defined]
+        layout=latent_layout(policy),
+        convention=CONVENTION,
+        fingerprint="student",
+    )
+    check_pair(student, teacher.info())
+    prompts = ["a red circle", "a low tone"]
+
+    def student_velocity(x: torch.Tensor, t: torch.Tensor, texts: list[str]) -> torch.Tensor:
+        device = next(policy.transformer.parameters()).device  # type: ignore[attr-defined]
+        cond = {k: v.to(device) for k, v in policy.encode_prompts(texts).items()}  # type: ignore[attr-defined]
+        return policy.velocity(x.to(device), t.to(device), cond)  # type: ignore[attr-defined]
+
+    probe_convention(student_velocity, student.latent_shape, prompts, "student")
+    probe_convention(teacher.velocity, student.latent_shape, prompts, f"teacher '{cfg.teacher.name}'")
+    return teacher
+
+
+class TeacherTargets:
+    """Annotates rollouts with `teacher_v` [N, T, *latent] (and `states` when noised) on a worker
+    thread; `seconds` and `calls` say how much teacher time there was."""
+
+    def __init__(
+        self,
+        teacher: Teacher | Callable[[], Teacher],
+        states: str = "visited",
+        seed: int = 0,
+        max_batch: int = 256,
+    ) -> None:
+        if states not in STATE_KINDS:
+            raise ValueError(f"distillation states must be one of {', '.join(STATE_KINDS)}; got {states!r}")
+        self.teacher = teacher
+        self.states, self.seed, self.max_batch = states, seed, max_batch
+        self.needs_states = states == "visited"
+        self.seconds, self.calls = 0.0, 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odrl-teacher")
+
+    def submit(self, rollout: Rollout) -> Future[dict[str, torch.Tensor]]:
+        return self._pool.submit(self.targets, rollout)
+
+    def targets(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """The teacher's velocity at each state of each sample (blocking)."""
+        started = time.perf_counter()
+        if self.states == "visited":
+            if STATES not in rollout.extras:
+                raise ValueError(
+                    "visited-state distillation needs the sampler's states (generate(record_states=True))"
+                )
+            states, extras = rollout.extras[STATES], {}
+        else:
+            states = noised_states(rollout, self.seed)
+            extras = {STATES: states}
+        times = rollout.grid[:-1].to(states.device)
+        columns = []
+        for k in range(states.shape[1]):  # time-major: a batch shares one time, as the student trains
+            x_k = states[:, k].detach()
+            parts = []
+            for start in range(0, len(x_k), self.max_batch):
+                x = x_k[start : start + self.max_batch]
+                v = self.teacher.velocity(x, times[k].expand(len(x)), rollout.prompts[start : start + len(x)])
+                parts.append(checked_targets(v, x))
+            columns.append(torch.cat(parts))
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

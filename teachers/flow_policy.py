@@ -1,0 +1,85 @@
+"""A teacher from any model family's policy (models/families.py): the shipped tiny teacher by
+default, a larger diffusers transformer (SD3, Stable Audio, LTX-2, H3) for a smaller student of the
+same family, or a training checkpoint's trained adapter; optional classifier-free guidance."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_diffusion_rl.config import ModelConfig
+from omni_diffusion_rl.registry import teachers
+from omni_diffusion_rl.teacher import CONVENTION, TeacherInfo, latent_layout
+
+
+@teachers.register("policy")
+class FlowPolicyTeacher:
+    """family / pretrained: the model (default the tiny teacher, `odrl pretrain --teacher`);
+    checkpoint: a training checkpoint whose trained adapter is used instead (its own model config);
+    cfg_scale: classifier-free guidance, v = v(empty) + s (v(prompt) - v(empty)) (1: off);
+    device: where it runs; options: the family's model.options."""
+
+    def __init__(
+        self,
+        family: str = "tiny_av",
+        pretrained: str = "builtin-teacher",
+        checkpoint: str | None = None,
+        cfg_scale: float = 1.0,
+        device: str = "cpu",
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        from omni_diffusion_rl.inference import load_policy
+        from omni_diffusion_rl.models import build_policy
+
+        if not cfg_scale >= 1.0:
+            raise ValueError(f"teacher 'policy': cfg_scale must be >= 1 (1 is off); got {cfg_scale}")
+        if checkpoint is not None:
+            self.policy = load_policy(checkpoint)
+            source = {"checkpoint": str(Path(checkpoint).resolve())}
+        else:
+            model = ModelConfig(family=family, pretrained=pretrained, options=dict(options or {}))
+            self.policy, _ = build_policy(model)
+            source = {
+                k: v for k, v in dataclasses.asdict(model).items() if k in ("family", "pretrained", "options")
+            }
+        move = getattr(self.policy, "to", None)
+        if callable(move):
+            move(device)
+        self.policy.transformer.to(device).requires_grad_(False).eval()
+        self.device, self.cfg_scale = torch.device(device), float(cfg_scale)
+        self._info = TeacherInfo(
+            latent_shape=tuple(self.policy.latent_shape),
+            layout=latent_layout(self.policy),
+            convention=CONVENTION,
+            fingerprint=_fingerprint(self.policy.transformer, {**source, "cfg_scale": self.cfg_scale}),
+        )
+
+    def info(self) -> TeacherInfo:
+        return self._info
+
+    @torch.no_grad()
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        x_t, t = x_t.to(self.device), t.to(self.device)
+        cond = {k: v.to(self.device) for k, v in self.policy.encode_prompts(list(prompts)).items()}
+        v = self.policy.velocity(x_t, t, cond).float()
+        if self.cfg_scale != 1.0:
+            empty = {k: v.to(self.device) for k, v in self.policy.encode_prompts([""] * len(prompts)).items()}
+            v_empty = self.policy.velocity(x_t, t, empty).float()
+            v = v_empty + self.cfg_scale * (v - v_empty)
+        return v.cpu()
+
+
+def _fingerprint(transformer: torch.nn.Module, source: dict[str, Any]) -> str:
+    """A hash of the source, the transformer's config and a sample of its weights."""
+    digest = hashlib.sha256(json.dumps(source, sort_keys=True, default=str).encode())
+    config = dict(transformer.config) if hasattr(transformer, "config") else {}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in sorted(transformer.state_dict().items())[:64]:
+        digest.update(name.encode())
+        digest.update(param.detach().float().flatten()[:256].cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]

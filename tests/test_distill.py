@@ -1,0 +1,157 @@
+"""On-policy distillation on the tiny model: self-distillation gives loss 0 exactly, a teacher that
+does not fit the student is refused at start (layout, flipped sign), a failing teacher is an error,
+targets follow the student's states, and a different teacher pulls the student toward itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.registry import teachers
+from omni_diffusion_rl.rollout import Rollout
+from omni_diffusion_rl.teacher import TeacherMismatch
+from omni_diffusion_rl.teacher_targets import STATES, TEACHER_V, TeacherTargets, noised_states
+from omni_diffusion_rl.trainers.algorithms import state_weights
+from omni_diffusion_rl.trainers.trainer import Trainer
+from teachers.flow_policy import FlowPolicyTeacher
+
+from .helpers import fast_overrides, step_records, tiny_model_dir
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("student"))
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("teacher"), seed=7)
+
+
+def _distill(model_dir: Path, run: Path, steps: int, teacher: str, *extra: str) -> list[str]:
+    return [
+        *fast_overrides(model_dir, run, steps),
+        "train.eval_at_start_and_end=false",
+        "algorithm.name=distill",
+        f"teacher.options={{family: tiny_av, pretrained: {teacher}}}",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("states", ["visited", "noised"])
+def test_self_distillation_gives_loss_zero_exactly(model_dir: Path, tmp_path: Path, states: str) -> None:
+    run = tmp_path / "run"
+    Trainer(
+        load_config(None, _distill(model_dir, run, 2, str(model_dir), f"algorithm.distill_states={states}"))
+    ).fit()
+    rows = step_records(run)
+    assert [r["loss/distill"] for r in rows] == [0.0, 0.0] and [r["loss/total"] for r in rows] == [0.0, 0.0]
+
+
+def test_a_different_teacher_pulls_the_student_toward_itself(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    overrides = _distill(model_dir, run, 10, str(other_dir), "optim.lr=2e-2", "model.lora_rank=16")
+    trainer = Trainer(load_config(None, overrides))
+    trainer.fit()
+    assert all(r["loss/distill"] > 0 for r in step_records(run))
+    teacher = FlowPolicyTeacher(pretrained=str(other_dir))
+    x = torch.randn(4, *trainer.policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    t, prompts = torch.tensor([0.9, 0.6, 0.4, 0.2]), ["a red circle"] * 4
+
+    def gap(active: bool) -> float:
+        from omni_diffusion_rl.models import lora
+
+        context = (
+            lora.using_adapter(trainer.transformer, lora.TRAINED)
+            if active
+            else lora.adapters_disabled(trainer.transformer)
+        )
+        with torch.no_grad(), context:
+            cond = trainer.policy.encode_prompts(prompts)
+            return float(
+                ((trainer.policy.velocity(x, t, cond) - teacher.velocity(x, t, prompts)) ** 2).mean()
+            )
+
+    trained, base = gap(True), gap(False)
+    assert trained < 0.9 * base, (
+        f"the trained student is closer to the teacher than its base: {trained} {base}"
+    )
+
+
+class FlippedTeacher(FlowPolicyTeacher):
+    def velocity(self, x_t, t, prompts):  # noqa: ANN001, ANN201
+        return -super().velocity(x_t, t, prompts)
+
+
+class NaNTeacher(FlowPolicyTeacher):
+    def velocity(self, x_t, t, prompts):  # noqa: ANN001, ANN201
+        v = super().velocity(x_t, t, prompts)
+        v[0, 0] = float("nan")
+        return v
+
+
+def test_a_teacher_that_does_not_fit_is_refused_at_start(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_diffusion_rl.models.tiny_av import TinyAVTransformer
+
+    monkeypatch.setitem(teachers._factories, "flipped", FlippedTeacher)  # noqa: SLF001
+    flipped = [*_distill(model_dir, tmp_path / "a", 1, str(model_dir)), "teacher.name=flipped"]
+    with pytest.raises(TeacherMismatch, match=r"teacher 'flipped' fails the convention probe: cos\(v\(noise"):
+        Trainer(load_config(None, flipped))
+    torch.manual_seed(0)
+    TinyAVTransformer(dim=32, depth=1, heads=2, mlp_ratio=2, video_size=8, patch_size=4).save_pretrained(
+        tmp_path / "small_video"
+    )
+    other = _distill(model_dir, tmp_path / "b", 1, str(tmp_path / "small_video"))
+    with pytest.raises(
+        TeacherMismatch,
+        match="latent shape .* against the student's .*; latent layout 'TinyAVPolicy:picture 3x8x8",
+    ):
+        Trainer(load_config(None, other))
+
+
+def test_a_teacher_answering_nan_or_the_wrong_shape_is_an_error(model_dir: Path) -> None:
+    x0 = torch.randn(4, 796)
+    rollout = Rollout(["a red circle"] * 4, torch.tensor([0, 0, 1, 1]), x0, {}, torch.linspace(1, 0, 4))
+    with pytest.raises(ValueError, match=r"finite: False.*a teacher must give a finite velocity per state"):
+        TeacherTargets(NaNTeacher(pretrained=str(model_dir)), "noised").targets(rollout)
+
+    class Short(FlowPolicyTeacher):
+        def velocity(self, x_t, t, prompts):  # noqa: ANN001, ANN202
+            return super().velocity(x_t, t, prompts)[:, :10]
+
+    with pytest.raises(ValueError, match=r"the teacher answered \(4, 10\) .* for states \(4, 796\)"):
+        TeacherTargets(Short(pretrained=str(model_dir)), "noised").targets(rollout)
+
+
+def test_targets_are_the_teachers_velocity_at_the_students_states(model_dir: Path) -> None:
+    teacher = FlowPolicyTeacher(pretrained=str(model_dir))
+    x0 = torch.randn(4, *teacher.info().latent_shape, generator=torch.Generator().manual_seed(2))
+    grid = torch.linspace(1, 0, 4)
+    rollout = Rollout(["a red circle"] * 2 + ["a blue square"] * 2, torch.tensor([3, 3, 5, 5]), x0, {}, grid)
+    extras = TeacherTargets(teacher, "noised", seed=1).targets(rollout)
+    states = extras[STATES]
+    assert states.shape == (4, 3, *x0.shape[1:]) and extras[TEACHER_V].shape == states.shape
+    torch.testing.assert_close(states, noised_states(rollout, seed=1), rtol=0, atol=0)
+    alone = noised_states(rollout.select(torch.tensor([2, 3])), seed=1)  # keyed by group, not by batch
+    torch.testing.assert_close(states[2:], alone, rtol=0, atol=0)
+    k = 1
+    expected = teacher.velocity(states[:, k], grid[k].expand(4), rollout.prompts)
+    torch.testing.assert_close(extras[TEACHER_V][:, k], expected, rtol=0, atol=0)
+    torch.testing.assert_close(states[:, 0], (1 - grid[0]) * x0 + grid[0] * (states[:, 0] - 0 * x0))
+
+
+def test_step_weights_follow_the_squared_step_and_average_one() -> None:
+    grid = torch.tensor([1.0, 0.9, 0.6, 0.0])
+    weights = state_weights(grid, "step")
+    torch.testing.assert_close(weights, torch.tensor([0.01, 0.09, 0.36]) / 0.46 * 3)
+    assert float(weights.mean()) == pytest.approx(1.0)
+    assert torch.equal(state_weights(grid, "uniform"), torch.ones(3))
