@@ -7,10 +7,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import ConfigError, ExecutionConfig, describe, load_config
 from .export import EXPORT_HELP, add_export_arguments, run_export
 from .lifeline import exit_with_parent
+
+if TYPE_CHECKING:
+    from .serving.server import ServeSettings
 
 EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(describe())
 
@@ -234,21 +238,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve_reward(args: argparse.Namespace) -> int:
-    from .config import import_plugins
-    from .registry import rewards
-    from .serving.server import ServeSettings, main_serve
-
-    import_plugins(args.plugin or [])
+def _json_options(text: str | None, example: str) -> object:
+    """--options parsed as JSON ({} when absent), or a ConfigError showing `example`."""
     try:
-        options = json.loads(args.options) if args.options else {}
+        return json.loads(text) if text else {}
     except json.JSONDecodeError as e:
-        raise ConfigError(f'--options must be JSON, e.g. \'{{"clap": {{"checkpoint": "/m"}}}}\': {e}') from e
-    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-        raise ConfigError("--options must map reward names to keyword-argument objects")
-    unknown = sorted(set(options) - set(args.names))
-    if unknown:
-        raise ConfigError(f"--options names rewards that are not served: {unknown}")
+        raise ConfigError(f"--options must be JSON, e.g. '{example}': {e}") from e
+
+
+def _serve_settings(args: argparse.Namespace, **extra: float) -> ServeSettings:
+    """The server settings the shared serve-reward / serve-teacher options give (checked)."""
+    from .serving.server import ServeSettings
+
     token = os.environ.get(args.token_env) or None
     settings = ServeSettings(
         host=args.host,
@@ -262,11 +263,48 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
+        **extra,  # type: ignore[arg-type]
     )
     try:
         settings.check()
     except ValueError as e:
         raise ConfigError(str(e).replace("ODRL_REWARD_TOKEN", args.token_env)) from e
+    return settings
+
+
+def cmd_serve_teacher(args: argparse.Namespace) -> int:
+    from .config import import_plugins
+    from .registry import teachers
+    from .serving.server import main_serve
+
+    import_plugins(args.plugin or [])
+    options = _json_options(args.options, '{"pretrained": "/models/teacher"}')
+    if not isinstance(options, dict):
+        raise ConfigError("--options must be a JSON object of the teacher's keyword arguments")
+    settings = _serve_settings(args, service_ms=args.service_ms)
+    for key, value in (("checkpoint", args.checkpoint), ("device", args.device)):
+        if value:
+            options.setdefault(key, value)
+    try:
+        teacher = teachers.create(args.name, **options)
+    except TypeError as e:
+        raise ConfigError(f"teacher '{args.name}' could not be created with {sorted(options)} ({e})") from e
+    return main_serve({}, settings, teachers={args.name: teacher})
+
+
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    from .config import import_plugins
+    from .registry import rewards
+    from .serving.server import main_serve
+
+    import_plugins(args.plugin or [])
+    options = _json_options(args.options, '{"clap": {"checkpoint": "/m"}}')
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ConfigError("--options must map reward names to keyword-argument objects")
+    unknown = sorted(set(options) - set(args.names))
+    if unknown:
+        raise ConfigError(f"--options names rewards that are not served: {unknown}")
+    settings = _serve_settings(args)
     served = {}
     for name in args.names:
         kwargs = dict(options.get(name, {}))
@@ -368,6 +406,45 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, token_env: str, port: int) -> None:
+    """The options every server takes: address, batching, limits, timeouts and its token."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port, help="0 picks a free port (see the ready line)")
+    parser.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=32,
+        help="samples per model call and per request",
+    )
+    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill, at most")
+    parser.add_argument("--max-request-mb", type=float, default=256.0, help="larger requests get 413")
+    parser.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=256,
+        help="more concurrent requests get 503",
+    )
+    parser.add_argument(
+        "--max-uploads-mb",
+        type=float,
+        default=4096.0,
+        help="request bodies arriving at once, by declared size (chunked: --max-request-mb); more get 503",
+    )
+    parser.add_argument(
+        "--read-timeout-s", type=float, default=30.0, help="time to receive a request's body; slower get 408"
+    )
+    parser.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        default=15.0,
+        help="close connections idle (or without complete request headers) this long",
+    )
+    parser.add_argument(
+        "--shutdown-timeout-s", type=float, default=2.0, help="on Ctrl-C, time for requests being answered"
+    )
+    parser.add_argument("--token-env", default=token_env, help="environment variable with the token")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -479,42 +556,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--plugin", action="append", help="import this module or .py file first (it registers rewards)"
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8400, help="0 picks a free port (see the ready line)")
-    serve.add_argument(
-        "--max-batch",
-        type=_positive_int,
-        default=32,
-        help="samples per model call and per request",
-    )
-    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="wait for a batch to fill, at most")
-    serve.add_argument("--max-request-mb", type=float, default=256.0, help="larger requests get 413")
-    serve.add_argument(
-        "--max-in-flight",
-        type=_positive_int,
-        default=256,
-        help="more concurrent requests get 503",
-    )
-    serve.add_argument(
-        "--max-uploads-mb",
-        type=float,
-        default=4096.0,
-        help="request bodies arriving at once, by declared size (chunked: --max-request-mb); more get 503",
-    )
-    serve.add_argument(
-        "--read-timeout-s", type=float, default=30.0, help="time to receive a request's body; slower get 408"
-    )
-    serve.add_argument(
-        "--keepalive-timeout-s",
-        type=float,
-        default=15.0,
-        help="close connections idle (or without complete request headers) this long",
-    )
-    serve.add_argument(
-        "--shutdown-timeout-s", type=float, default=2.0, help="on Ctrl-C, time for requests being scored"
-    )
-    serve.add_argument("--token-env", default="ODRL_REWARD_TOKEN", help="environment variable with the token")
+    add_server_arguments(serve, "ODRL_REWARD_TOKEN", 8400)
     serve.set_defaults(func=cmd_serve_reward)
+
+    teach = sub.add_parser(
+        "serve-teacher",
+        help="serve a registered teacher over HTTP (batched), for teacher.urls",
+        description="Serve a teacher over HTTP: POST /velocity/NAME (safetensors states, times and prompts; "
+        "answers velocities), GET /info (its latent layout, convention and fingerprint), GET /health. "
+        "Prints a JSON 'ready' line with the URL once listening. Binding anything but loopback needs a "
+        "bearer token in the environment (--token-env).",
+    )
+    teach.add_argument("name", metavar="NAME", help="registered teacher (e.g. policy)")
+    teach.add_argument("--checkpoint", help="checkpoint= of the teacher (a training checkpoint for 'policy')")
+    teach.add_argument("--device", help="device= of the teacher (e.g. cuda:1)")
+    teach.add_argument(
+        "--options", help='JSON keyword arguments: {"pretrained": "builtin-teacher", "cfg_scale": 1}'
+    )
+    teach.add_argument(
+        "--plugin", action="append", help="import this module or .py file first (it registers teachers)"
+    )
+    teach.add_argument(
+        "--service-ms",
+        type=float,
+        default=0.0,
+        help="benchmarks only: add this fixed time per model call, a stand-in for a remote accelerator",
+    )
+    add_server_arguments(teach, "ODRL_TEACHER_TOKEN", 8500)
+    teach.set_defaults(func=cmd_serve_teacher)
 
     export = sub.add_parser("export", help=EXPORT_HELP)
     add_export_arguments(export)

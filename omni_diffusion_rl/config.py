@@ -160,8 +160,21 @@ class TeacherConfig:
     options: dict[str, Any] = _spec(
         {},
         "the teacher's options, e.g. {pretrained: builtin-teacher, cfg_scale: 1.0, device: cuda:1} "
-        "(policy's default: the shipped tiny teacher)",
+        "(policy's default: the shipped tiny teacher); in process, when no urls are given",
     )
+    urls: list[str] = _spec(
+        [],
+        "teacher servers (odrl serve-teacher NAME) to route requests across; empty: the teacher in process",
+    )
+    timeout_s: float = _spec(
+        60.0, "per request to a teacher server; longer: retried on another replica", gt=0
+    )
+    retries: int = _spec(3, "extra attempts of a request, each on another replica when one is left", ge=0)
+    request_samples: int = _spec(16, "states per request to a teacher server (sent concurrently)", ge=1)
+    health_every_s: float = _spec(
+        1.0, "how often a failed replica's /health is asked before it rejoins", gt=0
+    )
+    token_env: str = _spec("ODRL_TEACHER_TOKEN", "environment variable holding the teacher servers' token")
 
 
 @dataclass

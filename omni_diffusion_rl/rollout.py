@@ -161,6 +161,8 @@ class Annotator(Protocol):
 
     def submit(self, rollout: Rollout) -> Future[dict[str, torch.Tensor]]: ...
 
+    def metrics(self) -> dict[str, float]: ...
+
 
 class ExperienceMaker:
     """Scored prompt groups from the policy's rollout weights.
@@ -189,6 +191,7 @@ class ExperienceMaker:
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
         self.annotator = annotator  # an algorithm's per-chunk extras (teacher targets), made alongside
+        self.annotation_wait_s = 0.0  # the last make_step's wait for them after generating
         self.group_size, self.num_steps, self.time_shift, self.solver = (
             group_size,
             num_steps,
@@ -258,4 +261,11 @@ class ExperienceMaker:
         self.generated_at = time.perf_counter()
         for part, annotated in zip(parts, annotations, strict=False):
             part.extras.update(annotated.result())
+        self.annotation_wait_s = time.perf_counter() - self.generated_at  # the teacher's time not hidden
         return Rollout.cat(parts), cat_results([f.result() for f in pending])
+
+    def metrics(self) -> dict[str, float]:
+        """The annotator's step metrics (teacher seconds, waiting, routing), if there is one."""
+        if self.annotator is None:
+            return {}
+        return {"teacher/wait_s": self.annotation_wait_s, **self.annotator.metrics()}

@@ -54,9 +54,25 @@ def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
 def make_checked_teacher(cfg: ExperimentConfig, policy: object) -> Teacher:
     """The config's teacher, refused unless it fits the student: the same latent shape, layout and
     convention, and both pass the convention probe (which catches a flipped velocity sign)."""
+    import os
+
     from .registry import teachers
 
-    teacher = teachers.create(cfg.teacher.name, **cfg.teacher.options)
+    c = cfg.teacher
+    if c.urls:
+        from .serving.teacher_client import RemoteTeacher
+
+        teacher: Teacher = RemoteTeacher(
+            c.urls,
+            c.name,
+            os.environ.get(c.token_env) or None,
+            c.timeout_s,
+            c.retries,
+            c.request_samples,
+            c.health_every_s,
+        )
+    else:
+        teacher = teachers.create(c.name, **c.options)
     student = TeacherInfo(
         latent_shape=tuple(policy.latent_shape),  # type: ignore[attr-defined]
         layout=latent_layout(policy),
@@ -92,7 +108,7 @@ class TeacherTargets:
         self.teacher = teacher
         self.states, self.seed, self.max_batch = states, seed, max_batch
         self.needs_states = states == "visited"
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self._reported = 0.0, 0, 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odrl-teacher")
 
     def submit(self, rollout: Rollout) -> Future[dict[str, torch.Tensor]]:
@@ -123,6 +139,12 @@ class TeacherTargets:
         self.seconds += time.perf_counter() - started
         self.calls += 1
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
+
+    def metrics(self) -> dict[str, float]:
+        """Teacher seconds since the last call, and the teacher's own counters (replicas, retries)."""
+        seconds, self._reported = self.seconds - self._reported, self.seconds
+        stats = getattr(self.teacher, "stats", None)
+        return {"teacher/seconds": seconds, **(stats() if callable(stats) else {})}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

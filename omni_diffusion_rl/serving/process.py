@@ -1,4 +1,5 @@
-"""Start `odrl serve-reward` as a child process and wait until it listens (benchmarks, tests, scripts)."""
+"""Start `odrl serve-reward` or `odrl serve-teacher` as a child process and wait until it listens
+(benchmarks, tests, scripts)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..lifeline import parent_death_preexec
 
 
 class ServerProcess:
-    """A reward server child process; `url` is known once it printed its ready line. Use as a context."""
+    """A server child process; `url` is known once it printed its ready line. Use as a context."""
 
     def __init__(
         self,
@@ -26,9 +27,11 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 120.0,
         cwd: str | Path | None = None,
+        command: str = "serve-reward",
     ) -> None:
-        command = [sys.executable, "-m", "omni_diffusion_rl.cli", "serve-reward", *names, "--port", str(port)]
-        self.command = [*command, *extra_args]
+        """names: what `command` (serve-reward, or serve-teacher with one name) serves."""
+        command_line = [sys.executable, "-m", "omni_diffusion_rl.cli", command, *names, "--port", str(port)]
+        self.command = [*command_line, *extra_args]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.ready_timeout_s = ready_timeout_s
         self.cwd = cwd
@@ -60,14 +63,14 @@ class ServerProcess:
                 break
             if line is None:
                 raise RuntimeError(
-                    f"reward server exited with {self.proc.wait()}:\n{''.join(self.output)[-3000:]}"
+                    f"{self.command[3]} exited with {self.proc.wait()}:\n{''.join(self.output)[-3000:]}"
                 )
             if line.startswith('{"event": "ready"'):
                 self.url = json.loads(line)["url"]
                 return self
         self.stop()
         raise TimeoutError(
-            f"reward server not ready within {self.ready_timeout_s} s:\n{''.join(self.output)[-3000:]}"
+            f"{self.command[3]} not ready within {self.ready_timeout_s} s:\n{''.join(self.output)[-3000:]}"
         )
 
     def kill(self) -> None:

@@ -1,11 +1,12 @@
-"""`odrl serve-reward`: registered rewards over HTTP, with concurrent requests scored in batches.
+"""`odrl serve-reward` and `odrl serve-teacher`: registered rewards and teachers over HTTP, with
+concurrent requests answered in batches.
 
-Endpoints: GET /health (open), GET /info and POST /score/{name} (bearer token when one is set).
-Requests for one reward queue up; a batcher takes the oldest, adds queued requests of the same
-shape up to `max_batch` samples (waiting at most `max_wait_ms` after the oldest arrived), scores
-them with one call on a worker thread and answers each request with its own rows. The model is
-never called by two threads at once. A request whose batch fails is re-scored alone, so one bad
-request does not fail the others.
+Endpoints: GET /health (open), GET /info, POST /score/{name} (rewards) and POST /velocity/{name}
+(teachers: teacher_wire.py), with a bearer token when one is set. Requests for one model queue
+up; a batcher takes the oldest, adds queued requests of the same shape up to `max_batch` samples
+(waiting at most `max_wait_ms` after the oldest arrived), answers them with one call on a worker
+thread and gives each request its own rows. The model is never called by two threads at once. A
+request whose batch fails is answered alone, so one bad request does not fail the others.
 
 Slow or idle clients cannot hold the server: a request counts against `max_in_flight` only once its
 body has arrived, a body not in within `read_timeout_s` gets 408 and its connection is closed, and a
@@ -37,7 +38,8 @@ from aiohttp import web
 
 from ..media import MediaBatch
 from ..reward import Reward, RewardError, RewardOutput, call_reward, checked_output
-from .wire import WireError, decode_media, scores_to_json
+from .teacher_wire import decode_states, encode_velocity
+from .wire import CONTENT_TYPE, WireError, decode_media, scores_to_json
 
 logger = logging.getLogger(__name__)
 API_VERSION = 1
@@ -66,6 +68,7 @@ class ServeSettings:
     read_timeout_s: float = 30.0  # to receive a request's body once its headers are in; slower: 408, closed
     keepalive_timeout_s: float = 15.0  # a connection without a complete request (headers) for this is closed
     shutdown_timeout_s: float = 2.0  # on Ctrl-C, requests being scored get this long to be answered
+    service_ms: float = 0.0  # teachers: a fixed time added per model call (a remote accelerator's stand-in)
 
     def check(self) -> None:
         if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_request_mb <= 0 or self.max_in_flight < 1:
@@ -75,6 +78,8 @@ class ServeSettings:
                 f"max_uploads_mb ({self.max_uploads_mb}) must be a number of MB at least max_request_mb "
                 f"({self.max_request_mb}), or no request of the largest size could ever be received"
             )
+        if not (math.isfinite(self.service_ms) and self.service_ms >= 0):
+            raise ValueError(f"service_ms must be a number of milliseconds >= 0; got {self.service_ms}")
         for name in ("read_timeout_s", "keepalive_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -113,26 +118,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class TeacherError(RuntimeError):
+    """The served teacher answered something that is not a velocity per state."""
+
+
 class ServerStopping(Exception):
     """The server is stopping: a request it had not answered yet gets 503 (the client retries)."""
 
 
 @dataclass
 class _Request:
-    media: MediaBatch
-    prompts: list[str]
-    future: asyncio.Future[RewardOutput]
+    payload: Any  # what the batcher's model call takes for this request
+    size: int  # its samples
+    key: tuple[Any, ...]  # requests share a model call when their keys agree
+    future: asyncio.Future[Any]
     arrived: float = field(default_factory=time.monotonic)
 
-    def signature(self) -> tuple[Any, ...]:
-        """Requests can share a model call when everything but the batch size agrees."""
-        m = self.media
-        return (
-            None if m.video is None else tuple(m.video.shape[1:]),
-            None if m.audio is None else tuple(m.audio.shape[1:]),
-            m.fps,
-            m.sample_rate,
-        )
+
+def media_signature(media: MediaBatch) -> tuple[Any, ...]:
+    """Media requests can share a model call when everything but the batch size agrees."""
+    return (
+        None if media.video is None else tuple(media.video.shape[1:]),
+        None if media.audio is None else tuple(media.audio.shape[1:]),
+        media.fps,
+        media.sample_rate,
+    )
 
 
 @dataclass
@@ -141,27 +151,29 @@ class BatchStats:
     samples: int = 0
     model_calls: int = 0
     failed_requests: int = 0
-    model_seconds: float = 0.0  # inside the reward's score call (merging, preprocessing, model)
+    model_seconds: float = 0.0  # inside the model call (merging, preprocessing, model)
 
     def as_dict(self) -> dict[str, float]:
         mean = self.samples / self.model_calls if self.model_calls else 0.0
         return {**self.__dict__, "model_seconds": round(self.model_seconds, 4), "mean_batch": round(mean, 3)}
 
 
-class RewardBatcher:
-    """Collects the requests for one reward and scores compatible ones with a single call."""
+class Batcher:
+    """Collects the requests for one served model and answers compatible ones with a single call on
+    its own thread; a subclass says how payloads make one call (`_call`: one result per request)."""
 
-    def __init__(self, name: str, reward: Reward, max_batch: int, max_wait_ms: float) -> None:
+    kind = "model"
+
+    def __init__(self, name: str, max_batch: int, max_wait_ms: float) -> None:
         self.name = name
-        self.reward = reward
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.stats = BatchStats()
         self._queue: deque[_Request] = deque()
         self._arrival = asyncio.Event()
-        self._worker = _ModelThread(f"reward-{name}")
+        self._worker = _ModelThread(f"{self.kind}-{name}")
         self._task: asyncio.Task[None] | None = None
-        self._running: list[_Request] = []  # the batch being scored
+        self._running: list[_Request] = []  # the batch being computed
         self._stopping = False
 
     def start(self) -> None:
@@ -176,29 +188,29 @@ class RewardBatcher:
         """Answer every queued or running request with ServerStopping, and any later one too."""
         self._stopping = True
         for request in [*self._queue, *self._running]:
-            _settle(request.future, error=ServerStopping("the reward server is stopping; retry later"))
+            _settle(request.future, error=ServerStopping(f"the {self.kind} server is stopping; retry later"))
         self._queue.clear()
 
-    async def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+    async def submit(self, payload: Any, size: int, key: tuple[Any, ...]) -> Any:
         if self._stopping:
-            raise ServerStopping("the reward server is stopping; retry later")
-        request = _Request(media, prompts, asyncio.get_running_loop().create_future())
+            raise ServerStopping(f"the {self.kind} server is stopping; retry later")
+        request = _Request(payload, size, key, asyncio.get_running_loop().create_future())
         self._queue.append(request)
         self._arrival.set()
         self.stats.requests += 1
         return await request.future
 
     def _take_batch(self) -> list[_Request]:
-        """The oldest request and queued ones of the same signature, up to max_batch samples."""
+        """The oldest request and queued ones with the same key, up to max_batch samples."""
         first = self._queue.popleft()
-        batch, size, key = [first], len(first.media), first.signature()
+        batch, size = [first], first.size
         for request in list(self._queue):
-            if size + len(request.media) > self.max_batch:
+            if size + request.size > self.max_batch:
                 break
-            if request.signature() == key:
+            if request.key == first.key:
                 self._queue.remove(request)
                 batch.append(request)
-                size += len(request.media)
+                size += request.size
         return batch
 
     async def _run(self) -> None:
@@ -208,7 +220,7 @@ class RewardBatcher:
                 await self._arrival.wait()
             deadline = self._queue[0].arrived + self.max_wait_s
             # Requests queued while the model was busy go at once; a lone one waits for company, briefly.
-            while sum(len(r.media) for r in self._queue) < self.max_batch:
+            while sum(r.size for r in self._queue) < self.max_batch:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -221,44 +233,98 @@ class RewardBatcher:
             self._running = batch
             try:
                 if batch:
-                    await self._score_batch(batch)
+                    await self._compute(batch)
             except Exception as e:  # never let the batcher die: fail this batch, serve the next
-                logger.exception("reward '%s': batch of %d requests failed", self.name, len(batch))
+                logger.exception("%s '%s': batch of %d requests failed", self.kind, self.name, len(batch))
                 for request in batch:
                     _settle(request.future, error=e)
             finally:
                 self._running = []
 
-    async def _score_batch(self, batch: list[_Request]) -> None:
-        prompts = [p for r in batch for p in r.prompts]
+    async def _compute(self, batch: list[_Request]) -> None:
         try:
-            out = await self._worker.run(self._call, [r.media for r in batch], prompts)
+            results = await self._worker.run(self._timed_call, [r.payload for r in batch])
         except Exception as e:
             if len(batch) == 1:
                 self.stats.failed_requests += 1
-                logger.warning("reward '%s' failed on a request: %s: %s", self.name, type(e).__name__, e)
+                logger.warning(
+                    "%s '%s' failed on a request: %s: %s", self.kind, self.name, type(e).__name__, e
+                )
                 _settle(batch[0].future, error=e)
                 return
             for request in batch:  # find the request that fails; the others are answered
-                await self._score_batch([request])
+                await self._compute([request])
             return
-        start = 0
-        for request in batch:
-            rows = slice(start, start + len(request.media))
-            start = rows.stop
-            part = RewardOutput(out.scores[rows], {k: v[rows] for k, v in out.components.items()})
-            _settle(request.future, result=part)
+        for request, result in zip(batch, results, strict=True):
+            _settle(request.future, result=result)
 
-    def _call(self, parts: list[MediaBatch], prompts: list[str]) -> RewardOutput:
+    def _timed_call(self, payloads: list[Any]) -> list[Any]:
         start = time.perf_counter()
-        media = _merge(parts)
         self.stats.model_calls += 1
-        self.stats.samples += len(media)
         try:
             with torch.inference_mode():
-                return checked_output(self.name, call_reward(self.reward, media, prompts), len(media))
+                return self._call(payloads)
         finally:
             self.stats.model_seconds += time.perf_counter() - start
+
+    def _call(self, payloads: list[Any]) -> list[Any]:
+        raise NotImplementedError
+
+
+class RewardBatcher(Batcher):
+    """Scores media batches with one reward."""
+
+    kind = "reward"
+
+    def __init__(self, name: str, reward: Reward, max_batch: int, max_wait_ms: float) -> None:
+        super().__init__(name, max_batch, max_wait_ms)
+        self.reward = reward
+
+    async def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
+        return await self.submit((media, prompts), len(media), media_signature(media))
+
+    def _call(self, payloads: list[Any]) -> list[RewardOutput]:
+        media = _merge([m for m, _ in payloads])
+        prompts = [p for _, ps in payloads for p in ps]
+        self.stats.samples += len(media)
+        out = checked_output(self.name, call_reward(self.reward, media, prompts), len(media))
+        results, start = [], 0
+        for part, _ in payloads:
+            rows = slice(start, start + len(part))
+            start = rows.stop
+            results.append(RewardOutput(out.scores[rows], {k: v[rows] for k, v in out.components.items()}))
+        return results
+
+
+class TeacherBatcher(Batcher):
+    """Velocity targets from one teacher; `service_ms` adds a fixed time per model call (a stand-in
+    for a remote accelerator's latency in benchmarks; 0 for real use)."""
+
+    kind = "teacher"
+
+    def __init__(
+        self, name: str, teacher: Any, max_batch: int, max_wait_ms: float, service_ms: float = 0.0
+    ) -> None:
+        super().__init__(name, max_batch, max_wait_ms)
+        self.teacher, self.service_s = teacher, service_ms / 1000
+
+    async def velocity(self, states: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return await self.submit((states, t, prompts), len(states), ())
+
+    def _call(self, payloads: list[Any]) -> list[torch.Tensor]:
+        states = torch.cat([p[0] for p in payloads])
+        t = torch.cat([p[1] for p in payloads])
+        prompts = [text for p in payloads for text in p[2]]
+        self.stats.samples += len(states)
+        if self.service_s:
+            time.sleep(self.service_s)
+        v = self.teacher.velocity(states, t, prompts).float().cpu()
+        if v.shape != states.shape or not bool(torch.isfinite(v).all()):
+            raise TeacherError(  # a broken teacher: 500, never a silent target
+                f"teacher '{self.name}' answered {tuple(v.shape)} (finite: {bool(torch.isfinite(v).all())}) "
+                f"for states {tuple(states.shape)}"
+            )
+        return list(v.split([len(p[0]) for p in payloads]))
 
 
 class _ModelThread:
@@ -330,14 +396,22 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": message, "kind": kind}, status=status)
 
 
-def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Application:
-    """The aiohttp application serving `rewards` (name -> reward object)."""
+def build_app(
+    rewards: dict[str, Reward], settings: ServeSettings, teachers: dict[str, Any] | None = None
+) -> web.Application:
+    """The aiohttp application serving `rewards` (name -> reward object) at /score/{name} and
+    `teachers` (name -> teacher, omni_diffusion_rl/teacher.py) at /velocity/{name}."""
     settings.check()
     max_bytes = int(settings.max_request_mb * 2**20)
     batchers = {
         name: RewardBatcher(name, reward, settings.max_batch, settings.max_wait_ms)
         for name, reward in rewards.items()
     }
+    teacher_batchers = {
+        name: TeacherBatcher(name, teacher, settings.max_batch, settings.max_wait_ms, settings.service_ms)
+        for name, teacher in (teachers or {}).items()
+    }
+    every_batcher: list[Batcher] = [*batchers.values(), *teacher_batchers.values()]
     in_flight = 0  # requests whose body has been read, until answered
     reading = 0  # requests whose body is arriving
     arriving = 0  # their declared bytes (a chunked body counts as max_request_mb)
@@ -363,6 +437,7 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             {
                 "api_version": API_VERSION,
                 "rewards": sorted(batchers),
+                "teachers": {name: b.teacher.info().to_dict() for name, b in teacher_batchers.items()},
                 "max_batch": settings.max_batch,
                 "max_wait_ms": settings.max_wait_ms,
                 "max_request_bytes": max_bytes,
@@ -370,7 +445,7 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
                 "in_flight": in_flight,
                 "reading": reading,
                 "arriving_mb": round(arriving / 2**20, 3),
-                "stats": {name: b.stats.as_dict() for name, b in batchers.items()},
+                "stats": {b.name: b.stats.as_dict() for b in every_batcher},
             }
         )
 
@@ -379,13 +454,9 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             return None
         return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
 
-    async def score(request: web.Request) -> web.StreamResponse:
-        nonlocal in_flight, reading, arriving
-        name = request.match_info["name"]
-        if name not in batchers:
-            return _error(
-                404, f"this server does not serve reward '{name}'; it serves {sorted(batchers)}", "unknown"
-            )
+    async def receive(request: web.Request) -> bytes | web.Response:
+        """The request's body once it has arrived, or the answer refusing it (busy, too large, slow)."""
+        nonlocal reading, arriving
         if request.content_length is not None and request.content_length > max_bytes:
             return _too_large(request.content_length, max_bytes)
         refusal = busy()  # before the upload too: no point receiving a body that would get 503
@@ -417,14 +488,31 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
         finally:
             reading -= 1
             arriving -= declared
-        refusal = busy()
-        if refusal is not None:
-            return refusal
+        return busy() or body
+
+    async def handle(
+        request: web.Request, known: dict[str, Any], what: str, answer: Any
+    ) -> web.StreamResponse:
+        nonlocal in_flight
+        name = request.match_info["name"]
+        if name not in known:
+            return _error(
+                404, f"this server does not serve {what} '{name}'; it serves {sorted(known)}", "unknown"
+            )
+        body = await receive(request)
+        if isinstance(body, web.StreamResponse):
+            return body
         in_flight += 1
         try:
-            return await score_body(name, body)
+            return await answer(name, body)
         finally:
             in_flight -= 1
+
+    async def score(request: web.Request) -> web.StreamResponse:
+        return await handle(request, batchers, "reward", score_body)
+
+    async def velocity(request: web.Request) -> web.StreamResponse:
+        return await handle(request, teacher_batchers, "teacher", velocity_body)
 
     async def score_body(name: str, body: bytes) -> web.Response:
         try:  # parsing and checks off the event loop: they touch every value of up to max_request_mb
@@ -453,27 +541,50 @@ def build_app(rewards: dict[str, Reward], settings: ServeSettings) -> web.Applic
             }
         )
 
+    async def velocity_body(name: str, body: bytes) -> web.Response:
+        batcher = teacher_batchers[name]
+        shape = tuple(batcher.teacher.info().latent_shape)
+        try:
+            states, t, prompts = await asyncio.get_running_loop().run_in_executor(
+                None, decode_states, body, shape
+            )
+        except WireError as e:
+            return _error(400, str(e), "bad_request")
+        if len(states) > settings.max_batch:
+            message = (
+                f"{len(states)} states exceed the server's max batch of {settings.max_batch}; send fewer"
+            )
+            return _error(413, message, "too_large")
+        try:
+            v = await batcher.velocity(states, t, prompts)
+        except ServerStopping as e:
+            return _error(503, str(e), "stopping")
+        except Exception as e:  # a teacher that fails is an error for the client, never a silent target
+            return _error(500, f"teacher '{name}' failed: {type(e).__name__}: {e}", "teacher_failed")
+        return web.Response(body=encode_velocity(v), content_type=CONTENT_TYPE)
+
     app = web.Application(middlewares=[authorise], client_max_size=max_bytes)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_post("/score/{name}", score)
+    app.router.add_post("/velocity/{name}", velocity)
 
     async def drain(_: web.Application) -> None:
-        """On shutdown (the listening socket already closed): requests being scored get
-        shutdown_timeout_s to be answered; the ones still waiting then get 503."""
+        """On shutdown (the listening socket already closed): requests being answered get
+        shutdown_timeout_s; the ones still waiting then get 503."""
         deadline = time.monotonic() + settings.shutdown_timeout_s
         while in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for b in batchers.values():
+        for b in every_batcher:
             b.abandon()
 
     app.on_shutdown.append(drain)
 
     async def lifecycle(_: web.Application) -> Any:
-        for b in batchers.values():
+        for b in every_batcher:
             b.start()
         yield
-        for b in batchers.values():
+        for b in every_batcher:
             await b.stop()
 
     app.cleanup_ctx.append(lifecycle)
@@ -500,7 +611,12 @@ async def _answer_and_close(request: web.Request, response: web.Response) -> web
     return response
 
 
-async def serve(rewards: dict[str, Reward], settings: ServeSettings, ready: Any = None) -> None:
+async def serve(
+    rewards: dict[str, Reward],
+    settings: ServeSettings,
+    ready: Any = None,
+    teachers: dict[str, Any] | None = None,
+) -> None:
     """Serve until cancelled; prints one JSON line `{"event": "ready", "url": ...}` once listening."""
     # handler_cancellation: a request whose client went away is cancelled, so the batcher skips it.
     # keepalive_timeout: aiohttp closes a connection waiting for (the rest of) a request's headers that
@@ -508,7 +624,7 @@ async def serve(rewards: dict[str, Reward], settings: ServeSettings, ready: Any 
     # for requests in progress before cancelling them, after `drain` answered those being scored (what
     # is left: stalled uploads, answers being sent).
     runner = web.AppRunner(
-        build_app(rewards, settings),
+        build_app(rewards, settings, teachers),
         access_log=None,
         handler_cancellation=True,
         keepalive_timeout=settings.keepalive_timeout_s,
@@ -520,7 +636,8 @@ async def serve(rewards: dict[str, Reward], settings: ServeSettings, ready: Any 
     sockets = site._server.sockets if site._server is not None else []  # noqa: SLF001 - the bound port
     port = sockets[0].getsockname()[1] if sockets else settings.port
     url = f"http://{settings.host}:{port}"
-    print(json.dumps({"event": "ready", "url": url, "rewards": sorted(rewards)}), flush=True)
+    served = {"rewards": sorted(rewards), "teachers": sorted(teachers or {})}
+    print(json.dumps({"event": "ready", "url": url, **served}), flush=True)
     if ready is not None:
         ready(url)
     try:
@@ -529,9 +646,11 @@ async def serve(rewards: dict[str, Reward], settings: ServeSettings, ready: Any 
         await runner.cleanup()
 
 
-def main_serve(rewards: dict[str, Reward], settings: ServeSettings) -> int:
+def main_serve(
+    rewards: dict[str, Reward], settings: ServeSettings, teachers: dict[str, Any] | None = None
+) -> int:
     try:
-        asyncio.run(serve(rewards, settings))
+        asyncio.run(serve(rewards, settings, teachers=teachers))
     except KeyboardInterrupt:
-        print("reward server stopped", file=sys.stderr)
+        print(f"{'teacher' if teachers else 'reward'} server stopped", file=sys.stderr)
     return 0

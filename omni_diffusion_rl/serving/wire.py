@@ -47,7 +47,7 @@ def encode_media(media: MediaBatch, prompts: list[str], dtype: torch.dtype = tor
     return save_tensors(tensors, metadata=metadata)
 
 
-def read_metadata(body: bytes) -> dict[str, str]:
+def read_metadata(body: bytes, expects: str = "'prompts', 'fps' and 'sample_rate'") -> dict[str, str]:
     """The string metadata of a safetensors payload (its JSON header), checked."""
     if len(body) < 8:
         raise WireError("the body is not a safetensors payload (shorter than its 8-byte header length)")
@@ -62,11 +62,11 @@ def read_metadata(body: bytes) -> dict[str, str]:
         raise WireError(f"the safetensors header is not JSON: {e}") from e
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict):
-        raise WireError("the payload has no metadata; it must carry 'prompts', 'fps' and 'sample_rate'")
+        raise WireError(f"the payload has no metadata; it must carry {expects}")
     return meta
 
 
-def _check_tensor(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+def check_tensor(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
     if t.dtype not in FLOAT_DTYPES:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
         raise WireError(f"'{name}' has dtype {str(t.dtype).removeprefix('torch.')}; send one of {allowed}")
@@ -92,27 +92,20 @@ def decode_media(body: bytes) -> tuple[MediaBatch, list[str]]:
     if not tensors:
         raise WireError("the payload holds no 'video' or 'audio' tensor")
     if "video" in tensors:
-        _check_tensor("video", tensors["video"], 5, "[B, F, 3, H, W]")
+        check_tensor("video", tensors["video"], 5, "[B, F, 3, H, W]")
         if tensors["video"].shape[2] != 3:
             raise WireError(
                 f"'video' must have 3 colour channels in dim 2; got shape {list(tensors['video'].shape)}"
             )
     if "audio" in tensors:
-        _check_tensor("audio", tensors["audio"], 3, "[B, C, S]")
+        check_tensor("audio", tensors["audio"], 3, "[B, C, S]")
     sizes = {len(t) for t in tensors.values()}
     if len(sizes) != 1:
         raise WireError(f"'video' and 'audio' batch sizes differ: {sorted(sizes)}")
     batch = sizes.pop()
     if batch == 0:
         raise WireError("the batch is empty (0 samples)")
-    try:
-        prompts = json.loads(meta.get("prompts", ""))
-    except (TypeError, json.JSONDecodeError) as e:
-        raise WireError(f"metadata 'prompts' is not JSON ({e}); send a JSON list of strings") from e
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise WireError("metadata 'prompts' must be a JSON list of strings")
-    if len(prompts) != batch:
-        raise WireError(f"{len(prompts)} prompts for a batch of {batch} samples")
+    prompts = read_prompts(meta, batch, "samples")
     fps = _rate(meta, "fps", lambda v: 0 < v <= MAX_FPS, f"a number in (0, {MAX_FPS:g}]")
     sample_rate = _rate(
         meta,
@@ -127,6 +120,19 @@ def decode_media(body: bytes) -> tuple[MediaBatch, list[str]]:
         sample_rate=int(sample_rate),
     )
     return media, prompts
+
+
+def read_prompts(meta: dict[str, str], batch: int, what: str) -> list[str]:
+    """Metadata 'prompts': a JSON list of exactly `batch` strings, or a WireError saying so."""
+    try:
+        prompts = json.loads(meta.get("prompts", ""))
+    except (TypeError, json.JSONDecodeError) as e:
+        raise WireError(f"metadata 'prompts' is not JSON ({e}); send a JSON list of strings") from e
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise WireError("metadata 'prompts' must be a JSON list of strings")
+    if len(prompts) != batch:
+        raise WireError(f"{len(prompts)} prompts for a batch of {batch} {what}")
+    return prompts
 
 
 def _rate(meta: dict[str, str], key: str, valid: Callable[[float], bool], expected: str) -> float:

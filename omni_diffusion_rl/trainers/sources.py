@@ -71,3 +71,6 @@ class LocalSource(ExperienceSource):
         made = trainer.experience.make_step(step, prompts, group_ids)
         self.generated_at = trainer.experience.generated_at
         return made
+
+    def after_step(self, ok: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+        return self.trainer.experience.metrics()

@@ -1,0 +1,271 @@
+"""Teacher servers (`odrl serve-teacher`) and the scheduler that routes across replicas, with real
+server processes on 127.0.0.1: answers equal the in-process teacher, bad requests get 4xx and the
+server keeps serving, a killed replica's requests are rerouted, no replica left is a clear error,
+a slow replica gets fewer requests, a broken teacher is never a silent target."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.serving.process import ServerProcess
+from omni_diffusion_rl.serving.teacher_client import RemoteTeacher, TeacherUnavailable
+from omni_diffusion_rl.serving.teacher_wire import encode_states
+from omni_diffusion_rl.teacher import TeacherMismatch
+from teachers.flow_policy import FlowPolicyTeacher
+
+from .helpers import ENV, tiny_model_dir
+
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.slow]  # starts server processes
+LATENT = 796
+PLUGIN = """
+from omni_diffusion_rl.registry import teachers
+from teachers.flow_policy import FlowPolicyTeacher
+
+
+@teachers.register("test_nan_teacher")
+class NaNTeacher(FlowPolicyTeacher):
+    def velocity(self, x_t, t, prompts):
+        return super().velocity(x_t, t, prompts) * float("nan")
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("teacher"))
+
+
+@contextmanager
+def teacher_servers(
+    model_dir: Path, count: int, *extra: str, name: str = "policy"
+) -> Iterator[list[ServerProcess]]:
+    options = json.dumps({"pretrained": str(model_dir)})
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    with ExitStack() as stack:
+        servers = [
+            stack.enter_context(
+                ServerProcess([name], "--options", options, *extra, command="serve-teacher", env=env)
+            )
+            for _ in range(count)
+        ]
+        yield servers
+
+
+def _states(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, LATENT, generator=gen), torch.rand(n, generator=gen), ["a red circle"] * n
+
+
+def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/vnd.safetensors", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_answers_equal_the_teacher_in_process_and_requests_spread_over_replicas(model_dir: Path) -> None:
+    local = FlowPolicyTeacher(pretrained=str(model_dir))
+    with teacher_servers(model_dir, 2) as servers:
+        remote = RemoteTeacher([s.url for s in servers], request_samples=4)
+        assert remote.info() == local.info()
+        x, t, prompts = _states(16)
+        torch.testing.assert_close(
+            remote.velocity(x, t, prompts), local.velocity(x, t, prompts), rtol=0, atol=0
+        )
+        stats = remote.stats()
+        assert stats["teacher/replica0/samples"] + stats["teacher/replica1/samples"] == 16
+        assert stats["teacher/replica0/samples"] > 0 and stats["teacher/replica1/samples"] > 0, stats
+        remote.close()
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(model_dir: Path) -> None:
+    with teacher_servers(model_dir, 1, "--max-request-mb", "1", "--max-batch", "8") as (server,):
+        url = f"{server.url}/velocity/policy"
+        x, t, prompts = _states(4)
+        bad = {
+            "wrong latent": encode_states(torch.randn(4, 10), t, prompts),
+            "NaN states": encode_states(x * float("nan"), t, prompts),
+            "t outside [0, 1]": encode_states(x, t + 2, prompts),
+            "prompt count": encode_states(x, t, prompts[:3]),
+            "not safetensors": b"\x00" * 64,
+        }
+        for what, body in bad.items():
+            status, answer = _post(url, body)
+            assert status == 400, (what, status, answer[:200])
+        status, _ = _post(url, encode_states(*_states(9)))
+        assert status == 413, "more states than --max-batch"
+        status, _ = _post(url, b"\x00" * (2 << 20))
+        assert status == 413, "a body over --max-request-mb"
+        assert _post(f"{server.url}/velocity/other", encode_states(x, t, prompts))[0] == 404
+        status, answer = _post(url, encode_states(x, t, prompts))
+        assert status == 200, answer[:200]
+
+
+def test_a_token_is_required_when_set(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ODRL_TEACHER_TOKEN", "s3cret-token")
+    with teacher_servers(model_dir, 1) as (server,):
+        x, t, prompts = _states(2)
+        assert _post(f"{server.url}/velocity/policy", encode_states(x, t, prompts))[0] == 401
+        assert (
+            _post(
+                f"{server.url}/velocity/policy",
+                encode_states(x, t, prompts),
+                {"Authorization": "Bearer s3cret-token"},
+            )[0]
+            == 200
+        )
+        remote = RemoteTeacher([server.url])  # reads ODRL_TEACHER_TOKEN
+        assert remote.velocity(x, t, prompts).shape == x.shape
+        remote.close()
+
+
+def test_a_killed_replica_is_rerouted_and_no_replica_left_is_a_clear_error(model_dir: Path) -> None:
+    with teacher_servers(model_dir, 2) as (first, second):
+        remote = RemoteTeacher([first.url, second.url], request_samples=4, timeout_s=10)
+        x, t, prompts = _states(16)
+        expected = remote.velocity(x, t, prompts)
+        first.kill()
+        torch.testing.assert_close(remote.velocity(x, t, prompts), expected, rtol=0, atol=0)
+        stats = remote.stats()
+        assert stats["teacher/retries"] >= 1 and stats["teacher/replica0/failures"] >= 1, stats
+        second.kill()
+        with pytest.raises(
+            TeacherUnavailable, match="no teacher replica of 'policy' is left .*Cannot connect"
+        ):
+            remote.velocity(x, t, prompts)
+        remote.close()
+
+
+def test_a_replica_that_comes_back_rejoins(model_dir: Path) -> None:
+    with teacher_servers(model_dir, 1) as (server,):
+        port = server.url.rsplit(":", 1)[1]
+        server.command[server.command.index("--port") + 1] = port
+        remote = RemoteTeacher([server.url], request_samples=4, timeout_s=10, health_every_s=0.1)
+        x, t, prompts = _states(4)
+        server.kill()
+        with pytest.raises(TeacherUnavailable):
+            remote.velocity(x, t, prompts)
+        server.start()  # the same address again
+        assert remote.velocity(x, t, prompts).shape == x.shape, "back in rotation once /health answers"
+        remote.close()
+
+
+def test_a_slow_replica_gets_fewer_requests(model_dir: Path) -> None:
+    with (
+        teacher_servers(model_dir, 1) as (fast,),
+        teacher_servers(model_dir, 1, "--service-ms", "150") as (slow,),
+    ):
+        remote = RemoteTeacher([slow.url, fast.url], request_samples=2)
+        x, t, prompts = _states(32)
+        for _ in range(3):
+            remote.velocity(x, t, prompts)
+        stats = remote.stats()
+        assert stats["teacher/replica0/samples"] < 0.5 * stats["teacher/replica1/samples"], stats
+        remote.close()
+
+
+def test_a_teacher_answering_nan_is_an_error_never_a_target(model_dir: Path, tmp_path: Path) -> None:
+    plugin = tmp_path / "nan_teacher.py"
+    plugin.write_text(PLUGIN)
+    with teacher_servers(model_dir, 1, "--plugin", str(plugin), name="test_nan_teacher") as (server,):
+        x, t, prompts = _states(4)
+        status, answer = _post(f"{server.url}/velocity/test_nan_teacher", encode_states(x, t, prompts))
+        assert status == 500 and b"teacher_failed" in answer and b"finite: False" in answer
+        remote = RemoteTeacher([server.url], name="test_nan_teacher", retries=1, timeout_s=10)
+        with pytest.raises(TeacherUnavailable, match="HTTP 500"):
+            remote.velocity(x, t, prompts)
+        remote.close()
+
+
+def test_replicas_of_different_teachers_or_a_missing_one_are_refused(model_dir: Path, tmp_path: Path) -> None:
+    other = tiny_model_dir(tmp_path / "other", seed=3)
+    with teacher_servers(model_dir, 1) as (a,), teacher_servers(other, 1) as (b,):
+        with pytest.raises(TeacherMismatch, match="the teacher replicas serve different models"):
+            RemoteTeacher([a.url, b.url])
+        with pytest.raises(TeacherMismatch, match="does not serve 'nope'; it serves \\['policy'\\]"):
+            RemoteTeacher([a.url], name="nope")
+
+
+def _distill_run(
+    model_dir: Path, teacher_dir: Path, run: Path, steps: int, urls: list[str], *extra: str
+) -> list[str]:
+    from .helpers import fast_overrides
+
+    return [
+        *fast_overrides(model_dir, run, steps),
+        "train.eval_at_start_and_end=false",
+        "algorithm.name=distill",
+        f"teacher.options={{family: tiny_av, pretrained: {teacher_dir}}}",
+        f"teacher.urls=[{', '.join(urls)}]" if urls else "teacher.urls=[]",
+        "teacher.request_samples=2",
+        *extra,
+    ]
+
+
+def _kill_after_step(server: ServerProcess, run: Path, step: int) -> threading.Thread:
+    def watch() -> None:
+        deadline, metrics = time.monotonic() + 120, run / "metrics.jsonl"
+        while time.monotonic() < deadline and not (
+            metrics.exists() and len(metrics.read_text().splitlines()) >= step
+        ):
+            time.sleep(0.02)
+        server.kill()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_run_with_two_replicas_survives_one_killed_and_matches_the_teacher_in_process(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import step_records, tiny_model_dir
+
+    student = tiny_model_dir(tmp_path / "student", seed=1)
+    Trainer(load_config(None, _distill_run(student, model_dir, tmp_path / "local", 4, []))).fit()
+    with teacher_servers(model_dir, 2) as (first, second):
+        run = tmp_path / "served"
+        watcher = _kill_after_step(first, run, 1)
+        Trainer(load_config(None, _distill_run(student, model_dir, run, 4, [first.url, second.url]))).fit()
+        watcher.join(timeout=30)
+    served, local = step_records(run), step_records(tmp_path / "local")
+    assert [r["loss/distill"] for r in served] == pytest.approx([r["loss/distill"] for r in local], rel=1e-6)
+    assert served[-1]["teacher/retries"] >= 1 and served[-1]["teacher/replica1/samples"] > 0, served[-1]
+    assert all(r["teacher/seconds"] > 0 for r in served)
+
+
+def test_all_replicas_down_stops_the_run_with_a_clear_error_and_keeps_its_checkpoint(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    run = tmp_path / "run"
+    with teacher_servers(model_dir, 1) as (server,):
+        overrides = _distill_run(
+            model_dir, model_dir, run, 50, [server.url], "train.checkpoint_every=1", "teacher.timeout_s=5"
+        )
+        watcher = _kill_after_step(server, run, 2)
+        started = time.monotonic()
+        with pytest.raises(TeacherUnavailable, match="no teacher replica of 'policy' is left"):
+            Trainer(load_config(None, overrides)).fit()
+        assert time.monotonic() - started < 60
+        watcher.join(timeout=10)
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest.startswith("step_") and (run / "checkpoints" / latest / "tensors.safetensors").is_file()
