@@ -221,6 +221,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         output = args.output or Path("runs/bench/learning.json")
         run_learning_bench(output, args.config, args.overrides, modes=args.modes, seeds=args.seeds, **steps)
         return 0
+    if args.name == "teacher":
+        from .benchmarks.teacher import run_teacher_bench
+
+        output = args.output or Path("runs/bench/teacher.json")
+        run_teacher_bench(output, args.config, args.overrides, **steps, repeats=repeats or 3)
+        return 0
     if args.name == "memory":
         from .benchmarks.memory import run_memory_bench
 
@@ -630,10 +636,11 @@ def build_parser() -> argparse.ArgumentParser:
         "modes (auto, colocated, separate, hybrid with 2 processes, against the simulator), "
         "learning (held-out reward per execution mode over seeds, against colocated), "
         "recheck (auto's re-check after a wrong first pick, and its cost), "
-        "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes)",
+        "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes), "
+        "teacher (distillation's teacher: overlapped vs blocking schedule, 1 vs 2 teacher servers)",
     )
     bench.add_argument(
-        "name", choices=("nft-step", "reward-server", "modes", "learning", "recheck", "memory")
+        "name", choices=("nft-step", "reward-server", "modes", "learning", "recheck", "memory", "teacher")
     )
     bench.add_argument(
         "--config",

@@ -175,6 +175,11 @@ class TeacherConfig:
         1.0, "how often a failed replica's /health is asked before it rejoins", gt=0
     )
     token_env: str = _spec("ODRL_TEACHER_TOKEN", "environment variable holding the teacher servers' token")
+    overlap: bool = _spec(
+        True,
+        "ask the teacher on its own thread while the next chunk generates and this one is scored; false: "
+        "ask after each chunk and wait (the blocking schedule, for comparison)",
+    )
 
 
 @dataclass

@@ -94,7 +94,8 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object) -> Teacher:
 
 class TeacherTargets:
     """Annotates rollouts with `teacher_v` [N, T, *latent] (and `states` when noised) on a worker
-    thread; `seconds` and `calls` say how much teacher time there was."""
+    thread (overlap=False: at once, blocking); `seconds` and `calls` say how much teacher time
+    there was."""
 
     def __init__(
         self,
@@ -102,17 +103,22 @@ class TeacherTargets:
         states: str = "visited",
         seed: int = 0,
         max_batch: int = 256,
+        overlap: bool = True,
     ) -> None:
         if states not in STATE_KINDS:
             raise ValueError(f"distillation states must be one of {', '.join(STATE_KINDS)}; got {states!r}")
         self.teacher = teacher
         self.states, self.seed, self.max_batch = states, seed, max_batch
-        self.needs_states = states == "visited"
+        self.needs_states, self.overlap = states == "visited", overlap
         self.seconds, self.calls, self._reported = 0.0, 0, 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odrl-teacher")
 
     def submit(self, rollout: Rollout) -> Future[dict[str, torch.Tensor]]:
-        return self._pool.submit(self.targets, rollout)
+        if self.overlap:
+            return self._pool.submit(self.targets, rollout)
+        done: Future[dict[str, torch.Tensor]] = Future()  # blocking: answered before generation goes on
+        done.set_result(self.targets(rollout))
+        return done
 
     def targets(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """The teacher's velocity at each state of each sample (blocking)."""

@@ -155,3 +155,55 @@ def test_step_weights_follow_the_squared_step_and_average_one() -> None:
     torch.testing.assert_close(weights, torch.tensor([0.01, 0.09, 0.36]) / 0.46 * 3)
     assert float(weights.mean()) == pytest.approx(1.0)
     assert torch.equal(state_weights(grid, "uniform"), torch.ones(3))
+
+
+@pytest.mark.slow  # starts training or launcher processes
+@pytest.mark.parametrize("mode", ["separate", "hybrid"])
+def test_targets_travel_with_the_groups_through_the_buffer(
+    model_dir: Path, other_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """The rollout process asks the teacher as soon as a group exists; the trainer trains on the
+    targets that came with it (a different teacher: the loss is positive on every step)."""
+    from .helpers import last_json_line
+    from .test_separate import _launch
+
+    run = tmp_path / "run"
+    overrides = [
+        *_distill(model_dir, run, 3, str(other_dir)),
+        f"execution.mode={mode}",
+        "execution.data_timeout_s=60",
+    ]
+    proc = _launch(overrides, 29661 if mode == "separate" else 29663)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    buffer = last_json_line(proc.stdout)["execution"]["buffer"]
+    assert buffer["trained"] == 3 * 2 * 2, buffer
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss/distill"] > 0 for r in rows), rows
+
+
+def test_cost_measurement_runs_the_teacher_as_part_of_rollout(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    """auto and `odrl simulate --measure` time generation with the teacher's targets included."""
+    from omni_diffusion_rl.execution.planner import measure
+
+    calls = []
+    original = measure._rollout_fn
+
+    def counting(trainer, *args):  # noqa: ANN001, ANN002, ANN202
+        rollout = original(trainer, *args)
+
+        def run():  # noqa: ANN202
+            out = rollout()
+            calls.append(sorted(out.extras))
+            return out
+
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(measure, "_rollout_fn", counting)
+        costs = measure.measure_costs(
+            load_config(None, _distill(model_dir, tmp_path / "m", 1, str(other_dir))), 3, 3, 1
+        )
+    assert calls and all(extras == [STATES, TEACHER_V] for extras in calls), calls
+    assert costs is not None

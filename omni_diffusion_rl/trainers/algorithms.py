@@ -277,7 +277,9 @@ class OnPolicyDistillation(DiffusionNFT):
         from ..teacher_targets import TeacherTargets, make_checked_teacher
 
         teacher = make_checked_teacher(cfg, policy)
-        return TeacherTargets(teacher, cfg.algorithm.distill_states, cfg.train.seed)
+        return TeacherTargets(
+            teacher, cfg.algorithm.distill_states, cfg.train.seed, overlap=cfg.teacher.overlap
+        )
 
     def metric_names(self) -> list[str]:
         names = ["loss/distill", "loss/total"]

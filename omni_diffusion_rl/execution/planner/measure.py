@@ -135,7 +135,9 @@ def _update_fn(trainer: Any, batch: Any) -> Callable[[], Any]:
 
 
 def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solver: str) -> Callable[[], Any]:
-    """A call that generates, decodes and scores `groups` prompt groups with the rollout adapter."""
+    """A call that generates, decodes and scores `groups` prompt groups with the rollout adapter, and
+    asks the algorithm's annotator (a distillation teacher) for what it attaches: the teacher's
+    time counts as rollout time, as on a rollout process (colocated mode may hide part of it)."""
     k = trainer.cfg.data.group_size
     noise = torch.randn(
         (groups * k, *trainer.policy.latent_shape), generator=torch.Generator().manual_seed(0)
@@ -144,6 +146,9 @@ def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solve
     def rollout() -> Any:
         out = trainer.experience.generate(prompts[:groups], list(range(groups)), noise, steps)
         score(trainer.policy, trainer.reward, out)
+        annotator = trainer.experience.annotator
+        if annotator is not None:
+            out.extras.update(annotator.submit(out).result())
         return out
 
     return rollout

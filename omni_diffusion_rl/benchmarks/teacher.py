@@ -1,0 +1,169 @@
+"""`odrl bench teacher`: what the asynchronous teacher schedule hides, and what a second teacher
+replica adds.
+
+1. Schedule: the same colocated distillation run with the teacher asked on its own thread while
+   the next chunk generates and this one is scored (teacher.overlap=true) and blocking after each
+   chunk (false, the reference release's schedule), in interleaved rounds. Reported: steady seconds
+   per trained sample of each, the teacher's own seconds, and the share of the blocking run's
+   teacher time the overlap hid: (blocking - overlap) / teacher seconds per step.
+2. Replicas: teacher throughput (states per second) through 1 and 2 `odrl serve-teacher` processes
+   on 127.0.0.1, compute-bound and with `--service-ms` (a fixed time per batch standing in for a
+   remote accelerator: on 2 CPU cores two compute-bound replicas share the same cores).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import DEFAULT_CONFIG, QUIET, compare_paired, machine_info, median, spread
+
+SCHEDULES = {"overlap": "teacher.overlap=true", "blocking": "teacher.overlap=false"}
+
+
+def _schedule_run(
+    config: str, overrides: list[str], schedule: str, steps: int, run: Path
+) -> dict[str, float]:
+    from ..config import load_config
+    from ..trainers.trainer import Trainer
+
+    cfg = load_config(
+        config,
+        [
+            *overrides,
+            *QUIET,
+            "algorithm.name=distill",
+            SCHEDULES[schedule],
+            f"train.steps={steps}",
+            f"train.output_dir={run}",
+        ],
+    )
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in rows if "teacher/seconds" in r][1:]  # the first step warms up
+    samples = cfg.data.prompts_per_step * cfg.data.group_size
+    return {
+        "s_per_sample": median(
+            [r["time/sec_per_prompt"] * cfg.data.prompts_per_step / samples for r in steady]
+        ),
+        "teacher_s_per_step": median([r["teacher/seconds"] for r in steady]),
+        "teacher_wait_s_per_step": median([r["teacher/wait_s"] for r in steady]),
+        "step_s": median([r["time/sec_per_prompt"] * cfg.data.prompts_per_step for r in steady]),
+        "trained": float(summary["samples"]["trained"]),
+    }
+
+
+def _throughput(urls: list[str], states: int, request_samples: int, rounds: int) -> list[float]:
+    import torch
+
+    from ..serving.teacher_client import RemoteTeacher
+
+    teacher = RemoteTeacher(urls, request_samples=request_samples, window=2)
+    shape = teacher.info().latent_shape
+    x, t = torch.randn(states, *shape), torch.rand(states)
+    prompts = ["a red circle with a low tone at the start"] * states
+    teacher.velocity(x[:request_samples], t[:request_samples], prompts[:request_samples])  # warm up
+    out = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        teacher.velocity(x, t, prompts)
+        out.append(states / (time.perf_counter() - started))
+    teacher.close()
+    return out
+
+
+def run_teacher_bench(
+    output: Path,
+    config: str | None = DEFAULT_CONFIG,
+    overrides: list[str] | None = None,
+    steps: int = 12,
+    repeats: int = 3,
+    states: int = 512,
+) -> dict[str, Any]:
+    """Both parts; prints a table, writes JSON."""
+    from ..serving.process import ServerProcess
+
+    overrides = [*(overrides or []), "sampling.rollout_chunks=2"]
+    base = output.parent / "teacher_runs"
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
+    for k in range(repeats):  # interleaved, each round opened by the other schedule
+        order = list(SCHEDULES) if k % 2 == 0 else list(reversed(SCHEDULES))
+        for name in order:
+            rounds[name].append(_schedule_run(config, overrides, name, steps, base / f"{name}_{k}"))
+    overlap, blocking = rounds["overlap"], rounds["blocking"]
+    hidden = [
+        (b["step_s"] - o["step_s"]) / b["teacher_s_per_step"] for o, b in zip(overlap, blocking, strict=True)
+    ]
+    schedule = {
+        name: {key: spread([r[key] for r in runs]) for key in runs[0]} for name, runs in rounds.items()
+    }
+    schedule["overlap_vs_blocking_s_per_sample"] = compare_paired(
+        [r["s_per_sample"] for r in overlap], [r["s_per_sample"] for r in blocking]
+    )
+    schedule["hidden_share_of_teacher_time"] = spread(hidden)
+    replicas: dict[str, Any] = {}
+    for label, extra in (
+        ("compute-bound", []),
+        ("service 100 ms per batch (remote accelerator stand-in)", ["--service-ms", "100"]),
+    ):
+        with (
+            ServerProcess(["policy"], "--max-batch", "16", *extra, command="serve-teacher") as one,
+            ServerProcess(["policy"], "--max-batch", "16", *extra, command="serve-teacher") as two,
+        ):
+            single, double = [], []
+            for _ in range(repeats):  # alternate the arms
+                single += _throughput([one.url], states, 16, 1)
+                double += _throughput([one.url, two.url], states, 16, 1)
+        replicas[label] = {
+            "1 replica states/s": spread(single),
+            "2 replicas states/s": spread(double),
+            "speed-up": spread([d / s for s, d in zip(single, double, strict=True)]),
+        }
+    result = {
+        "machine": machine_info(),
+        "steps": steps,
+        "repeats": repeats,
+        "schedule": schedule,
+        "replicas": replicas,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print(_table(result))
+    print(f"wrote {output}")
+    return result
+
+
+def _table(result: dict[str, Any]) -> str:
+    s = result["schedule"]
+    lines = [
+        "| schedule | s per trained sample | teacher s per step | waited for targets s per step |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in SCHEDULES:
+        r = s[name]
+        lines.append(
+            f"| {name} | {_fmt(r['s_per_sample'])} | {_fmt(r['teacher_s_per_step'])} | "
+            f"{_fmt(r['teacher_wait_s_per_step'])} |"
+        )
+    versus = s["overlap_vs_blocking_s_per_sample"]
+    lines.append(
+        f"\noverlap vs blocking: {versus['median']:+.1%} [{versus['min']:+.1%}, {versus['max']:+.1%}] "
+        f"({versus['verdict']}); teacher time hidden: {_fmt(s['hidden_share_of_teacher_time'], pct=True)}\n"
+    )
+    lines += [
+        "| teacher servers | 1 replica states/s | 2 replicas states/s | speed-up |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, r in result["replicas"].items():
+        one, two = _fmt(r["1 replica states/s"]), _fmt(r["2 replicas states/s"])
+        lines.append(f"| {label} | {one} | {two} | {_fmt(r['speed-up'])} |")
+    return "\n".join(lines)
+
+
+def _fmt(figure: dict[str, float], pct: bool = False) -> str:
+    if pct:
+        return f"{figure['median']:.0%} [{figure['min']:.0%}-{figure['max']:.0%}]"
+    return f"{figure['median']:.3g} [{figure['min']:.3g}-{figure['max']:.3g}]"
