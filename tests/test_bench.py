@@ -119,3 +119,28 @@ def test_recheck_bench_compares_a_wrong_pick_with_and_without_the_recheck(tmp_pa
         and rechecked["modes_each_round"][0][0] == stuck["modes_each_round"][0][0]
     )
     assert all(row["whole_s_per_prompt"] > 0 for row in runs.values())
+
+
+def test_teacher_bench_compares_schedules_and_replicas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omni_diffusion_rl.benchmarks.teacher import SCHEDULES, run_teacher_bench
+
+    from .helpers import fast_overrides, tiny_model_dir
+
+    overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "unused", 1)
+    output = tmp_path / "bench" / "teacher.json"
+    result = run_teacher_bench(output, None, overrides, steps=3, repeats=1, states=32)
+    report = json.loads(output.read_text(encoding="utf-8"))
+    assert report == json.loads(json.dumps(result))
+    schedule = report["schedule"]
+    for name in SCHEDULES:
+        assert schedule[name]["teacher_s_per_step"]["median"] > 0 and schedule[name]["trained"]["median"] == 8
+    assert schedule["overlap_vs_blocking_s_per_sample"]["verdict"] in ("faster", "slower", "within noise")
+    assert set(report["replicas"]) == {
+        "compute-bound",
+        "service 100 ms per batch (remote accelerator stand-in)",
+    }
+    for row in report["replicas"].values():
+        assert row["1 replica states/s"]["median"] > 0 and row["2 replicas states/s"]["median"] > 0
+    assert "teacher time hidden" in capsys.readouterr().out

@@ -207,3 +207,22 @@ def test_cost_measurement_runs_the_teacher_as_part_of_rollout(
         )
     assert calls and all(extras == [STATES, TEACHER_V] for extras in calls), calls
     assert costs is not None
+
+
+@pytest.mark.slow  # starts training or launcher processes
+def test_auto_measures_and_runs_distillation(model_dir: Path, other_dir: Path, tmp_path: Path) -> None:
+    from .helpers import last_json_line
+    from .test_separate import _launch
+
+    run = tmp_path / "run"
+    overrides = [
+        *_distill(model_dir, run, 3, str(other_dir)),
+        "execution.mode=auto",
+        "execution.data_timeout_s=60",
+    ]
+    proc = _launch(overrides, 29665)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = last_json_line(proc.stdout)
+    assert summary["samples"]["trained"] == 3 * 2 * 2, summary["samples"]
+    assert [r["step"] for r in step_records(run)] == [1, 2, 3]
+    assert all(r["loss/distill"] > 0 for r in step_records(run))

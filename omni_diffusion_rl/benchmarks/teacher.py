@@ -86,7 +86,7 @@ def run_teacher_bench(
     """Both parts; prints a table, writes JSON."""
     from ..serving.process import ServerProcess
 
-    overrides = [*(overrides or []), "sampling.rollout_chunks=2"]
+    overrides = ["sampling.rollout_chunks=2", *(overrides or [])]  # chunks: what the teacher overlaps with
     base = output.parent / "teacher_runs"
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
     for k in range(repeats):  # interleaved, each round opened by the other schedule
