@@ -22,7 +22,7 @@ from .named_batch import BatchSchema, NamedBatch
 from .reward import ScoreResult, WeightedReward
 from .sampling import policy_time_grid, sample_ode
 
-_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5}
+_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6}
 
 
 def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Generator:

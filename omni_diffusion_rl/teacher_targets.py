@@ -11,7 +11,6 @@ forward-noised at each grid time with noise keyed by the prompt group.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -31,7 +30,7 @@ def noised_states(rollout: Rollout, seed: int) -> torch.Tensor:
     group_size = max(1, int((rollout.group_ids == rollout.group_ids[0]).sum()))
     noises = []
     for start in range(0, len(rollout), group_size):
-        gen = step_generator(seed, 0, int(rollout.group_ids[start]), "train")
+        gen = step_generator(seed, 0, int(rollout.group_ids[start]), "distill")
         shape = (len(times), min(group_size, len(rollout) - start), *rollout.x0.shape[1:])
         noises.append(torch.randn(shape, generator=gen).transpose(0, 1))
     noise = torch.cat(noises).to(rollout.x0.device)
@@ -48,7 +47,7 @@ def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
             f"the teacher answered {tuple(v.shape)} (finite: {finite}) for states {tuple(states.shape)}: "
             "a teacher must give a finite velocity per state"
         )
-    return v.to(states.device, torch.float32)
+    return v.detach().to(states.device, torch.float32)
 
 
 def make_checked_teacher(cfg: ExperimentConfig, policy: object) -> Teacher:
@@ -99,7 +98,7 @@ class TeacherTargets:
 
     def __init__(
         self,
-        teacher: Teacher | Callable[[], Teacher],
+        teacher: Teacher,
         states: str = "visited",
         seed: int = 0,
         max_batch: int = 256,
@@ -120,6 +119,7 @@ class TeacherTargets:
         done.set_result(self.targets(rollout))
         return done
 
+    @torch.no_grad()  # grad mode is per thread: this runs on the teacher's own thread
     def targets(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """The teacher's velocity at each state of each sample (blocking)."""
         started = time.perf_counter()
@@ -153,4 +153,8 @@ class TeacherTargets:
         return {"teacher/seconds": seconds, **(stats() if callable(stats) else {})}
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the teacher's thread (queued work is dropped) and close the teacher's connections."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.teacher, "close", None)
+        if callable(close):
+            close()

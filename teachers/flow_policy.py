@@ -40,7 +40,7 @@ class FlowPolicyTeacher:
             raise ValueError(f"teacher 'policy': cfg_scale must be >= 1 (1 is off); got {cfg_scale}")
         if checkpoint is not None:
             self.policy = load_policy(checkpoint)
-            source = {"checkpoint": str(Path(checkpoint).resolve())}
+            source = {"checkpoint_adapters": _adapter_digest(Path(checkpoint))}
         else:
             model = ModelConfig(family=family, pretrained=pretrained, options=dict(options or {}))
             self.policy, _ = build_policy(model)
@@ -52,6 +52,14 @@ class FlowPolicyTeacher:
             move(device)
         self.policy.transformer.to(device).requires_grad_(False).eval()
         self.device, self.cfg_scale = torch.device(device), float(cfg_scale)
+        if self.cfg_scale != 1.0:
+            try:
+                self.policy.encode_prompts([""])
+            except ValueError as e:
+                raise ValueError(
+                    f"teacher 'policy': cfg_scale={cfg_scale} needs the empty prompt, which {family} refuses "
+                    f"({e}); use cfg_scale 1"
+                ) from e
         self._info = TeacherInfo(
             latent_shape=tuple(self.policy.latent_shape),
             layout=latent_layout(self.policy),
@@ -72,6 +80,16 @@ class FlowPolicyTeacher:
             v_empty = self.policy.velocity(x_t, t, empty).float()
             v = v_empty + self.cfg_scale * (v - v_empty)
         return v.cpu()
+
+
+def _adapter_digest(checkpoint: Path) -> str:
+    """What a checkpoint's adapters are, by content: the sha256 its manifest records for its tensor
+    file (verified when load_policy read it), so copies at other paths agree and a retrained run
+    differs."""
+    from omni_diffusion_rl.checkpoint import read_bounded, resolve_checkpoint
+
+    manifest = json.loads(read_bounded(resolve_checkpoint(checkpoint) / "manifest.json").decode("utf-8"))
+    return str(manifest["files"]["tensors.safetensors"]["sha256"])
 
 
 def _fingerprint(transformer: torch.nn.Module, source: dict[str, Any]) -> str:

@@ -555,11 +555,16 @@ def build_app(
                 f"{len(states)} states exceed the server's max batch of {settings.max_batch}; send fewer"
             )
             return _error(413, message, "too_large")
+        del body  # the decoded tensors are what the request holds while it waits
         try:
             v = await batcher.velocity(states, t, prompts)
         except ServerStopping as e:
             return _error(503, str(e), "stopping")
-        except Exception as e:  # a teacher that fails is an error for the client, never a silent target
+        except TeacherError as e:  # a teacher that fails is an error for the client, never a silent target
+            return _error(500, str(e), "teacher_failed")
+        except ValueError as e:  # this request cannot be answered (e.g. a prompt the model refuses)
+            return _error(422, f"teacher '{name}' refused this request: {e}", "teacher_refused")
+        except Exception as e:
             return _error(500, f"teacher '{name}' failed: {type(e).__name__}: {e}", "teacher_failed")
         return web.Response(body=encode_velocity(v), content_type=CONTENT_TYPE)
 

@@ -30,6 +30,7 @@ from .wire import CONTENT_TYPE
 
 HEALTH_TIMEOUT_S = 2.0
 WAIT_S = 0.002  # between looks for a free replica slot
+BACKOFF_S, MAX_BACKOFF_S = 0.2, 5.0  # before attempt k + 1: BACKOFF_S * 2^k, at most MAX_BACKOFF_S
 
 
 class TeacherUnavailable(RuntimeError):
@@ -154,22 +155,18 @@ class RemoteTeacher:
 
     async def _request(self, x: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         body, tried = encode_states(x, t, prompts), set()
+        await self._check_down()  # replicas out of rotation rejoin once /health answers (rate-limited)
         for attempt in range(self.retries + 1):
-            replica = self.pool.pick(tried)
-            while replica is None and self.pool.candidates(tried):  # all busy: wait for a free slot
-                await asyncio.sleep(WAIT_S)
-                replica = self.pool.pick(tried)
-            if replica is None:
-                await self._check_down()
-                replica = self.pool.pick(tried) or self.pool.pick(set())
+            if attempt:
+                self.pool.retries += 1
+                await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempt - 1)))
+            replica = await self._next_replica(tried)
             if replica is None:
                 raise TeacherUnavailable(
                     f"no teacher replica of '{self.name}' is left ({self.pool.describe_down()}); start "
                     "`odrl serve-teacher` again where teacher.urls points, the run continues from its last "
                     "checkpoint with --resume"
                 )
-            if attempt:
-                self.pool.retries += 1
             tried.add(replica.url)
             replica.outstanding += len(x)
             replica.in_flight += 1
@@ -178,6 +175,8 @@ class RemoteTeacher:
                 v = await self._post(replica, body, tuple(x.shape))
             except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
                 self.pool.fail(replica, f"no answer within teacher.timeout_s={self.timeout_s:g} s")
+                continue
+            except _Busy:  # the replica is fine, only busy or stopping: try again, elsewhere if possible
                 continue
             except (aiohttp.ClientError, ConnectionError, _ServerFault) as e:
                 self.pool.fail(replica, f"{type(e).__name__}: {e}")
@@ -191,8 +190,29 @@ class RemoteTeacher:
             return v
         raise TeacherUnavailable(
             f"teacher '{self.name}': a request failed {self.retries + 1} times "
-            f"({self.pool.describe_down()}); teacher.retries and teacher.timeout_s set the patience"
+            f"({self.pool.describe_down() or 'replicas busy'}); teacher.retries and teacher.timeout_s set "
+            "the patience"
         )
+
+    async def _next_replica(self, tried: set[str]) -> Replica | None:
+        """A replica for the next attempt: an untried one when there is one (waiting for a free slot),
+        else any healthy one; with none healthy, the down ones are probed once their check is due."""
+        while True:
+            replica = self.pool.pick(tried)
+            if replica is not None:
+                return replica
+            if self.pool.candidates(tried):  # untried ones exist but are all busy
+                await asyncio.sleep(WAIT_S)
+                continue
+            if self.pool.candidates(set()):  # every healthy one was tried: try one again
+                tried.clear()
+                continue
+            due = self.pool.due_for_check(self.health_every_s)
+            if not due:  # wait for the next health check of a down replica, then probe
+                await asyncio.sleep(self.health_every_s)
+            await self._check_down()
+            if not self.pool.candidates(set()):
+                return None
 
     async def _post(self, replica: Replica, body: bytes, shape: tuple[int, ...]) -> torch.Tensor:
         session = await self._session_here()
@@ -203,7 +223,9 @@ class RemoteTeacher:
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
         ) as resp:
             answer = await resp.read()
-            if resp.status >= 500 or resp.status in (408, 429):
+            if resp.status in (429, 503):
+                raise _Busy(f"HTTP {resp.status}")
+            if resp.status >= 500 or resp.status == 408:
                 raise _ServerFault(f"HTTP {resp.status}: {answer[:300].decode(errors='replace')}")
             if resp.status != 200:
                 hint = (
@@ -281,6 +303,10 @@ class RemoteTeacher:
             self._session = aiohttp.ClientSession(headers=headers, connector=connector)
             _SESSIONS.add(self._session)  # closed at exit if the caller does not
         return self._session
+
+
+class _Busy(Exception):
+    """The replica answered 503 or 429: busy or stopping, not broken."""
 
 
 class _ServerFault(Exception):

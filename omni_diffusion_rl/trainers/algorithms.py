@@ -298,9 +298,11 @@ class OnPolicyDistillation(DiffusionNFT):
     ) -> dict[str, float]:
         a, learner = self.options, self.learner
         mine = keep[local]
-        kept = rollout if bool(mine.all()) else rollout.select(mine.nonzero().flatten())
+        index = mine.nonzero().flatten()
+        kept = rollout if bool(mine.all()) else rollout.select(index)
+        order = trained_state_order(learner.cfg, rollout, step)[index]  # keyed by group, before drops
         learner.optimizer.zero_grad(set_to_none=True)
-        sums = self.distill_gradients(kept, step)
+        sums = self.distill_gradients(kept, order)
         sums["loss/total"] = sums["loss/distill"]
         if a.nft_coef > 0:
             adv = torch.zeros(len(rewards))
@@ -316,8 +318,9 @@ class OnPolicyDistillation(DiffusionNFT):
         out["old_decay"] = decay
         return out
 
-    def distill_gradients(self, rollout: Rollout, step: int) -> dict[str, float]:
-        """Accumulate the velocity-matching loss's gradient at the trained states."""
+    def distill_gradients(self, rollout: Rollout, order: torch.Tensor) -> dict[str, float]:
+        """Accumulate the velocity-matching loss's gradient at the trained states: the first
+        timestep_fraction of each sample's `order` [N, T]."""
         from ..teacher_targets import STATES, TEACHER_V
 
         a, learner = self.options, self.learner
@@ -330,7 +333,7 @@ class OnPolicyDistillation(DiffusionNFT):
         states, targets = rollout.extras[STATES].to(device), rollout.extras[TEACHER_V].to(device)
         grid = rollout.grid.to(device)
         weights = state_weights(rollout.grid, a.distill_weighting).to(device)
-        order = trained_state_order(learner.cfg, rollout, step).to(device)
+        order = order.to(device)
         num_train = max(1, int(order.shape[1] * learner.cfg.algorithm.timestep_fraction))
         rows = torch.arange(len(rollout), device=device)
         parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)

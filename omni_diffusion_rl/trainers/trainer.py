@@ -224,10 +224,14 @@ class Trainer:
         return self._metrics
 
     def close_scorers(self) -> None:
-        """Close the reward and the eval metrics (threads, connections)."""
+        """Close the reward, the eval metrics and the experience's annotator (a teacher's thread and
+        connections)."""
         self.reward.close()
         for metric in self._metrics or []:
             metric.close()
+        annotator = self.experience.annotator
+        if annotator is not None and hasattr(annotator, "close"):
+            annotator.close()
 
     # ------------------------------------------------------------------ data
     def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
