@@ -269,3 +269,33 @@ def test_all_replicas_down_stops_the_run_with_a_clear_error_and_keeps_its_checkp
         watcher.join(timeout=10)
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest.startswith("step_") and (run / "checkpoints" / latest / "tensors.safetensors").is_file()
+
+
+FLAKY = """
+from omni_diffusion_rl.registry import teachers
+from teachers.flow_policy import FlowPolicyTeacher
+
+CALLS = []
+
+
+@teachers.register("test_flaky_teacher")
+class FlakyTeacher(FlowPolicyTeacher):
+    def velocity(self, x_t, t, prompts):
+        CALLS.append(1)
+        if len(CALLS) == 1:
+            raise RuntimeError("a passing fault")
+        return super().velocity(x_t, t, prompts)
+"""
+
+
+def test_one_replica_that_fails_once_is_used_again(model_dir: Path, tmp_path: Path) -> None:
+    plugin = tmp_path / "flaky_teacher.py"
+    plugin.write_text(FLAKY)
+    with teacher_servers(model_dir, 1, "--plugin", str(plugin), name="test_flaky_teacher") as (server,):
+        remote = RemoteTeacher([server.url], name="test_flaky_teacher", retries=2, health_every_s=0.1)
+        x, t, prompts = _states(4)
+        expected = FlowPolicyTeacher(pretrained=str(model_dir)).velocity(x, t, prompts)
+        torch.testing.assert_close(remote.velocity(x, t, prompts), expected, rtol=0, atol=0)
+        stats = remote.stats()
+        assert stats["teacher/retries"] == 1 and stats["teacher/replica0/failures"] == 1, stats
+        remote.close()
