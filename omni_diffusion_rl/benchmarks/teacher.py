@@ -65,7 +65,8 @@ def _throughput(urls: list[str], states: int, request_samples: int, rounds: int)
     shape = teacher.info().latent_shape
     x, t = torch.randn(states, *shape), torch.rand(states)
     prompts = ["a red circle with a low tone at the start"] * states
-    teacher.velocity(x[:request_samples], t[:request_samples], prompts[:request_samples])  # warm up
+    warm = request_samples * len(urls)  # one request for every replica: none starts cold in the timing
+    teacher.velocity(x[:warm], t[:warm], prompts[:warm])
     out = []
     for _ in range(rounds):
         started = time.perf_counter()
