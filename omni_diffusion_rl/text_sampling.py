@@ -1,0 +1,93 @@
+"""Answers sampled token by token with transformers' KV cache, batched, recording each sampled
+token's log-probability under the sampling policy (the behaviour log-probs GSPO's ratio is taken
+against). Seeded per row: a row's answer does not depend on the rows batched with it."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Answers:
+    tokens: torch.Tensor  # [B, L] sampled ids (pad after the end)
+    mask: torch.Tensor  # [B, L] bool: the answer's tokens, its end-of-sequence token included
+    log_probs: torch.Tensor  # [B, L] behaviour log-probs of the sampled tokens (0 on padding)
+    truncated: torch.Tensor  # [B] bool: stopped by the token limit before an end-of-sequence token
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+
+def _cache_name(lm: torch.nn.Module) -> str:
+    """transformers 5.2x calls the KV cache argument and output `cache`, earlier ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def sample_answers(
+    lm: torch.nn.Module,
+    embeds: torch.Tensor,
+    mask: torch.Tensor,
+    eos_id: int,
+    pad_id: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    generators: list[torch.Generator] | None = None,
+    min_new_tokens: int = 0,
+) -> Answers:
+    """Up to `max_new_tokens` tokens after the left-padded prompt `embeds` [B, P, H] / `mask` [B, P].
+    `min_new_tokens` forbids the end token before that many tokens (the "forced long answers" of
+    the modes benchmark). `generators`: one per row for sampling (greedy needs none)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    if not greedy and (generators is None or len(generators) != len(embeds)):
+        raise ValueError("sampling needs one torch.Generator per row (or greedy=True)")
+    b = len(embeds)
+    mask = mask.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache_name = _cache_name(lm)
+    out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache: Any = getattr(out, cache_name)
+    logits = out.logits[:, -1]
+    next_pos = positions[:, -1] + 1
+    tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=embeds.device)
+    logp_out = torch.zeros(b, max_new_tokens, device=embeds.device)
+    done = torch.zeros(b, dtype=torch.bool, device=embeds.device)
+    answer_mask = torch.zeros(b, max_new_tokens, dtype=torch.bool, device=embeds.device)
+    for k in range(max_new_tokens):
+        scores = logits.float() / temperature
+        if k < min_new_tokens:
+            scores[:, eos_id] = float("-inf")
+        logp = torch.log_softmax(scores, dim=-1)
+        if greedy:
+            pick = logp.argmax(-1)
+        else:
+            probs = logp.exp()
+            pick = torch.stack(
+                [torch.multinomial(probs[i].cpu(), 1, generator=generators[i])[0] for i in range(b)]  # type: ignore[index]
+            ).to(embeds.device)
+        live = ~done
+        tokens[live, k] = pick[live]
+        answer_mask[live, k] = True
+        logp_out[live, k] = logp.gather(-1, pick[:, None]).squeeze(-1)[live]
+        done = done | (pick == eos_id)
+        if bool(done.all()) or k == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, live.long()[:, None]], dim=1)
+        step = lm(
+            input_ids=tokens[:, k : k + 1],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{cache_name: cache},
+        )
+        cache, logits = getattr(step, cache_name), step.logits[:, -1]
+        next_pos = next_pos + 1
+    width = int(answer_mask.sum(-1).max())
+    return Answers(tokens[:, :width], answer_mask[:, :width], logp_out[:, :width], ~done)

@@ -1,0 +1,100 @@
+"""Tiny audio-visual question answering over tiny-world clips: the autoregressive (GSPO) side's task.
+
+Each question asks about one thing a clip shows or sounds: its colour, its shape, the tone's pitch,
+or when the tone sounds, as multiple choice (the options are listed; the answer is one option's
+word, as in AVQA), or asks for a short description of the whole clip (the answer is the scene's
+prompt, e.g. "a red circle with a high tone at the start"). Questions are answered from the clip
+alone: the question never names the scene. The held-out split asks about the held-out scenes of the
+diffusion side (`HELDOUT_PROMPTS`), so neither side trains on them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .tiny_world import (
+    ALL_SCENES,
+    ATTRIBUTE_OPTIONS,
+    HELDOUT_PROMPTS,
+    WHEN_PHRASES,
+    Scene,
+    render_scene,
+)
+
+WHEN_ANSWERS = {"early": "start", "late": "end"}  # the word a timing answer uses
+QUESTION_KINDS = ("color", "shape", "pitch", "when", "describe")
+_ASK = {
+    "color": "what colour is the shape",
+    "shape": "which shape is shown",
+    "pitch": "is the tone low mid or high",
+    "when": "does the tone sound at the start or at the end",
+}
+
+
+@dataclass(frozen=True)
+class Question:
+    scene: Scene
+    kind: str
+
+    @property
+    def text(self) -> str:
+        """The question as the model reads it (multiple choice lists the options)."""
+        if self.kind == "describe":
+            return "describe the clip"
+        return f"{_ASK[self.kind]} ? options : {' '.join(answer_options(self.kind))}"
+
+    @property
+    def answer(self) -> str:
+        """The one right answer."""
+        if self.kind == "describe":
+            return self.scene.prompt
+        if self.kind == "when":
+            return WHEN_ANSWERS[self.scene.when]
+        return str(getattr(self.scene, self.kind))
+
+
+def answer_options(kind: str) -> tuple[str, ...]:
+    """The options a multiple-choice question lists."""
+    if kind == "when":
+        return tuple(WHEN_ANSWERS.values())
+    return ATTRIBUTE_OPTIONS[kind]
+
+
+def normalise_answer(text: str) -> str:
+    """Lower case, single spaces, no punctuation: what exact match compares."""
+    return " ".join(re.sub(r"[^a-z0-9 ]+", " ", text.lower()).split())
+
+
+def exact_match(answer: str, question: Question) -> float:
+    """1.0 when the normalised answer is the right one, else 0.0."""
+    return float(normalise_answer(answer) == normalise_answer(question.answer))
+
+
+def split_scenes(heldout: bool) -> list[Scene]:
+    """The scenes of the training split, or the held-out ones (the diffusion side's held-out)."""
+    held = set(HELDOUT_PROMPTS)
+    return [s for s in ALL_SCENES if (s.prompt in held) == heldout]
+
+
+def questions(heldout: bool, kinds: tuple[str, ...] = QUESTION_KINDS) -> list[Question]:
+    """Every question of a split: each scene asked each kind, in a fixed order."""
+    unknown = sorted(set(kinds) - set(QUESTION_KINDS))
+    if unknown:
+        raise ValueError(f"unknown question kinds {unknown}; use {', '.join(QUESTION_KINDS)}")
+    return [Question(scene, kind) for scene in split_scenes(heldout) for kind in kinds]
+
+
+def render_clips(batch: list[Question], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clips the questions ask about: video [B, F, 3, H, W] and audio amplitudes [B, frames, bins]
+    (a fresh placement of the shape per clip, drawn from `gen`)."""
+    rendered = [render_scene(q.scene, gen) for q in batch]
+    return torch.stack([v for v, _ in rendered]), torch.stack([a for _, a in rendered])
+
+
+def when_phrase(answer_word: str) -> str:
+    """The prompt phrase of a timing answer word ("start" -> "at the start")."""
+    inverse = {v: k for k, v in WHEN_ANSWERS.items()}
+    return WHEN_PHRASES[inverse[answer_word]]
