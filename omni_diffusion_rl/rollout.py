@@ -22,13 +22,76 @@ from .named_batch import BatchSchema, NamedBatch
 from .reward import ScoreResult, WeightedReward
 from .sampling import policy_time_grid, sample_ode
 
-_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6}
+_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6, "answers": 7}
 
 
 def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Generator:
     """A generator for one purpose (stream) at one step for one prompt group or slot."""
     key = f"{seed}:{step}:{index}:{_STREAMS[stream]}".encode()
     return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+
+
+class PendingExtras:
+    """Extras still being made (teacher targets) for consecutive blocks of a step's rows, each block a
+    future. `rows` waits only for the blocks the asked rows lie in, so training can start on the
+    first chunks while the teacher answers the last; `select` keeps that for a subset of the rows.
+    `waited_s` is the time spent waiting, shared by every view of the same blocks."""
+
+    def __init__(
+        self,
+        blocks: list[tuple[int, int, Future[dict[str, torch.Tensor]]]],
+        index: torch.Tensor | None = None,
+        clock: list[float] | None = None,
+    ) -> None:
+        self.blocks = blocks  # (start, stop, future) in the rows of the rollout that made them
+        self.index = torch.arange(blocks[-1][1] if blocks else 0) if index is None else index
+        self._clock = [0.0] if clock is None else clock
+
+    @property
+    def waited_s(self) -> float:
+        return self._clock[0]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def select(self, index: torch.Tensor) -> PendingExtras:
+        return PendingExtras(self.blocks, self.index[index.cpu()], self._clock)
+
+    def _result(self, future: Future[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if future.done():
+            return future.result()
+        started = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self._clock[0] += time.perf_counter() - started
+
+    def rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """The extras of rows start..stop (of this view), waiting for the blocks they lie in."""
+        wanted = self.index[start:stop]
+        out: dict[str, torch.Tensor] = {}
+        for a, b, future in self.blocks:
+            inside = (wanted >= a) & (wanted < b)
+            if not bool(inside.any()):
+                continue
+            for k, v in self._result(future).items():
+                if k not in out:
+                    out[k] = v.new_empty((len(wanted), *v.shape[1:]))
+                out[k][inside.to(v.device)] = v[(wanted[inside] - a).to(v.device)]
+        return out
+
+    def bounds(self) -> list[int]:
+        """Rows of this view where a new block starts (besides 0): where training may wait."""
+        starts = torch.tensor([a for a, _, _ in self.blocks])
+        block = torch.bucketize(self.index, starts, right=True)
+        return (torch.nonzero(block[1:] != block[:-1]).flatten() + 1).tolist()
+
+
+def stream_prompt(prompts: list[str], seed: int, position: int) -> str:
+    """The prompt at a position of the data stream: every epoch is a fresh permutation."""
+    epoch, offset = divmod(position, len(prompts))
+    order = torch.randperm(len(prompts), generator=step_generator(seed, epoch, 0, "prompts"))
+    return prompts[int(order[offset])]
 
 
 @dataclass
@@ -40,6 +103,8 @@ class Rollout:
     grid: torch.Tensor  # [T + 1] sampler times, 1 -> 0
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-sample tensors an algorithm attaches (visited states, teacher targets): [N, ...] each."""
+    pending: PendingExtras | None = field(default=None, repr=False, compare=False)
+    """More extras, still being made: read them with `extras_rows`, or `settle` to wait for all."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -53,20 +118,41 @@ class Rollout:
             cond=index_condition(self.cond, index.to(self.x0.device)),
             grid=self.grid,
             extras={k: v[index.to(v.device)] for k, v in self.extras.items()},
+            pending=None if self.pending is None else self.pending.select(index),
         )
+
+    def settle(self) -> Rollout:
+        """Wait for the pending extras and merge them into `extras` (in place); returns self."""
+        if self.pending is not None:
+            self.extras.update(self.pending.rows(0, len(self.pending)))
+            self.pending = None
+        return self
+
+    def extras_rows(self, part: slice) -> dict[str, torch.Tensor]:
+        """The extras of the rows in `part`, waiting only for the pending ones those rows need."""
+        ready = {k: v[part] for k, v in self.extras.items()}
+        if self.pending is None:
+            return ready
+        return {**ready, **self.pending.rows(part.start, part.stop)}
+
+    def pending_bounds(self) -> list[int]:
+        """Rows where the pending extras' next block starts (empty when nothing is pending)."""
+        return [] if self.pending is None else self.pending.bounds()
 
     def to(self, device: torch.device) -> Rollout:
         """x0 and the condition on `device` (what came from another process is on the CPU)."""
         cond = {k: v.to(device) for k, v in self.cond.items()}
         extras = {k: v.to(device) for k, v in self.extras.items()}
-        return Rollout(self.prompts, self.group_ids, self.x0.to(device), cond, self.grid, extras)
+        x0 = self.x0.to(device)
+        return Rollout(self.prompts, self.group_ids, x0, cond, self.grid, extras, self.pending)
 
     SCHEMA = BatchSchema(
         per_sample=("x0", "group_ids"), prefixes=("cond.", "extra."), texts=("prompts",), shared=("grid",)
     )
 
     def to_named(self) -> NamedBatch:
-        """Named CPU tensors for another process (see named_batch.py)."""
+        """Named CPU tensors for another process (see named_batch.py); pending extras are waited for."""
+        self.settle()
         per_sample = {"x0": self.x0.detach().cpu().contiguous(), "group_ids": self.group_ids.cpu()}
         per_sample |= {f"cond.{k}": v.detach().cpu().contiguous() for k, v in self.cond.items()}
         per_sample |= {f"extra.{k}": v.detach().cpu().contiguous() for k, v in self.extras.items()}
@@ -83,6 +169,8 @@ class Rollout:
 
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
+        """One rollout of consecutive parts (their pending extras are waited for)."""
+        parts = [r.settle() for r in parts]
         return Rollout(
             prompts=[p for r in parts for p in r.prompts],
             group_ids=torch.cat([r.group_ids for r in parts]),
@@ -191,7 +279,7 @@ class ExperienceMaker:
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
         self.annotator = annotator  # an algorithm's per-chunk extras (teacher targets), made alongside
-        self.annotation_wait_s = 0.0  # the last make_step's wait for them after generating
+        self.last_pending: PendingExtras | None = None  # the last make_step's extras still being made
         self.group_size, self.num_steps, self.time_shift, self.solver = (
             group_size,
             num_steps,
@@ -213,9 +301,7 @@ class ExperienceMaker:
 
     def prompt_at(self, position: int) -> str:
         """The prompt at a position of the data stream: every epoch is a fresh permutation."""
-        epoch, offset = divmod(position, len(self.prompts))
-        order = torch.randperm(len(self.prompts), generator=step_generator(self.seed, epoch, 0, "prompts"))
-        return self.prompts[int(order[offset])]
+        return stream_prompt(self.prompts, self.seed, position)
 
     def generate(
         self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
@@ -245,7 +331,7 @@ class ExperienceMaker:
         generators = [step_generator(self.seed, step, g, "rollout") for g in group_ids]
         noise = torch.stack([torch.randn((k, *self.policy.latent_shape), generator=g) for g in generators])
         chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(self.rollout_chunks)]
-        parts, pending, annotations = [], [], []
+        parts, pending, annotations, offset = [], [], [], 0
         for chunk in chunks:
             part = self.generate(
                 [prompts[i] for i in chunk],
@@ -254,18 +340,20 @@ class ExperienceMaker:
                 self.num_steps,
             )
             if self.annotator is not None:
-                annotations.append(self.annotator.submit(part))
+                annotations.append((offset, offset + len(part), self.annotator.submit(part)))
             with torch.no_grad():
                 pending.append(self.reward.submit(self.policy.decode(part.x0), part.prompts))
             parts.append(part)
+            offset += len(part)
         self.generated_at = time.perf_counter()
-        for part, annotated in zip(parts, annotations, strict=False):
-            part.extras.update(annotated.result())
-        self.annotation_wait_s = time.perf_counter() - self.generated_at  # the teacher's time not hidden
-        return Rollout.cat(parts), cat_results([f.result() for f in pending])
+        rollout = Rollout.cat(parts)
+        if annotations:  # not waited for here: training takes each chunk's targets when it gets there
+            rollout.pending = self.last_pending = PendingExtras(annotations)
+        return rollout, cat_results([f.result() for f in pending])
 
     def metrics(self) -> dict[str, float]:
         """The annotator's step metrics (teacher seconds, waiting, routing), if there is one."""
         if self.annotator is None:
             return {}
-        return {"teacher/wait_s": self.annotation_wait_s, **self.annotator.metrics()}
+        waited = 0.0 if self.last_pending is None else self.last_pending.waited_s  # teacher time not hidden
+        return {"teacher/wait_s": waited, **self.annotator.metrics()}

@@ -133,18 +133,20 @@ class TeacherTargets:
             states = noised_states(rollout, self.seed)
             extras = {STATES: states}
         times = rollout.grid[:-1].to(states.device)
-        columns = []
-        for k in range(states.shape[1]):  # time-major: a batch shares one time, as the student trains
-            x_k = states[:, k].detach()
-            parts = []
-            for start in range(0, len(x_k), self.max_batch):
-                x = x_k[start : start + self.max_batch]
-                v = self.teacher.velocity(x, times[k].expand(len(x)), rollout.prompts[start : start + len(x)])
-                parts.append(checked_targets(v, x))
-            columns.append(torch.cat(parts))
+        # time-major: a batch shares one time, as the student trains
+        columns = [self._velocity(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
         self.seconds += time.perf_counter() - started
         self.calls += 1
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
+
+    def _velocity(self, x: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """The teacher's checked velocity at states x [N, ...] (one time t), in batches of max_batch."""
+        parts = []
+        for start in range(0, len(x), self.max_batch):
+            piece = x[start : start + self.max_batch]
+            v = self.teacher.velocity(piece, t.expand(len(piece)), prompts[start : start + len(piece)])
+            parts.append(checked_targets(v, piece))
+        return torch.cat(parts)
 
     def metrics(self) -> dict[str, float]:
         """Teacher seconds since the last call, and the teacher's own counters (replicas, retries)."""

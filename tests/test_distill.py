@@ -226,3 +226,54 @@ def test_auto_measures_and_runs_distillation(model_dir: Path, other_dir: Path, t
     assert summary["samples"]["trained"] == 3 * 2 * 2, summary["samples"]
     assert [r["step"] for r in step_records(run)] == [1, 2, 3]
     assert all(r["loss/distill"] > 0 for r in step_records(run))
+
+
+def test_pending_extras_wait_only_for_the_rows_asked() -> None:
+    """Training may start on a chunk whose targets arrived while a later chunk's are still being
+    made; a selection of rows (drops) keeps that, and settling gives every row its own values."""
+    from concurrent.futures import Future
+
+    from omni_diffusion_rl.rollout import PendingExtras
+
+    values = torch.arange(10.0).view(10, 1) * torch.ones(10, 3)
+    first, second = Future(), Future()
+    first.set_result({"v": values[:4]})
+    pending = PendingExtras([(0, 4, first), (4, 10, second)])
+    assert torch.equal(pending.rows(1, 4)["v"], values[1:4])  # does not wait for the second block
+    assert pending.bounds() == [4] and pending.waited_s == 0.0
+    chosen = pending.select(torch.tensor([0, 3, 5, 9]))
+    assert chosen.bounds() == [2] and torch.equal(chosen.rows(0, 2)["v"], values[[0, 3]])
+    second.set_result({"v": values[4:]})
+    assert torch.equal(chosen.rows(0, 4)["v"], values[[0, 3, 5, 9]])
+    assert torch.equal(pending.rows(0, 10)["v"], values)
+
+
+def test_a_pending_rollout_settles_before_it_is_joined_or_sent() -> None:
+    from concurrent.futures import Future
+
+    from omni_diffusion_rl.rollout import PendingExtras
+
+    done: Future[dict[str, torch.Tensor]] = Future()
+    done.set_result({TEACHER_V: torch.ones(2, 3)})
+    rollout = Rollout(["a", "b"], torch.tensor([0, 0]), torch.zeros(2, 3), {}, torch.tensor([1.0, 0.0]))
+    rollout.pending = PendingExtras([(0, 2, done)])
+    sent = Rollout.from_named(rollout.to_named())
+    assert rollout.pending is None and torch.equal(sent.extras[TEACHER_V], torch.ones(2, 3))
+
+
+def test_streamed_targets_train_exactly_as_the_blocking_schedule(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    """Overlapped (training takes each chunk's targets when it reaches them) and blocking (every
+    target made before generation goes on) give the same losses: only the waiting moves."""
+    losses = {}
+    for overlap in (True, False):
+        run = tmp_path / f"overlap_{overlap}"
+        schedule = f"teacher.overlap={str(overlap).lower()}"
+        extra = ("sampling.rollout_chunks=2", schedule, "algorithm.nft_coef=1")
+        Trainer(load_config(None, _distill(model_dir, run, 3, str(other_dir), *extra))).fit()
+        rows = step_records(run)
+        losses[overlap] = [r[k] for r in rows for k in ("loss/distill", "loss/total")]
+        assert all("teacher/wait_s" in r for r in rows)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6, abs=1e-9)
+    assert all(loss > 0 for loss in losses[True])

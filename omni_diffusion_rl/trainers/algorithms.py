@@ -302,15 +302,15 @@ class OnPolicyDistillation(DiffusionNFT):
         kept = rollout if bool(mine.all()) else rollout.select(index)
         order = trained_state_order(learner.cfg, rollout, step)[index]  # keyed by group, before drops
         learner.optimizer.zero_grad(set_to_none=True)
-        sums = self.distill_gradients(kept, order)
-        sums["loss/total"] = sums["loss/distill"]
-        if a.nft_coef > 0:
+        sums: dict[str, float] = {}
+        if a.nft_coef > 0:  # first: it needs no teacher targets, so the teacher gets more time
             adv = torch.zeros(len(rewards))
             adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
             r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
             _, nft = self.nft_gradients(rollout, r, step, mine, scale=a.nft_coef)
             sums |= {f"nft/{k}": v for k, v in nft.items()}
-            sums["loss/total"] += a.nft_coef * nft.get("loss/total", 0.0)
+        sums |= self.distill_gradients(kept, order)
+        sums["loss/total"] = sums["loss/distill"] + a.nft_coef * sums.get("nft/loss/total", 0.0)
         out = learner.weighted_mean_over_ranks(sums, float(len(kept)), self.loss_metric_names())
         learner.apply_gradients(out, weight=float(len(kept)))
         decay = old_adapter_decay("copy" if a.nft_coef == 0 else a.decay_schedule, step + 1)
@@ -320,37 +320,36 @@ class OnPolicyDistillation(DiffusionNFT):
 
     def distill_gradients(self, rollout: Rollout, order: torch.Tensor) -> dict[str, float]:
         """Accumulate the velocity-matching loss's gradient at the trained states: the first
-        timestep_fraction of each sample's `order` [N, T]."""
+        timestep_fraction of each sample's `order` [N, T]. Sample-major, in the order the chunks
+        were made: a chunk whose teacher targets are still pending is waited for when reached."""
         from ..teacher_targets import STATES, TEACHER_V
 
         a, learner = self.options, self.learner
         if not len(rollout):
             return {"loss/distill": 0.0}
-        missing = [k for k in (STATES, TEACHER_V) if k not in rollout.extras]
-        if missing:
-            raise ValueError(f"a distillation rollout lacks {', '.join(missing)} (made without a teacher?)")
         device = rollout.x0.device
-        states, targets = rollout.extras[STATES].to(device), rollout.extras[TEACHER_V].to(device)
         grid = rollout.grid.to(device)
         weights = state_weights(rollout.grid, a.distill_weighting).to(device)
         order = order.to(device)
         num_train = max(1, int(order.shape[1] * learner.cfg.algorithm.timestep_fraction))
-        rows = torch.arange(len(rollout), device=device)
         parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
+        parts = split_at(parts, rollout.pending_bounds())
         total = 0.0
-        for j in range(num_train):
-            index = order[:, j]
-            x_all, t_all, v_all, w_all = (
-                states[rows, index],
-                grid[index],
-                targets[rows, index],
-                weights[index],
-            )
-            for part in parts:
-                share = (part.stop - part.start) / len(rollout)
+        for part in parts:
+            extras = rollout.extras_rows(part)
+            missing = [k for k in (STATES, TEACHER_V) if k not in extras]
+            if missing:
+                lacks = ", ".join(missing)
+                raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
+            states, targets = extras[STATES].to(device), extras[TEACHER_V].to(device)
+            rows = torch.arange(len(states), device=device)
+            cond = index_condition(rollout.cond, part)
+            share = (part.stop - part.start) / len(rollout)
+            for j in range(num_train):
+                index = order[part, j]
                 with learner.autocast():
-                    v = learner.policy.velocity(x_all[part], t_all[part], index_condition(rollout.cond, part))
-                loss = distillation_loss(v.float(), v_all[part], w_all[part])
+                    v = learner.policy.velocity(states[rows, index], grid[index], cond)
+                loss = distillation_loss(v.float(), targets[rows, index], weights[index])
                 (loss * share / num_train).backward()
                 total += float(loss.detach()) * share / num_train
         return {"loss/distill": total}
@@ -409,6 +408,15 @@ def micro_batches(count: int, size: int) -> list[slice]:
     """`count` samples in consecutive pieces of at most `size` (train.micro_batch_size; 0: one piece)."""
     size = size or count
     return [slice(i, min(i + size, count)) for i in range(0, count, max(size, 1))]
+
+
+def split_at(parts: list[slice], bounds: list[int]) -> list[slice]:
+    """`parts` (consecutive slices) cut again at each row in `bounds`."""
+    out = []
+    for part in parts:
+        cuts = [part.start, *(b for b in bounds if part.start < b < part.stop), part.stop]
+        out += [slice(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=False)]
+    return out
 
 
 def best_of_each_group(
