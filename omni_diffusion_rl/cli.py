@@ -189,13 +189,24 @@ def _label_noise(text: str) -> dict[str, float]:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from .models.tiny_av import BUILTIN_WEIGHTS, TEACHER_WEIGHTS
+
+    if args.omni:
+        from .models.tiny_omni import OMNI_BASE
+        from .trainers.pretrain_omni import pretrain_omni_model
+
+        if args.teacher or args.label_noise is not None:
+            print("odrl pretrain: --omni takes neither --teacher nor --label-noise", file=sys.stderr)
+            return 2
+        steps = 1500 if args.steps is None else args.steps
+        print(json.dumps(pretrain_omni_model(args.output or OMNI_BASE, steps=steps, seed=args.seed)))
+        return 0
     from .trainers.pretrain import TEACHER_RECIPE, pretrain_base_model
 
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
     if args.label_noise is not None:
         recipe["label_noise"] = args.label_noise
     output = args.output or (TEACHER_WEIGHTS if args.teacher else BUILTIN_WEIGHTS)
-    result = pretrain_base_model(output, steps=args.steps, seed=args.seed, **recipe)
+    result = pretrain_base_model(output, steps=args.steps or 6000, seed=args.seed, **recipe)
     print(json.dumps(result))
     return 0
 
@@ -531,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="pre-train the tiny built-in base model (or, --teacher, its teacher) on synthetic clips",
     )
     pretrain.add_argument("--output", default=None, help="directory (default: the shipped builtin location)")
-    pretrain.add_argument("--steps", type=_positive_int, default=6000)
+    pretrain.add_argument("--steps", type=_positive_int, default=None, help="6000 (tiny_av), 1500 (--omni)")
     pretrain.add_argument(
         "--label-noise",
         type=_label_noise,
@@ -545,6 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the tiny teacher instead: larger (dim 128, 6 blocks), clean labels; default output "
         "the shipped builtin-teacher location",
+    )
+    pretrain.add_argument(
+        "--omni",
+        action="store_true",
+        help="the tiny omni language model (GSPO's base) on tiny AVQA with confused labels instead; "
+        "default output the shipped builtin-omni location",
     )
     pretrain.set_defaults(func=cmd_pretrain)
 

@@ -139,8 +139,29 @@ class DistillConfig:
     )
 
 
+GSPO_RATIO_LEVELS = ("sequence", "token")
+
+
 @dataclass
-class AlgorithmConfig(NFTConfig, RAFTConfig, DistillConfig):
+class GSPOConfig:
+    """GSPO's options (algorithm.name=gspo, the autoregressive path), flat in the algorithm section."""
+
+    clip_eps_low: float = _spec(3e-4, "gspo: the ratio is clipped to [1 - eps_low, 1 + eps_high]", gt=0, lt=1)
+    clip_eps_high: float = _spec(4e-4, "gspo: upper clip (defaults from the GSPO paper)", gt=0)
+    ratio_level: str = _spec(
+        "sequence",
+        "gspo: sequence (GSPO: one length-normalised ratio per answer) | token (GRPO's per-token ratio)",
+        choices=GSPO_RATIO_LEVELS,
+    )
+    max_new_tokens: int = _spec(16, "gspo: answer tokens at most (the end token included)", ge=1)
+    min_new_tokens: int = _spec(
+        0, "gspo: the end token is forbidden before this many (forced-long answers)", ge=0
+    )
+    temperature: float = _spec(1.0, "gspo: sampling temperature of the rollout answers", gt=0)
+
+
+@dataclass
+class AlgorithmConfig(NFTConfig, RAFTConfig, DistillConfig, GSPOConfig):
     """The algorithm section: which algorithm, what every algorithm shares, each built-in one's own
     options (NFTConfig, RAFTConfig: one dataclass per algorithm, its keys flat here, e.g.
     algorithm.beta, algorithm.raft_keep) and a registered algorithm's options (algorithm.options)."""
@@ -148,7 +169,8 @@ class AlgorithmConfig(NFTConfig, RAFTConfig, DistillConfig):
     name: str = _spec(
         "nft",
         "what the trainer learns with: nft (DiffusionNFT) | raft (reward-ranked flow-matching fine-tuning, "
-        "a baseline) | distill (on-policy distillation from `teacher`) | a registered algorithm",
+        "a baseline) | distill (on-policy distillation from `teacher`) | gspo (an answering language "
+        "model, model.family=tiny_omni) | a registered algorithm",
     )
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
     options: dict[str, Any] = _spec({}, "a registered algorithm's own options (key -> value), read by it")

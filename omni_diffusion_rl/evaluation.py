@@ -178,6 +178,12 @@ def before_after_summary(
             if metric.headline == metric.name:
                 parts = {"score": _rounded(values.get(metric.name, math.nan)), **parts}
             out[f"heldout_{metric.name}_{when}"] = parts
+    for when, values in (("before", before), ("after", after)):  # an answering policy's accuracy
+        accuracy = {
+            k[len("accuracy/") :]: _rounded(v) for k, v in values.items() if k.startswith("accuracy/")
+        }
+        if accuracy:
+            out[f"heldout_accuracy_{when}"] = accuracy
     reward_before, reward_after = before.get("reward", math.nan), after.get("reward", math.nan)
     out["heldout_reward_before"] = _rounded(reward_before)
     out["heldout_reward_after"] = _rounded(reward_after)

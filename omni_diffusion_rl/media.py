@@ -24,12 +24,14 @@ class MediaBatch:
 
     video: [B, F, 3, H, W] floats in [0, 1] (a still image is F = 1), or None.
     audio: [B, C, S] floats in [-1, 1], or None.
+    text: B strings, or None: a language model's answers (the media are then its inputs).
     """
 
     video: torch.Tensor | None = None
     audio: torch.Tensor | None = None
     fps: float = 8.0
     sample_rate: int = 8000
+    text: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.video is None and self.audio is None:
@@ -40,17 +42,28 @@ class MediaBatch:
             raise ValueError(f"audio must be [B, C, S]; got shape {tuple(self.audio.shape)}")
         if self.video is not None and self.audio is not None and len(self.video) != len(self.audio):
             raise ValueError(f"video batch {len(self.video)} != audio batch {len(self.audio)}")
+        if self.text is not None and (
+            len(self.text) != len(self) or not all(isinstance(t, str) for t in self.text)
+        ):
+            raise ValueError(f"text must be {len(self)} strings, one per sample; got {len(self.text)}")
 
     def __len__(self) -> int:
         return len(self.video) if self.video is not None else len(self.audio)  # type: ignore[arg-type]
 
     def select(self, index: torch.Tensor | slice | list[int]) -> MediaBatch:
         """The sub-batch at `index`."""
+        if self.text is None:
+            text = None
+        elif isinstance(index, slice):
+            text = self.text[index]
+        else:
+            text = [self.text[i] for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
         return MediaBatch(
             video=None if self.video is None else self.video[index],
             audio=None if self.audio is None else self.audio[index],
             fps=self.fps,
             sample_rate=self.sample_rate,
+            text=text,
         )
 
 

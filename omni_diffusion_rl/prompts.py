@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .world import tiny_world
+from .world import avqa, tiny_world
 
 BUILTIN = {
     "builtin:tiny_world": tiny_world.TRAIN_PROMPTS,
     "builtin:tiny_world_heldout": tiny_world.HELDOUT_PROMPTS,
+    "builtin:tiny_avqa": avqa.TRAIN_QUESTIONS,  # "<kind> | <scene>": questions about tiny-world clips
+    "builtin:tiny_avqa_heldout": avqa.HELDOUT_QUESTIONS,
 }
 
 

@@ -41,6 +41,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.lifeline",
         f"{PACKAGE}.launch",
         f"{PACKAGE}.subprocesses",
+        f"{PACKAGE}.text_sampling",
     ],
     # the generators, and the synthetic world (its data and its judge); see SEPARATE
     [f"{PACKAGE}.models", f"{PACKAGE}.world"],
@@ -55,6 +56,8 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.inference",
         f"{PACKAGE}.eval_targets",
         f"{PACKAGE}.teacher_targets",
+        f"{PACKAGE}.text_rollout",
+        f"{PACKAGE}.avqa_eval",
     ],
     # training, the execution modes and their replay buffer, and the tools built on trained runs
     [

@@ -13,12 +13,11 @@ import torch
 from omni_diffusion_rl.models.tiny_omni import (
     TinyOmniConfig,
     TinyOmniModel,
-    avqa_words,
     build_tokenizer,
 )
 from omni_diffusion_rl.text_sampling import sample_answers
 from omni_diffusion_rl.tiny_clip import synthesize_audio
-from omni_diffusion_rl.world.avqa import exact_match, questions, render_clips
+from omni_diffusion_rl.world.avqa import exact_match, questions, render_clips, vocabulary
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SMALL = TinyOmniConfig(hidden_size=64, layers=2, heads=2, kv_heads=1, intermediate_size=128)
@@ -27,7 +26,7 @@ SMALL = TinyOmniConfig(hidden_size=64, layers=2, heads=2, kv_heads=1, intermedia
 @pytest.fixture(scope="module")
 def model() -> TinyOmniModel:
     torch.manual_seed(0)
-    return TinyOmniModel(SMALL, build_tokenizer(avqa_words())).eval()
+    return TinyOmniModel(SMALL, build_tokenizer(vocabulary())).eval()
 
 
 def _inputs(model: TinyOmniModel, count: int = 6):  # noqa: ANN202
@@ -41,7 +40,7 @@ def _gens(n: int, offset: int = 0) -> list[torch.Generator]:
 
 
 def test_the_default_model_has_one_to_five_million_parameters() -> None:
-    big = TinyOmniModel(TinyOmniConfig(), build_tokenizer(avqa_words()))
+    big = TinyOmniModel(TinyOmniConfig(), build_tokenizer(vocabulary()))
     assert 1e6 <= sum(p.numel() for p in big.parameters()) <= 5e6
 
 
@@ -134,7 +133,7 @@ def test_a_checkpoint_with_another_vocabulary_or_a_missing_part_is_refused(
     model: TinyOmniModel, tmp_path: Path
 ) -> None:
     model.save_pretrained(tmp_path / "m")
-    build_tokenizer([*avqa_words(), "zebra"]).save_pretrained(tmp_path / "m" / "tokenizer")
+    build_tokenizer([*vocabulary(), "zebra"]).save_pretrained(tmp_path / "m" / "tokenizer")
     with pytest.raises(ValueError, match="vocabulary is not the one"):
         TinyOmniModel.from_pretrained(tmp_path / "m")
     (tmp_path / "m" / "media_encoder.safetensors").unlink()

@@ -8,7 +8,7 @@ model config and returns the policy and its default LoRA target modules; registe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError
 from ..precision import BASE_DTYPES
@@ -72,6 +72,17 @@ def _check_options(family: str, cls: type, options: dict) -> None:
         raise ConfigError(
             f"model.options: {', '.join(unknown)} unknown to {family}; it takes {', '.join(allowed)}"
         )
+
+
+@models.register("tiny_omni")
+def load_tiny_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
+    """The tiny omni language model ('builtin-omni', the shipped base, or a saved directory): GSPO's
+    answering policy on tiny AVQA."""
+    from .tiny_omni import TinyOmniPolicy
+
+    pretrained = "builtin-omni" if cfg.pretrained == "builtin" else cfg.pretrained
+    policy = TinyOmniPolicy.from_pretrained(pretrained)
+    return policy, list(policy.lora_targets)
 
 
 @models.register("ltx2")

@@ -28,21 +28,11 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)
 CONFIG_NAME, ENCODER_NAME = "omni_config.json", "media_encoder.safetensors"
 FORMAT = 1
+OMNI_BASE = Path(__file__).resolve().parent.parent / "assets" / "tiny_omni_base"
+"""The shipped supervised base (`odrl pretrain --omni`); `pretrained: builtin-omni` names it."""
 MAX_CONFIG_BYTES = 1 << 20
 N_FFT = 256
 HOP = int(SAMPLE_RATE * DURATION_S) // AUDIO_FRAMES  # one STFT frame per audio frame
-
-
-def avqa_words() -> list[str]:
-    """Every word the tiny AVQA questions and answers use (sorted): the tokenizer's vocabulary."""
-    from ..world.avqa import questions
-
-    words: set[str] = set()
-    for heldout in (False, True):
-        for q in questions(heldout):
-            words.update(q.text.split())
-            words.update(q.answer.split())
-    return sorted(words)
 
 
 def build_tokenizer(words: list[str]) -> Any:
@@ -145,10 +135,15 @@ class TinyOmniModel(nn.Module):
         super().__init__()
         from transformers import Qwen2ForCausalLM
 
-        self.config = config
+        self.omni_config = config
         self.tokenizer = tokenizer
         self.lm = Qwen2ForCausalLM(config.lm_config(len(tokenizer.get_vocab())))
         self.encoder = MediaEncoder(config.hidden_size, config.video_channels)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The model's identity for checkpoint fingerprints: its sizes and its vocabulary."""
+        return {**asdict(self.omni_config), "vocabulary": vocabulary_fingerprint(self.tokenizer)}
 
     @property
     def eos_id(self) -> int:
@@ -208,7 +203,7 @@ class TinyOmniModel(nn.Module):
         state = {k: v.detach().cpu().contiguous() for k, v in self.encoder.state_dict().items()}
         save_file(state, str(path / ENCODER_NAME))
         vocabulary = vocabulary_fingerprint(self.tokenizer)
-        meta = {"format": FORMAT, "config": asdict(self.config), "vocabulary": vocabulary}
+        meta = {"format": FORMAT, "config": asdict(self.omni_config), "vocabulary": vocabulary}
         (path / CONFIG_NAME).write_text(json.dumps(meta, indent=1))
 
     @classmethod
@@ -220,14 +215,15 @@ class TinyOmniModel(nn.Module):
 
         from ..checkpoint import read_bounded
 
-        path = Path(path)
+        path = OMNI_BASE if str(path) == "builtin-omni" else Path(path)
         missing = [
             n
             for n in (CONFIG_NAME, "lm/config.json", "tokenizer/tokenizer.json", ENCODER_NAME)
             if not (path / n).is_file()
         ]
         if missing:
-            raise FileNotFoundError(f"no tiny omni model at {path}: missing {', '.join(missing)}")
+            hint = " Run `odrl pretrain --omni` to create it." if path == OMNI_BASE else ""
+            raise FileNotFoundError(f"no tiny omni model at {path}: missing {', '.join(missing)}.{hint}")
         meta = json.loads(read_bounded(path / CONFIG_NAME, MAX_CONFIG_BYTES))
         config = meta.get("config") if isinstance(meta, dict) else None
         if not isinstance(config, dict) or meta.get("format") != FORMAT:
@@ -249,3 +245,24 @@ class TinyOmniModel(nn.Module):
             )
         model.encoder.load_state_dict(load_file(str(path / ENCODER_NAME)))
         return model
+
+
+class TinyOmniPolicy:
+    """The tiny omni model as the trainer's policy: LoRA goes into the whole model's attention
+    projections (the LM's; the media encoders stay frozen), `model` answers, `tokenizer` decodes."""
+
+    kind = "answers"  # an autoregressive answering policy (the diffusion policies have no `kind`)
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __init__(self, model: TinyOmniModel) -> None:
+        self.model = model.requires_grad_(False)
+        self.transformer = model  # what LoRA, the fingerprint and the optimizer see
+        self.tokenizer = model.tokenizer
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path = "builtin-omni") -> TinyOmniPolicy:
+        return cls(TinyOmniModel.from_pretrained(path))
+
+    def to(self, device: torch.device | str) -> TinyOmniPolicy:
+        self.model.to(device)
+        return self

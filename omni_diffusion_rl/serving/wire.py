@@ -2,9 +2,11 @@
 
 A request body is a safetensors file (never a pickle) holding `video` [B, F, 3, H, W] and/or `audio`
 [B, C, S] as float16/bfloat16/float32, with string metadata `prompts` (a JSON list), `fps` and
-`sample_rate`. The answer is JSON: `{"scores": [...], "components": {name: [...]}}`, a non-finite score
-sent as null. Every dimension but the batch must be non-empty, `fps` lie in (0, MAX_FPS] and `sample_rate`
-be a whole number in [1, MAX_SAMPLE_RATE]; anything else is a WireError naming the field (a 400).
+`sample_rate`, and for a language model's answers `text` (a JSON list, one string per sample, each
+at most MAX_TEXT_CHARS characters). The answer is JSON: `{"scores": [...], "components": {name: [...]}}`,
+a non-finite score sent as null. Every dimension but the batch must be non-empty, `fps` lie in
+(0, MAX_FPS] and `sample_rate` be a whole number in [1, MAX_SAMPLE_RATE]; anything else is a
+WireError naming the field (a 400).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADER_BYTES = 1 << 20
 MAX_FPS = 1000.0  # frames per second
 MAX_SAMPLE_RATE = 1_000_000  # audio samples per second
+MAX_TEXT_CHARS = 16384  # characters of one sample's text
 
 
 class WireError(ValueError):
@@ -44,6 +47,8 @@ def encode_media(media: MediaBatch, prompts: list[str], dtype: torch.dtype = tor
         "fps": repr(float(media.fps)),
         "sample_rate": str(media.sample_rate),
     }
+    if media.text is not None:
+        metadata["text"] = json.dumps(media.text)
     return save_tensors(tensors, metadata=metadata)
 
 
@@ -113,25 +118,29 @@ def decode_media(body: bytes) -> tuple[MediaBatch, list[str]]:
         lambda v: v.is_integer() and 1 <= v <= MAX_SAMPLE_RATE,
         f"a whole number of samples per second in [1, {MAX_SAMPLE_RATE}]",
     )
+    text = None if "text" not in meta else read_prompts(meta, batch, "samples", key="text")
+    if text is not None and any(len(t) > MAX_TEXT_CHARS for t in text):
+        raise WireError(f"metadata 'text': a sample's text is longer than {MAX_TEXT_CHARS} characters")
     media = MediaBatch(
         video=tensors["video"].float() if "video" in tensors else None,
         audio=tensors["audio"].float() if "audio" in tensors else None,
         fps=fps,
         sample_rate=int(sample_rate),
+        text=text,
     )
     return media, prompts
 
 
-def read_prompts(meta: dict[str, str], batch: int, what: str) -> list[str]:
-    """Metadata 'prompts': a JSON list of exactly `batch` strings, or a WireError saying so."""
+def read_prompts(meta: dict[str, str], batch: int, what: str, key: str = "prompts") -> list[str]:
+    """Metadata `key`: a JSON list of exactly `batch` strings, or a WireError saying so."""
     try:
-        prompts = json.loads(meta.get("prompts", ""))
+        prompts = json.loads(meta.get(key, ""))
     except (TypeError, json.JSONDecodeError) as e:
-        raise WireError(f"metadata 'prompts' is not JSON ({e}); send a JSON list of strings") from e
+        raise WireError(f"metadata '{key}' is not JSON ({e}); send a JSON list of strings") from e
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise WireError("metadata 'prompts' must be a JSON list of strings")
+        raise WireError(f"metadata '{key}' must be a JSON list of strings")
     if len(prompts) != batch:
-        raise WireError(f"{len(prompts)} prompts for a batch of {batch} {what}")
+        raise WireError(f"{len(prompts)} {key} for a batch of {batch} {what}")
     return prompts
 
 

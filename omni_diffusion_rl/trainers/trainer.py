@@ -68,9 +68,25 @@ def experience_maker(
     device: torch.device,
 ) -> ExperienceMaker:
     """The experience maker of a run: generation with the algorithm's rollout weights, in the run's
-    precision."""
+    precision (answers for an answering policy: text_rollout.py)."""
     s = cfg.sampling
     algorithm = algorithm_class(cfg.algorithm.name)
+    if is_answering(policy):
+        from ..text_rollout import TextExperienceMaker
+
+        a = cfg.algorithm
+        return TextExperienceMaker(  # type: ignore[return-value]
+            policy,
+            reward,
+            prompts,
+            cfg.train.seed,
+            cfg.data.group_size,
+            a.max_new_tokens,
+            a.temperature,
+            a.min_new_tokens,
+            rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
+            load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
+        )
     return ExperienceMaker(
         policy,
         reward,
@@ -86,6 +102,11 @@ def experience_maker(
         autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
         annotator=algorithm.experience_annotator(cfg, policy),
     )
+
+
+def is_answering(policy: Any) -> bool:
+    """Whether the policy answers questions (the autoregressive path) rather than generating media."""
+    return getattr(policy, "kind", None) == "answers"
 
 
 def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> ExperienceMaker:
@@ -280,6 +301,8 @@ class Trainer:
         error = None
         try:
             rollout, scored = self.source.next_batch(step)
+            if self.world_size > 1:  # a teacher's failure must be agreed on before any collective
+                rollout.settle()
         except Exception as e:
             error = e
         self._agree_on_failure(error, f"generating or scoring step {step + 1}")
@@ -351,6 +374,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """The training reward and the eval metrics on the held-out set (fixed prompts and noise,
         whatever the seed), generated with the trained adapter; see `evaluation`."""
+        if is_answering(self.policy):
+            return self._evaluate_answers()
         n, prompts = self.cfg.data.eval_samples, self.eval_prompts
         mine = samples_of_rank(prompts, n, self.rank, self.world_size)
         parts: list[dict[str, torch.Tensor]] = []
@@ -369,6 +394,28 @@ class Trainer:
         summary = summarize(self._gather_parts(join_columns(parts)), self.metrics)
         check_scored(summary, "the held-out set", reasons)
         return summary
+
+    def _evaluate_answers(self) -> dict[str, float]:
+        """Held-out exact-answer accuracy, greedy and sampled (accuracy/...), and the training reward
+        of the greedy answers (reward, reward/...): the same questions, clips and random numbers at
+        every evaluation. Every process computes it whole (it is small)."""
+        from ..avqa_eval import answer_questions, avqa_accuracy
+        from ..media import MediaBatch
+        from ..tiny_clip import FPS, SAMPLE_RATE
+        from ..world.avqa import parse_question
+
+        per_question = max(1, self.cfg.data.eval_samples // len(self.eval_prompts))
+        pool = [parse_question(p) for p in self.eval_prompts]
+        accuracy = avqa_accuracy(self.policy.model, pool, repeats=per_question, seed=self.cfg.train.seed)
+        chosen = [q for q in pool for _ in range(per_question)]
+        answers, video, audio = answer_questions(self.policy.model, chosen, self.cfg.train.seed, greedy=True)
+        prompts = [p for p in self.eval_prompts for _ in range(per_question)]
+        media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
+        scored = self.reward(media, prompts)
+        out = {f"accuracy/{k}": v for k, v in accuracy.items()}
+        out["reward"] = float(scored.total.mean())
+        out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
+        return out
 
     def _eval_batches(self, mine: list[int], sample_prompts: list[str]) -> list[list[int]]:
         """This process's held-out samples in batches of whole prompt groups, each no larger than a
@@ -420,6 +467,8 @@ class Trainer:
         failed); for the tiny world the sheet puts the world's own render of each prompt beside them."""
         if not self.is_main:
             return None
+        if is_answering(self.policy):
+            return self._preview_answers(tag, prompts_shown * samples_per_prompt)
         stride = max(1, len(self.eval_prompts) // prompts_shown)
         chosen = self.eval_prompts[::stride][:prompts_shown]  # spread over the held-out set
         prompts = [p for p in chosen for _ in range(samples_per_prompt)]
@@ -447,6 +496,25 @@ class Trainer:
             reference_title="left: the world's own render of the prompt | right: the model's sample",
             failures=failures,
         )
+        return out
+
+    def _preview_answers(self, tag: str, shown: int) -> Path:
+        """Held-out questions with their clips and the model's greedy answers side by side (the
+        sheet's title per clip: question, answer, the right answer)."""
+        from ..avqa_eval import answer_questions
+        from ..media import MediaBatch
+        from ..tiny_clip import FPS, SAMPLE_RATE
+        from ..world.avqa import exact_match, parse_question
+
+        stride = max(1, len(self.eval_prompts) // shown)
+        chosen = [parse_question(p) for p in self.eval_prompts[::stride][:shown]]
+        answers, video, audio = answer_questions(self.policy.model, chosen, 0, greedy=True)
+        pairs = list(zip(chosen, answers, strict=True))
+        titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.answer}" for q, a in pairs]
+        right = [exact_match(a, q) for q, a in pairs]
+        out = self.output_dir / "previews" / tag
+        media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
+        save_previews(out, media, titles, {"avqa_exact": right})
         return out
 
     # ------------------------------------------------------------------ the loop

@@ -87,6 +87,16 @@ def questions(heldout: bool, kinds: tuple[str, ...] = QUESTION_KINDS) -> list[Qu
     return [Question(scene, kind) for scene in split_scenes(heldout) for kind in kinds]
 
 
+def vocabulary() -> list[str]:
+    """Every word the questions and answers use (sorted): the tiny omni tokenizer's words."""
+    words: set[str] = set()
+    for heldout in (False, True):
+        for q in questions(heldout):
+            words.update(q.text.split())
+            words.update(q.answer.split())
+    return sorted(words)
+
+
 def render_clips(batch: list[Question], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The clips the questions ask about: video [B, F, 3, H, W] and audio amplitudes [B, frames, bins]
     (a fresh placement of the shape per clip, drawn from `gen`)."""
@@ -98,3 +108,27 @@ def when_phrase(answer_word: str) -> str:
     """The prompt phrase of a timing answer word ("start" -> "at the start")."""
     inverse = {v: k for k, v in WHEN_ANSWERS.items()}
     return WHEN_PHRASES[inverse[answer_word]]
+
+
+def question_prompt(question: Question) -> str:
+    """The data stream's name of a question: "<kind> | <scene prompt>" (the model never sees it; it
+    reads the clip and `question.text`)."""
+    return f"{question.kind} | {question.scene.prompt}"
+
+
+def parse_question(prompt: str) -> Question:
+    """The question a data-stream prompt names; anything else is refused with the expected form."""
+    from .tiny_world import parse_prompt
+
+    kind, sep, scene_text = prompt.partition(" | ")
+    scene = parse_prompt(scene_text) if sep else None
+    if kind not in QUESTION_KINDS or scene is None or scene.prompt != scene_text.strip():
+        raise ValueError(
+            f"{prompt!r} is not a tiny AVQA prompt: expected '<kind> | <tiny-world prompt>' with kind one of "
+            f"{', '.join(QUESTION_KINDS)}, e.g. 'color | a red circle with a high tone at the start'"
+        )
+    return Question(scene, kind)
+
+
+TRAIN_QUESTIONS = [question_prompt(q) for q in questions(heldout=False)]
+HELDOUT_QUESTIONS = [question_prompt(q) for q in questions(heldout=True)]

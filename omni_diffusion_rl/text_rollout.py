@@ -1,0 +1,235 @@
+"""Scored answers of an omni language model: the autoregressive side's experience, made and carried
+like the diffusion side's (`rollout.py`): the same prompt stream, seeds keyed by (seed, step, prompt
+group), background scoring, the named-batch format between processes and the replay buffer.
+
+A prompt group is one question about one clip, answered `group_size` times: the clip is rendered
+from the group's key, each answer sampled from its own key, and the behaviour log-probs of the
+sampled tokens are kept with the answers (GSPO's ratio is taken against them, so staleness in the
+async modes is handled by the ratio).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .media import MediaBatch
+from .named_batch import BatchSchema, NamedBatch
+from .reward import ScoreResult, WeightedReward
+from .rollout import PendingExtras, step_generator, stream_prompt
+from .text_sampling import sample_answers
+from .tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
+from .world.avqa import parse_question, render_clips
+
+
+@dataclass
+class TextRollout:
+    prompts: list[str]  # data-stream prompts ("<kind> | <scene>"), one per sample
+    group_ids: torch.Tensor  # [N]
+    video: torch.Tensor  # [N, F, 3, H, W] the clip each answer is about
+    audio: torch.Tensor  # [N, 1, S]
+    questions: torch.Tensor  # [N, Q] question token ids, right-padded
+    question_mask: torch.Tensor  # [N, Q] bool
+    answers: torch.Tensor  # [N, L] answer token ids (pad after the end)
+    answer_mask: torch.Tensor  # [N, L] bool: the answer's tokens, its end token included
+    behaviour_logp: torch.Tensor  # [N, L] the sampler's log-probs of its tokens
+    truncated: torch.Tensor  # [N] bool: cut by the token limit
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: PendingExtras | None = field(default=None, repr=False, compare=False)
+
+    PER_SAMPLE = (
+        "group_ids",
+        "video",
+        "audio",
+        "questions",
+        "question_mask",
+        "answers",
+        "answer_mask",
+        "behaviour_logp",
+        "truncated",
+    )
+    SCHEMA = BatchSchema(per_sample=PER_SAMPLE, prefixes=("extra.",), texts=("prompts",), shared=())
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in self.PER_SAMPLE}
+
+    def select(self, index: torch.Tensor) -> TextRollout:
+        picked = {k: v[index.to(v.device)] for k, v in self._tensors().items()}
+        extras = {k: v[index.to(v.device)] for k, v in self.extras.items()}
+        return TextRollout([self.prompts[i] for i in index.tolist()], **picked, extras=extras)
+
+    def settle(self) -> TextRollout:
+        return self
+
+    def to(self, device: torch.device) -> TextRollout:
+        moved = {k: v.to(device) for k, v in self._tensors().items()}
+        return TextRollout(self.prompts, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
+
+    def question_ids(self) -> list[list[int]]:
+        """Each sample's question tokens as a list (what the model's prompt builder takes)."""
+        return [row[m].tolist() for row, m in zip(self.questions, self.question_mask, strict=True)]
+
+    def to_named(self) -> NamedBatch:
+        per_sample = {k: v.detach().cpu().contiguous() for k, v in self._tensors().items()}
+        per_sample |= {f"extra.{k}": v.detach().cpu().contiguous() for k, v in self.extras.items()}
+        return NamedBatch(per_sample, {"prompts": list(self.prompts)}, {})
+
+    @classmethod
+    def from_named(cls, batch: NamedBatch) -> TextRollout:
+        cls.SCHEMA.check(batch, "an answer rollout")
+        t = batch.per_sample
+        extras = {k.removeprefix("extra."): v for k, v in t.items() if k.startswith("extra.")}
+        return cls(batch.texts["prompts"], **{k: t[k] for k in cls.PER_SAMPLE}, extras=extras)
+
+    @staticmethod
+    def cat(parts: list[TextRollout]) -> TextRollout:
+        def padded(key: str, value: float | bool) -> torch.Tensor:
+            width = max(getattr(p, key).shape[1] for p in parts)
+            return torch.cat(
+                [
+                    torch.nn.functional.pad(
+                        getattr(p, key), (0, width - getattr(p, key).shape[1]), value=value
+                    )
+                    for p in parts
+                ]
+            )
+
+        return TextRollout(
+            prompts=[x for p in parts for x in p.prompts],
+            group_ids=torch.cat([p.group_ids for p in parts]),
+            video=torch.cat([p.video for p in parts]),
+            audio=torch.cat([p.audio for p in parts]),
+            questions=padded("questions", 0),
+            question_mask=padded("question_mask", False),
+            answers=padded("answers", 0),
+            answer_mask=padded("answer_mask", False),
+            behaviour_logp=padded("behaviour_logp", 0.0),
+            truncated=torch.cat([p.truncated for p in parts]),
+            extras={k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras},
+        )
+
+
+def answer_texts(policy: Any, rollout: TextRollout) -> list[str]:
+    """The decoded answers (their end token and padding dropped)."""
+    return [
+        policy.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+        for row, m in zip(rollout.answers, rollout.answer_mask, strict=True)
+    ]
+
+
+def answer_media(policy: Any, rollout: TextRollout) -> MediaBatch:
+    """What a reward scores: the clip, and the answer as the batch's text."""
+    texts = answer_texts(policy, rollout)
+    return MediaBatch(video=rollout.video, audio=rollout.audio, fps=FPS, sample_rate=SAMPLE_RATE, text=texts)
+
+
+class TextExperienceMaker:
+    """Scored answer groups from the policy's rollout weights (the interface of
+    `rollout.ExperienceMaker`, so every execution mode uses it unchanged)."""
+
+    def __init__(
+        self,
+        policy: Any,
+        reward: WeightedReward,
+        prompts: list[str],
+        seed: int,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        min_new_tokens: int = 0,
+        rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+        load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    ) -> None:
+        for p in prompts[:1000]:
+            parse_question(p)  # refuse a prompt set that is not tiny AVQA before any work
+        self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
+        self.group_size, self.max_new_tokens, self.temperature = group_size, max_new_tokens, temperature
+        self.min_new_tokens = min_new_tokens
+        self.rollout_weights = rollout_weights
+        self._load_rollout_state = load_rollout_state
+        self.annotator = None
+        self.last_pending = None
+        self.generated_at = 0.0
+        self.batch_type = TextRollout
+        self._last: TextRollout | None = None
+
+    def load_rollout_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self._load_rollout_state is None:
+            raise RuntimeError("this experience maker was built without a way to load rollout weights")
+        self._load_rollout_state(tensors)
+
+    def prompt_at(self, position: int) -> str:
+        return stream_prompt(self.prompts, self.seed, position)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], group_ids: list[int], step: int) -> TextRollout:
+        """group_size answers to each prompt's question about its clip (clip and answers keyed by
+        (seed, step, group))."""
+        model = self.policy.model
+        k = self.group_size
+        batch = [parse_question(p) for p in prompts]
+        clips = [
+            render_clips([q], step_generator(self.seed, step, g, "rollout"))
+            for q, g in zip(batch, group_ids, strict=True)
+        ]
+        video = torch.cat([v for v, _ in clips]).repeat_interleave(k, 0)
+        audio = synthesize_audio(torch.cat([a for _, a in clips])).repeat_interleave(k, 0)
+        ids = [q for q in model.tokenize([x.text for x in batch]) for _ in range(k)]
+        gens = [
+            step_generator(self.seed, step, g * 65536 + j, "answers") for g in group_ids for j in range(k)
+        ]
+        device = next(model.parameters()).device
+        with self.rollout_weights():
+            prompted = model.prompt(video.to(device), audio.to(device), ids)
+            out = sample_answers(
+                model.lm,
+                prompted.embeds,
+                prompted.mask,
+                model.eos_id,
+                model.pad_id,
+                self.max_new_tokens,
+                self.temperature,
+                generators=gens,
+                min_new_tokens=self.min_new_tokens,
+            )
+        width = max(len(q) for q in ids)
+        return TextRollout(
+            prompts=[p for p in prompts for _ in range(k)],
+            group_ids=torch.tensor(group_ids).repeat_interleave(k),
+            video=video,
+            audio=audio,
+            questions=torch.tensor([q + [model.pad_id] * (width - len(q)) for q in ids]),
+            question_mask=torch.tensor([[True] * len(q) + [False] * (width - len(q)) for q in ids]),
+            answers=out.tokens.cpu(),
+            answer_mask=out.mask.cpu(),
+            behaviour_logp=out.log_probs.cpu(),
+            truncated=out.truncated.cpu(),
+        )
+
+    def make_step(
+        self, step: int, prompts: list[str], group_ids: list[int]
+    ) -> tuple[TextRollout, ScoreResult]:
+        rollout = self.generate(prompts, group_ids, step)
+        self.generated_at = time.perf_counter()
+        self._last = rollout
+        return rollout, self.reward(answer_media(self.policy, rollout), rollout.prompts, check=False)
+
+    def make_group(self, position: int) -> tuple[TextRollout, ScoreResult]:
+        rollout = self.generate([self.prompt_at(position)], [position], 0)
+        return rollout, self.reward(answer_media(self.policy, rollout), rollout.prompts, check=False)
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's answer lengths (tokens, end token included) and share cut by the limit."""
+        if self._last is None or not len(self._last):
+            return {}
+        lengths = self._last.answer_mask.sum(-1).float()
+        truncated = float(self._last.truncated.float().mean())
+        return {"answers/mean_tokens": float(lengths.mean()), "answers/truncated": truncated}

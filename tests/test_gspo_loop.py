@@ -1,0 +1,145 @@
+"""GSPO on the shared loop with a small tiny omni model: it trains colocated (on-policy: the trainer's
+log-probs equal the sampler's), resumes equal, refuses a checkpoint of another vocabulary, treats a
+failing reward like the diffusion side, and its answers travel through the reward wire format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.checkpoint import CheckpointError
+from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.models.tiny_omni import TinyOmniConfig, TinyOmniModel, build_tokenizer
+from omni_diffusion_rl.serving.wire import WireError, decode_media, encode_media
+from omni_diffusion_rl.trainers.trainer import Trainer
+from omni_diffusion_rl.world.avqa import vocabulary
+
+from .helpers import step_records
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+SMALL = TinyOmniConfig(hidden_size=64, layers=2, heads=2, kv_heads=1, intermediate_size=128)
+
+
+def omni_model_dir(path: Path, words: list[str] | None = None) -> Path:
+    torch.manual_seed(0)
+    TinyOmniModel(SMALL, build_tokenizer(words or vocabulary())).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return omni_model_dir(tmp_path_factory.mktemp("omni"))
+
+
+def gspo_overrides(model_dir: Path | str, run: Path, steps: int = 2, *extra: str) -> list[str]:
+    return [
+        "model.family=tiny_omni",
+        f"model.pretrained={model_dir}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "algorithm.name=gspo",
+        "algorithm.max_new_tokens=6",
+        "data.prompts=builtin:tiny_avqa",
+        "data.eval_prompts=builtin:tiny_avqa_heldout",
+        "data.prompts_per_step=2",
+        "data.group_size=4",
+        "data.eval_samples=80",
+        "reward.weights={avqa_exact: 1.0, answer_format: 0.5}",
+        "eval.metrics=[]",
+        f"train.output_dir={run}",
+        f"train.steps={steps}",
+        "train.preview_every=0",
+        "train.progress=false",
+        "tracking.wandb=false",
+        "optim.lr=5e-3",
+        *extra,
+    ]
+
+
+def test_gspo_trains_colocated_on_policy_and_reports_held_out_accuracy(tmp_path: Path) -> None:
+    """The shipped base answers partly right, so groups have advantages and the adapter moves."""
+    run = tmp_path / "run"
+    overrides = gspo_overrides("builtin-omni", run, 3, "data.prompts_per_step=4")
+    summary = Trainer(load_config(None, overrides)).fit()
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["gspo/logp_gap"] < 1e-4 for r in rows), [r["gspo/logp_gap"] for r in rows]  # on policy
+    assert all(abs(r["gspo/ratio_mean"] - 1) < 1e-4 for r in rows)
+    assert all(0 < r["answers/mean_tokens"] <= 6 for r in rows)
+    for when in ("before", "after"):
+        accuracy = summary[f"heldout_accuracy_{when}"]
+        assert {"greedy", "sampled", "greedy/color", "sampled/describe"} <= set(accuracy)
+    assert summary["samples"]["trained"] == 3 * 4 * 4
+    assert any(r["grad_norm"] > 0 for r in rows) and 0 < summary["heldout_accuracy_before"]["greedy"] < 1
+
+
+def test_gspo_resumes_equal(tmp_path: Path) -> None:
+    whole, split, model_dir = tmp_path / "whole", tmp_path / "split", "builtin-omni"
+    Trainer(load_config(None, gspo_overrides(model_dir, whole, 3, "train.eval_at_start_and_end=false"))).fit()
+    first = gspo_overrides(
+        model_dir, split, 2, "train.eval_at_start_and_end=false", "train.checkpoint_every=2"
+    )
+    Trainer(load_config(None, first)).fit()
+    resumed = Trainer(
+        load_config(None, gspo_overrides(model_dir, split, 3, "train.eval_at_start_and_end=false"))
+    )
+    resumed.fit(resume=str(split / "checkpoints"))
+    a, b = step_records(whole), step_records(split)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-5, abs=1e-9)
+    assert a[-1]["reward/mean"] == pytest.approx(b[-1]["reward/mean"], abs=1e-6)
+
+
+def test_a_checkpoint_of_another_vocabulary_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    Trainer(load_config(None, gspo_overrides(model_dir, run, 1, "train.eval_at_start_and_end=false"))).fit()
+    other = omni_model_dir(tmp_path / "other", [*vocabulary(), "zebra"])
+    trainer = Trainer(load_config(None, gspo_overrides(other, tmp_path / "again", 2)))
+    with pytest.raises(CheckpointError, match="another model configuration"):
+        trainer.load(run / "checkpoints")
+
+
+def test_a_nan_reward_is_an_error_not_a_score(model_dir: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.registry import rewards
+    from omni_diffusion_rl.reward import RewardError
+
+    @rewards.register("nan_answers")
+    class NaNAnswers:
+        def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+            assert media.text is not None
+            return torch.full((len(media.text),), float("nan"))
+
+    overrides = gspo_overrides(model_dir, tmp_path / "run", 2, "reward.weights={nan_answers: 1.0}")
+    with pytest.raises(RewardError):
+        Trainer(load_config(None, [*overrides, "train.eval_at_start_and_end=false"])).fit()
+
+
+def test_a_prompt_set_that_is_not_avqa_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    overrides = gspo_overrides(model_dir, tmp_path / "run", 1, "data.prompts=builtin:tiny_world")
+    with pytest.raises(ValueError, match="not a tiny AVQA prompt"):
+        Trainer(load_config(None, overrides))
+
+
+def test_answers_travel_through_the_reward_wire_format() -> None:
+    media = MediaBatch(
+        video=torch.rand(2, 4, 3, 16, 16), audio=torch.zeros(2, 1, 80), text=["red", "a red circle"]
+    )
+    back, prompts = decode_media(encode_media(media, ["color | x", "describe | y"]))
+    assert back.text == ["red", "a red circle"] and prompts == ["color | x", "describe | y"]
+    from safetensors.torch import save as save_tensors
+
+    def body(text: str) -> bytes:
+        meta = {"prompts": '["a", "b"]', "fps": "8.0", "sample_rate": "8000", "text": text}
+        return save_tensors({"audio": torch.zeros(2, 1, 8)}, metadata=meta)
+
+    for bad, message in [
+        ('["one"]', "1 text for a batch of 2"),
+        ("[1, 2]", "list of strings"),
+        ("{", "not JSON"),
+        (f'["{"x" * 20000}", "b"]', "longer than"),
+    ]:
+        with pytest.raises(WireError, match=message):
+            decode_media(body(bad))
