@@ -143,3 +143,42 @@ def test_answers_travel_through_the_reward_wire_format() -> None:
     ]:
         with pytest.raises(WireError, match=message):
             decode_media(body(bad))
+
+
+@pytest.mark.slow  # starts launcher processes
+@pytest.mark.parametrize("mode", ["separate", "hybrid"])
+def test_gspo_runs_in_the_async_modes_unchanged(tmp_path: Path, mode: str) -> None:
+    """Answers, their behaviour log-probs and question tokens travel through the replay buffer; the
+    trainer's ratio is taken against what the rollout process sampled with (a version or more old)."""
+    from .helpers import last_json_line
+    from .test_separate import _launch
+
+    run = tmp_path / "run"
+    overrides = [
+        *gspo_overrides("builtin-omni", run, 4, "train.eval_at_start_and_end=false"),
+        f"execution.mode={mode}",
+        "execution.data_timeout_s=60",
+    ]
+    proc = _launch(overrides, 29671 if mode == "separate" else 29673)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    buffer = last_json_line(proc.stdout)["execution"]["buffer"]
+    assert buffer["trained"] == 4 * 2 * 4, buffer
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert any(r["gspo/ratio_max_dev"] > 1e-6 for r in rows), rows  # answers of an older version
+
+
+def test_cost_measurement_counts_answer_tokens(tmp_path: Path) -> None:
+    """auto's warm-up times an answering policy at the run's own answer lengths: the cost model's
+    length is the measured mean answer tokens, and forcing longer answers raises it."""
+    from omni_diffusion_rl.execution.planner.measure import measure_costs
+
+    def measured(*extra: str):  # noqa: ANN202
+        cfg = load_config(None, gspo_overrides("builtin-omni", tmp_path / "m", 1, *extra))
+        return measure_costs(cfg, 10, 10, repeats=1, replicas=2)
+
+    natural = measured()
+    forced = measured("algorithm.max_new_tokens=12", "algorithm.min_new_tokens=12")
+    assert 1 <= natural.length <= 6 and forced.length == 12.0
+    assert natural.gen_per_unit_s > 0 or natural.gen_points
+    assert forced.train_per_unit_s >= 0 and forced.sync_s > 0

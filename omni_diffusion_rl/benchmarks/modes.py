@@ -37,6 +37,10 @@ SETTINGS = {
     "short": ["sampling.num_steps=10", "algorithm.timestep_fraction=0.6"],
     "long": ["sampling.num_steps=40", "algorithm.timestep_fraction=0.15"],
 }
+ANSWER_SETTINGS = {  # the autoregressive path (GSPO): the seed's natural vs forced-long answers
+    "natural": ["algorithm.min_new_tokens=0"],
+    "forced": ["algorithm.max_new_tokens=48", "algorithm.min_new_tokens=48"],
+}
 AUTO_TARGET = 0.05  # auto should be at most 5% slower than the fastest fixed mode
 PREDICTION_TARGET = 0.15  # predictions within 15% of the real steady seconds
 
@@ -55,9 +59,10 @@ def run_modes_bench(
     settings: dict[str, list[str]] | None = None,
     repeats: int = 4,
 ) -> dict[str, Any]:
-    """Every mode `repeats` times per setting (default: short and long); real against predicted."""
+    """Every mode `repeats` times per setting (default: short and long sampling, or for an answering
+    policy natural and forced-long answers); real against predicted."""
     overrides = list(overrides or [])
-    settings = settings or SETTINGS
+    settings = settings or (ANSWER_SETTINGS if _answers(config, overrides) else SETTINGS)
     rows: dict[str, Any] = {}
     port = 29600
     for setting, setting_overrides in settings.items():
@@ -73,6 +78,13 @@ def run_modes_bench(
     result = {"processes": 2, "steps_per_run": steps, "rounds": repeats, "settings": rows}
     publish(result, output, format_table(result), _draw, (4.5 * len(rows), 3.2), panels=len(rows))
     return result
+
+
+def _answers(config: str | None, overrides: list[str]) -> bool:
+    """Whether the config trains an answering policy (its length unit is the answer token)."""
+    from ..config import load_config
+
+    return load_config(config, overrides).model.family == "tiny_omni"
 
 
 def _setting_row(setting_overrides: list[str], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

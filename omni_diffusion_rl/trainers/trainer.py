@@ -506,8 +506,9 @@ class Trainer:
         from ..tiny_clip import FPS, SAMPLE_RATE
         from ..world.avqa import exact_match, parse_question
 
-        stride = max(1, len(self.eval_prompts) // shown)
-        chosen = [parse_question(p) for p in self.eval_prompts[::stride][:shown]]
+        n = len(self.eval_prompts)
+        stride = max(1, n // shown)  # spread over the set, stepping one more each time to vary the kind
+        chosen = [parse_question(self.eval_prompts[(i * stride + i) % n]) for i in range(min(shown, n))]
         answers, video, audio = answer_questions(self.policy.model, chosen, 0, greedy=True)
         pairs = list(zip(chosen, answers, strict=True))
         titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.answer}" for q, a in pairs]
