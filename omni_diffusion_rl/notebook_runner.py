@@ -63,6 +63,17 @@ def _is_checkout(folder: Path) -> bool:
         return False
 
 
+GSPO_RUN = Path("runs") / "tiny_avqa_gspo"  # recipes/configs/tiny_avqa_gspo.yaml's output_dir
+
+
+def gspo_checkpoint(cwd: str | os.PathLike[str] | None = None) -> Path | None:
+    """The GSPO recipe's checkpoints folder in this checkout when that run has saved one, else None
+    (the notebook then shows the shipped tiny omni base)."""
+    root = repo_root(cwd)
+    folder = None if root is None else root / GSPO_RUN / "checkpoints"
+    return folder if folder is not None and (folder / "latest").exists() else None
+
+
 def preview_paths(
     environ: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
 ) -> PreviewPaths:

@@ -44,6 +44,7 @@ def family_downloads(family: str) -> tuple[str, ...] | None:
             "scheduler",
         ),
         "minimax_h3": COMPONENTS,
+        "tiny_omni": ("omni_config.json", "lm", "tokenizer", "media_encoder.safetensors"),
     }
     return needs.get(family)
 
@@ -52,6 +53,8 @@ def check_model(family: str, pretrained: str) -> Finding:
     what = f"model.pretrained ({family})"
     if family == "tiny_av" and pretrained == "builtin":
         return Finding(OK, what, "the shipped tiny base")
+    if family == "tiny_omni" and pretrained in ("builtin", "builtin-omni"):
+        return Finding(OK, what, "the shipped tiny omni base")
     needs = family_downloads(family)
     path = Path(os.path.expanduser(pretrained))
     if path.is_dir():

@@ -63,7 +63,8 @@ def test_gspo_trains_colocated_on_policy_and_reports_held_out_accuracy(tmp_path:
     """The shipped base answers partly right, so groups have advantages and the adapter moves."""
     run = tmp_path / "run"
     overrides = gspo_overrides("builtin-omni", run, 3, "data.prompts_per_step=4")
-    summary = Trainer(load_config(None, overrides)).fit()
+    trainer = Trainer(load_config(None, overrides))
+    summary = trainer.fit()
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["gspo/logp_gap"] < 1e-4 for r in rows), [r["gspo/logp_gap"] for r in rows]  # on policy
@@ -74,6 +75,17 @@ def test_gspo_trains_colocated_on_policy_and_reports_held_out_accuracy(tmp_path:
         assert {"greedy", "sampled", "greedy/color", "sampled/describe"} <= set(accuracy)
     assert summary["samples"]["trained"] == 3 * 4 * 4
     assert any(r["grad_norm"] > 0 for r in rows) and 0 < summary["heldout_accuracy_before"]["greedy"] < 1
+    # the notebook's way in: load_policy gives the trained adapter, answering as the trainer does
+    from omni_diffusion_rl.avqa_eval import answer_questions
+    from omni_diffusion_rl.inference import load_policy
+    from omni_diffusion_rl.world.avqa import questions
+
+    asked = questions(heldout=True)[:10]
+    loaded = load_policy(run / "checkpoints")
+    with torch.no_grad():
+        theirs = answer_questions(trainer.policy.model, asked, 0, greedy=False)[0]
+        ours = answer_questions(loaded.model, asked, 0, greedy=False)[0]
+    assert ours == theirs
 
 
 def test_gspo_resumes_equal(tmp_path: Path) -> None:
@@ -182,3 +194,42 @@ def test_cost_measurement_counts_answer_tokens(tmp_path: Path) -> None:
     assert 1 <= natural.length <= 6 and forced.length == 12.0
     assert natural.gen_per_unit_s > 0 or natural.gen_points
     assert forced.train_per_unit_s >= 0 and forced.sync_s > 0
+
+
+def test_an_algorithm_and_a_model_that_do_not_fit_are_refused(model_dir: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.config import ConfigError
+
+    from .helpers import fast_overrides, tiny_model_dir
+
+    nft_on_omni = gspo_overrides(model_dir, tmp_path / "a", 1, "algorithm.name=nft")
+    with pytest.raises(ConfigError, match="does not train an answering language model"):
+        Trainer(load_config(None, nft_on_omni))
+    generator = tiny_model_dir(tmp_path / "tiny")
+    gspo_on_tiny_av = [*fast_overrides(generator, tmp_path / "b", 1), "algorithm.name=gspo"]
+    with pytest.raises(ConfigError, match="does not train a media generator"):
+        Trainer(load_config(None, gspo_on_tiny_av))
+
+
+def test_a_reward_server_scores_concurrent_answers_each_with_its_own_text() -> None:
+    """Answers batched from several requests into one model call keep their own rows and text."""
+    import concurrent.futures as cf
+
+    from omni_diffusion_rl.serving.client import RemoteReward
+    from omni_diffusion_rl.serving.process import ServerProcess
+
+    from .helpers import ENV, REPO
+
+    prompt = "color | a red circle with a low tone at the start"
+    with ServerProcess(["avqa_exact"], "--max-wait-ms", "50", env=ENV, cwd=REPO) as server:
+        client = RemoteReward(server.url, "avqa_exact")
+
+        def one(i: int) -> float:
+            media = MediaBatch(audio=torch.zeros(1, 1, 8), text=["red" if i % 2 == 0 else "blue"])
+            return float(client.score(media, [prompt]).scores[0])
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            scores = list(pool.map(one, range(16)))
+        stats = client.info()["stats"]["avqa_exact"]
+        client.close()
+    assert scores == [1.0 if i % 2 == 0 else 0.0 for i in range(16)]
+    assert stats["model_calls"] < stats["requests"] == 16, stats

@@ -98,3 +98,21 @@ def test_a_family_option_that_does_not_exist_is_wrong(tmp_path: Path) -> None:
     cfg = load_config(None, ["model.family=minimax_h3", "model.options={fps: 24}", "eval.metrics=[]"])
     options = preflight(cfg)[1]
     assert options.status == WRONG and "fps unknown to minimax_h3; it takes height, width" in options.detail
+
+
+def test_the_gspo_recipe_checks_ready_and_a_missing_tokenizer_is_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(REPO)
+    recipe = [
+        "train",
+        "recipes/configs/tiny_avqa_gspo.yaml",
+        f"train.output_dir={tmp_path / 'run'}",
+        "--check",
+    ]
+    assert main(recipe) == 0, capsys.readouterr().out
+    (tmp_path / "omni").mkdir()
+    (tmp_path / "omni" / "omni_config.json").write_text("{}")
+    assert main([*recipe, f"model.pretrained={tmp_path / 'omni'}"]) == 1
+    out = capsys.readouterr().out
+    assert "lacks lm, tokenizer, media_encoder.safetensors" in out, out

@@ -142,6 +142,7 @@ def media_signature(media: MediaBatch) -> tuple[Any, ...]:
         None if media.audio is None else tuple(media.audio.shape[1:]),
         media.fps,
         media.sample_rate,
+        media.text is not None,  # answers batch only with answers
     )
 
 
@@ -389,6 +390,7 @@ def _merge(parts: list[MediaBatch]) -> MediaBatch:
         audio=None if first.audio is None else torch.cat([p.audio for p in parts]),  # type: ignore[misc]
         fps=first.fps,
         sample_rate=first.sample_rate,
+        text=None if first.text is None else [t for p in parts for t in p.text or []],
     )
 
 

@@ -38,6 +38,7 @@ class Algorithm:
 
     display_name = "training"  # the progress bar's label
     options_type: type | None = None  # its options dataclass (config.py), read from the algorithm section
+    trains_answers = False  # True: it trains an answering language model (answer rollouts), not a generator
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner

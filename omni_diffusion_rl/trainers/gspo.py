@@ -28,6 +28,7 @@ class GroupSequencePolicyOptimization(Algorithm):
 
     display_name = "GSPO"
     options_type = GSPOConfig
+    trains_answers = True
 
     def metric_names(self) -> list[str]:
         return ["loss/gspo", "loss/total", "gspo/logp_gap", *(f"gspo/{n}" for n in STAT_NAMES)]
@@ -43,8 +44,6 @@ class GroupSequencePolicyOptimization(Algorithm):
     ) -> dict[str, float]:
         a, learner = self.options, self.learner
         model = learner.policy.model
-        if not hasattr(rollout, "behaviour_logp"):
-            raise TypeError("gspo trains an answering policy (model.family=tiny_omni) on answer rollouts")
         advantages = torch.zeros(len(rewards))
         advantages[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=True)
         mine = keep[local]

@@ -71,6 +71,12 @@ def experience_maker(
     precision (answers for an answering policy: text_rollout.py)."""
     s = cfg.sampling
     algorithm = algorithm_class(cfg.algorithm.name)
+    if is_answering(policy) != algorithm.trains_answers:
+        kind = "an answering language model" if is_answering(policy) else "a media generator"
+        raise ConfigError(
+            f"algorithm.name={cfg.algorithm.name} does not train {kind} (model.family={cfg.model.family}): "
+            "gspo trains answering models (tiny_omni); nft, raft and distill train generators"
+        )
     if is_answering(policy):
         from ..text_rollout import TextExperienceMaker
 
