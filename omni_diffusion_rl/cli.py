@@ -118,6 +118,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if not prompts:
         raise ConfigError("give at least one --prompt or a --prompts-file")
     policy = load_policy(args.checkpoint, args.pretrained)
+    if getattr(policy, "kind", None) == "answers":
+        raise ConfigError(
+            f"{args.checkpoint} is an answering model (GSPO): `odrl sample` generates media; the run's "
+            "previews and the notebook (make notebook) show its answers"
+        )
     media = generate_media(policy, prompts, steps=args.steps, solver=args.solver, seed=args.seed)
     files = save_previews(args.output, media, prompts, None)
     print(json.dumps({"output": str(args.output), "files": sorted(files)}))

@@ -74,7 +74,10 @@ class PendingExtras:
             inside = (wanted >= a) & (wanted < b)
             if not bool(inside.any()):
                 continue
-            for k, v in self._result(future).items():
+            values = self._result(future)
+            if out and set(values) != set(out):
+                raise ValueError(f"pending extras disagree between blocks: {sorted(values)} vs {sorted(out)}")
+            for k, v in values.items():
                 if k not in out:
                     out[k] = v.new_empty((len(wanted), *v.shape[1:]))
                 out[k][inside.to(v.device)] = v[(wanted[inside] - a).to(v.device)]

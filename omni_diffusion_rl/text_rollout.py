@@ -147,6 +147,7 @@ class TextExperienceMaker:
         min_new_tokens: int = 0,
         rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         for p in prompts[:1000]:
             parse_question(p)  # refuse a prompt set that is not tiny AVQA before any work
@@ -155,6 +156,7 @@ class TextExperienceMaker:
         self.min_new_tokens = min_new_tokens
         self.rollout_weights = rollout_weights
         self._load_rollout_state = load_rollout_state
+        self.autocast = autocast  # sampling's precision: the trainer recomputes log-probs in the same one
         self.annotator = None
         self.last_pending = None
         self.generated_at = 0.0
@@ -187,7 +189,7 @@ class TextExperienceMaker:
             step_generator(self.seed, step, g * 65536 + j, "answers") for g in group_ids for j in range(k)
         ]
         device = next(model.parameters()).device
-        with self.rollout_weights():
+        with self.rollout_weights(), self.autocast():
             prompted = model.prompt(video.to(device), audio.to(device), ids)
             out = sample_answers(
                 model.lm,

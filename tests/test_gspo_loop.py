@@ -86,6 +86,9 @@ def test_gspo_trains_colocated_on_policy_and_reports_held_out_accuracy(tmp_path:
         theirs = answer_questions(trainer.policy.model, asked, 0, greedy=False)[0]
         ours = answer_questions(loaded.model, asked, 0, greedy=False)[0]
     assert ours == theirs
+    from omni_diffusion_rl.cli import main
+
+    assert main(["sample", "--checkpoint", str(run / "checkpoints"), "--prompt", "a red circle"]) == 2
 
 
 def test_gspo_resumes_equal(tmp_path: Path) -> None:

@@ -158,3 +158,36 @@ def test_exact_match_normalises_case_and_punctuation() -> None:
     d = questions(True, ("describe",))[0]
     assert exact_match(d.scene.prompt, d) == 1.0
     assert {q.scene.prompt for q in questions(True)}.isdisjoint({q.scene.prompt for q in questions(False)})
+
+
+def test_forced_long_answers_recompute_under_the_samplers_distribution(model: TinyOmniModel) -> None:
+    """With the end token forbidden for the first tokens, the trainer excludes it there too: the
+    recomputed log-probs still equal the sampler's (without the mask they differ by log(1 - p_end))."""
+    _, prompted = _inputs(model, 4)
+    answers = sample_answers(
+        model.lm,
+        prompted.embeds,
+        prompted.mask,
+        model.eos_id,
+        model.pad_id,
+        8,
+        generators=_gens(4),
+        min_new_tokens=4,
+    )
+    with torch.no_grad():
+        again = model.answer_log_probs(prompted, answers.tokens, answers.mask, min_new_tokens=4)
+        unmasked = model.answer_log_probs(prompted, answers.tokens, answers.mask)
+    assert float((again - answers.log_probs)[answers.mask].abs().max()) < 1e-4
+    assert float((unmasked - answers.log_probs)[:, :4].abs().max()) > 1e-4
+
+
+def test_an_lm_of_another_width_than_the_encoder_is_refused(model: TinyOmniModel, tmp_path: Path) -> None:
+    import shutil
+
+    model.save_pretrained(tmp_path / "m")
+    wider = TinyOmniConfig(hidden_size=96, layers=2, heads=2, kv_heads=1, intermediate_size=128)
+    TinyOmniModel(wider, model.tokenizer).save_pretrained(tmp_path / "w")
+    shutil.rmtree(tmp_path / "m" / "lm")
+    shutil.copytree(tmp_path / "w" / "lm", tmp_path / "m" / "lm")
+    with pytest.raises(ValueError, match="width 96 is not the media encoder's 64"):
+        TinyOmniModel.from_pretrained(tmp_path / "m")

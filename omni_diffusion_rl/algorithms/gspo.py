@@ -62,7 +62,7 @@ def policy_loss(
     mask = mask.bool()
     diff = _masked(logp - behaviour_logp.detach(), mask)
     log_w = sequence_log_ratio(logp, behaviour_logp.detach(), mask)[:, None] if level == "sequence" else diff
-    ratio = torch.exp(log_w)
+    ratio = torch.exp(log_w.clamp(max=20.0))  # far outside any clip range already; never inf
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     a = advantages.to(ratio.dtype)[:, None]
     per_token = -torch.minimum(ratio * a, clipped * a).expand(mask.shape)

@@ -180,10 +180,17 @@ class TinyOmniModel(nn.Module):
         return Prompted(torch.stack(rows), torch.stack(masks).to(media.device))
 
     def answer_log_probs(
-        self, prompted: Prompted, answers: torch.Tensor, answer_mask: torch.Tensor, temperature: float = 1.0
+        self,
+        prompted: Prompted,
+        answers: torch.Tensor,
+        answer_mask: torch.Tensor,
+        temperature: float = 1.0,
+        min_new_tokens: int = 0,
     ) -> torch.Tensor:
         """[B, L] log pi(answer token | clip, question, answer so far), teacher-forced in one pass
-        (what the trainer recomputes; padding after an answer is masked out of attention)."""
+        (what the trainer recomputes; padding after an answer is masked out of attention), under the
+        sampler's distribution: the end token is excluded before `min_new_tokens` tokens, as it was
+        when the answers were sampled."""
         from ..algorithms.gspo import token_log_probs
 
         embeds = torch.cat([prompted.embeds, self.lm.get_input_embeddings()(answers)], dim=1)
@@ -191,7 +198,10 @@ class TinyOmniModel(nn.Module):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
         p = prompted.embeds.shape[1]
-        return token_log_probs(logits[:, p - 1 : -1], answers, temperature)
+        logits = logits[:, p - 1 : -1].float()
+        if min_new_tokens > 0:
+            logits[:, :min_new_tokens, self.eos_id] = float("-inf")
+        return token_log_probs(logits, answers, temperature)
 
     def save_pretrained(self, path: str | Path) -> None:
         from safetensors.torch import save_file
@@ -238,6 +248,11 @@ class TinyOmniModel(nn.Module):
             )
         model = cls(TinyOmniConfig(**config), tokenizer)
         model.lm = Qwen2ForCausalLM.from_pretrained(str(path / "lm"), use_safetensors=True)
+        if model.lm.config.hidden_size != model.omni_config.hidden_size:
+            raise ValueError(
+                f"{path}: the LM's width {model.lm.config.hidden_size} is not the media encoder's "
+                f"{model.omni_config.hidden_size} ({CONFIG_NAME})"
+            )
         if model.lm.config.vocab_size != len(tokenizer.get_vocab()):
             raise ValueError(
                 f"{path}: the LM has {model.lm.config.vocab_size} token embeddings, the tokenizer "

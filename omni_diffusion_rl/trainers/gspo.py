@@ -58,7 +58,9 @@ class GroupSequencePolicyOptimization(Algorithm):
             sub = kept.select(torch.arange(part.start, part.stop)).to(device)
             with learner.autocast():
                 prompted = model.prompt(sub.video, sub.audio, sub.question_ids())
-                logp = model.answer_log_probs(prompted, sub.answers, sub.answer_mask, a.temperature)
+                logp = model.answer_log_probs(
+                    prompted, sub.answers, sub.answer_mask, a.temperature, a.min_new_tokens
+                )
             mask = sub.answer_mask
             loss, stats = policy_loss(
                 logp,

@@ -92,6 +92,7 @@ def experience_maker(
             a.min_new_tokens,
             rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
             load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
+            autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
         )
     return ExperienceMaker(
         policy,
