@@ -161,7 +161,6 @@ class TextExperienceMaker:
         self.last_pending = None
         self.generated_at = 0.0
         self.batch_type = TextRollout
-        self._last: TextRollout | None = None
 
     def load_rollout_state(self, tensors: dict[str, torch.Tensor]) -> None:
         if self._load_rollout_state is None:
@@ -221,7 +220,6 @@ class TextExperienceMaker:
     ) -> tuple[TextRollout, ScoreResult]:
         rollout = self.generate(prompts, group_ids, step)
         self.generated_at = time.perf_counter()
-        self._last = rollout
         return rollout, self.reward(answer_media(self.policy, rollout), rollout.prompts, check=False)
 
     def make_group(self, position: int) -> tuple[TextRollout, ScoreResult]:
@@ -229,9 +227,6 @@ class TextExperienceMaker:
         return rollout, self.reward(answer_media(self.policy, rollout), rollout.prompts, check=False)
 
     def metrics(self) -> dict[str, float]:
-        """The last step's answer lengths (tokens, end token included) and share cut by the limit."""
-        if self._last is None or not len(self._last):
-            return {}
-        lengths = self._last.answer_mask.sum(-1).float()
-        truncated = float(self._last.truncated.float().mean())
-        return {"answers/mean_tokens": float(lengths.mean()), "answers/truncated": truncated}
+        """Nothing: the answers' lengths are logged by the GSPO update from the answers it trains
+        (so every execution mode logs them, not only the colocated one)."""
+        return {}

@@ -181,6 +181,7 @@ def test_gspo_runs_in_the_async_modes_unchanged(tmp_path: Path, mode: str) -> No
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert any(r["gspo/ratio_max_dev"] > 1e-6 for r in rows), rows  # answers of an older version
+    assert all(0 < r["answers/mean_tokens"] <= 6 and 0 <= r["answers/truncated"] <= 1 for r in rows)
 
 
 def test_cost_measurement_counts_answer_tokens(tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ class GroupSequencePolicyOptimization(Algorithm):
     trains_answers = True
 
     def metric_names(self) -> list[str]:
-        return ["loss/gspo", "loss/total", "gspo/logp_gap", *(f"gspo/{n}" for n in STAT_NAMES)]
+        answers = ["answers/mean_tokens", "answers/truncated"]  # of the trained answers, in every mode
+        return ["loss/gspo", "loss/total", "gspo/logp_gap", *(f"gspo/{n}" for n in STAT_NAMES), *answers]
 
     def update(
         self,
@@ -78,6 +79,9 @@ class GroupSequencePolicyOptimization(Algorithm):
             for name in STAT_NAMES:
                 sums[f"gspo/{name}"] += stats[name] * share
         sums["loss/total"] = sums["loss/gspo"]
+        if len(kept):  # what the rollout side sampled: measured here, so the async modes log it too
+            sums["answers/mean_tokens"] = float(kept.answer_mask.sum(-1).float().mean())
+            sums["answers/truncated"] = float(kept.truncated.float().mean())
         out = learner.weighted_mean_over_ranks(sums, float(len(kept)), self.loss_metric_names())
         learner.apply_gradients(out, weight=float(len(kept)))
         lora.soft_update_old(learner.transformer, old_adapter_decay("copy", step + 1))
