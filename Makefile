@@ -28,7 +28,7 @@ test: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q
 
 # The inner loop: everything but the tests that start training, launcher or benchmark processes
-# (about 95 s on 2 cores).
+# (about 110 s on 2 cores).
 test-fast: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -m "not slow"

@@ -51,7 +51,11 @@ def answer_questions(
 
 
 def avqa_accuracy(
-    model: TinyOmniModel, pool: list[Question] | None = None, repeats: int = 4, seed: int = 0
+    model: TinyOmniModel,
+    pool: list[Question] | None = None,
+    repeats: int = 4,
+    seed: int = 0,
+    max_new_tokens: int = 16,
 ) -> dict[str, float]:
     """{greedy, sampled, greedy/<kind>, sampled/<kind>}: the share of exact answers over `pool`
     (default: every held-out question), each asked `repeats` times on fresh clips."""
@@ -61,7 +65,7 @@ def avqa_accuracy(
     out: dict[str, float] = {}
     try:
         for mode in ("greedy", "sampled"):
-            answers, _, _ = answer_questions(model, pool, seed, greedy=mode == "greedy")
+            answers, _, _ = answer_questions(model, pool, seed, mode == "greedy", max_new_tokens)
             by_kind: dict[str, list[float]] = defaultdict(list)
             for q, a in zip(pool, answers, strict=True):
                 by_kind[q.kind].append(exact_match(a, q))

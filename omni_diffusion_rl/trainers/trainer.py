@@ -413,9 +413,10 @@ class Trainer:
 
         per_question = max(1, self.cfg.data.eval_samples // len(self.eval_prompts))
         pool = [parse_question(p) for p in self.eval_prompts]
-        accuracy = avqa_accuracy(self.policy.model, pool, repeats=per_question, seed=self.cfg.train.seed)
+        seed, limit = self.cfg.train.seed, self.cfg.algorithm.max_new_tokens
+        accuracy = avqa_accuracy(self.policy.model, pool, per_question, seed, limit)
         chosen = [q for q in pool for _ in range(per_question)]
-        answers, video, audio = answer_questions(self.policy.model, chosen, self.cfg.train.seed, greedy=True)
+        answers, video, audio = answer_questions(self.policy.model, chosen, seed, True, limit)
         prompts = [p for p in self.eval_prompts for _ in range(per_question)]
         media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
         scored = self.reward(media, prompts)
