@@ -140,6 +140,7 @@ class DistillConfig:
 
 
 GSPO_RATIO_LEVELS = ("sequence", "token")
+ANSWER_BACKENDS = ("hf", "vllm")
 
 
 @dataclass
@@ -158,6 +159,16 @@ class GSPOConfig:
         0, "gspo: the end token is forbidden before this many (forced-long answers)", ge=0
     )
     temperature: float = _spec(1.0, "gspo: sampling temperature of the rollout answers", gt=0)
+    rollout_backend: str = _spec(
+        "hf",
+        "gspo: what samples the rollout answers: hf (transformers, KV cache) | vllm (vLLM >= 0.11, "
+        "installed separately; the rollout adapter served as a LoRA request per policy version)",
+        choices=ANSWER_BACKENDS,
+    )
+    vllm_gpu_memory: float = _spec(
+        0.3, "gspo, rollout_backend=vllm: the share of GPU memory vLLM's engine may take", gt=0, le=1
+    )
+    vllm_enforce_eager: bool = _spec(False, "gspo, rollout_backend=vllm: no CUDA graphs (faster start)")
 
 
 @dataclass

@@ -4,6 +4,7 @@ files and the output folder. Each finding says what to download or start."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import urllib.error
@@ -161,11 +162,22 @@ def check_options(family: str, options: dict) -> Finding:
     return Finding(OK, "model.options", ", ".join(f"{k}={v}" for k, v in options.items()) or "none")
 
 
+def check_rollout_backend(cfg: ExperimentConfig) -> list[Finding]:
+    """vLLM, when the answers are to be sampled by it (a separate install: answer_backends.py)."""
+    if cfg.algorithm.name != "gspo" or cfg.algorithm.rollout_backend != "vllm":
+        return []
+    if importlib.util.find_spec("vllm") is None:
+        detail = "vLLM is not installed: `pip install 'vllm>=0.11'` next to a CUDA torch, or use hf"
+        return [Finding(MISSING, "algorithm.rollout_backend", detail)]
+    return [Finding(OK, "algorithm.rollout_backend", "vLLM is importable")]
+
+
 def preflight(cfg: ExperimentConfig) -> list[Finding]:
     """Every finding for `cfg`, model first."""
     return [
         check_model(cfg.model.family, cfg.model.pretrained),
         check_options(cfg.model.family, cfg.model.options),
+        *check_rollout_backend(cfg),
         *check_rewards(cfg),
         *check_prompts(cfg),
         check_output(cfg),

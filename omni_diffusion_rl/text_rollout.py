@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from .answer_backends import AnswerBackend, HfAnswers
 from .media import MediaBatch
 from .named_batch import BatchSchema, NamedBatch
 from .reward import ScoreResult, WeightedReward
 from .rollout import PendingExtras, step_generator, stream_prompt
-from .text_sampling import sample_answers
 from .tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
 from .world.avqa import parse_question, render_clips
 
@@ -148,6 +148,7 @@ class TextExperienceMaker:
         rollout_weights: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+        backend: AnswerBackend | None = None,
     ) -> None:
         for p in prompts[:1000]:
             parse_question(p)  # refuse a prompt set that is not tiny AVQA before any work
@@ -157,6 +158,7 @@ class TextExperienceMaker:
         self.rollout_weights = rollout_weights
         self._load_rollout_state = load_rollout_state
         self.autocast = autocast  # sampling's precision: the trainer recomputes log-probs in the same one
+        self.backend = backend or HfAnswers()  # what samples the answers (answer_backends.py)
         self.annotator = None
         self.last_pending = None
         self.generated_at = 0.0
@@ -190,16 +192,14 @@ class TextExperienceMaker:
         device = next(model.parameters()).device
         with self.rollout_weights(), self.autocast():
             prompted = model.prompt(video.to(device), audio.to(device), ids)
-            out = sample_answers(
-                model.lm,
+            out = self.backend.sample(
+                model,
                 prompted.embeds,
                 prompted.mask,
-                model.eos_id,
-                model.pad_id,
                 self.max_new_tokens,
                 self.temperature,
-                generators=gens,
-                min_new_tokens=self.min_new_tokens,
+                gens,
+                self.min_new_tokens,
             )
         width = max(len(q) for q in ids)
         return TextRollout(

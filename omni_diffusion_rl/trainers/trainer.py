@@ -78,9 +78,11 @@ def experience_maker(
             "gspo trains answering models (tiny_omni); nft, raft and distill train generators"
         )
     if is_answering(policy):
+        from ..answer_backends import answer_backend
         from ..text_rollout import TextExperienceMaker
 
         a = cfg.algorithm
+        precision = resolve_mixed_precision(cfg.train.mixed_precision)
         return TextExperienceMaker(  # type: ignore[return-value]
             policy,
             reward,
@@ -92,7 +94,8 @@ def experience_maker(
             a.min_new_tokens,
             rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
             load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
-            autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
+            autocast=autocast_factory(precision, device),
+            backend=answer_backend(cfg, precision, lambda: algorithm.rollout_state(policy.transformer)),
         )
     return ExperienceMaker(
         policy,
