@@ -254,6 +254,8 @@ class Annotator(Protocol):
 
     def metrics(self) -> dict[str, float]: ...
 
+    def totals(self) -> dict[str, float]: ...
+
 
 class ExperienceMaker:
     """Scored prompt groups from the policy's rollout weights.
@@ -360,3 +362,8 @@ class ExperienceMaker:
             return {}
         waited = 0.0 if self.last_pending is None else self.last_pending.waited_s  # teacher time not hidden
         return {"teacher/wait_s": waited, **self.annotator.metrics()}
+
+    def totals(self) -> dict[str, float]:
+        """The annotator's counters since this maker started (teacher seconds, the teacher's replica
+        counters): what a rollout process reports to the trainer with each group."""
+        return {} if self.annotator is None else self.annotator.totals()

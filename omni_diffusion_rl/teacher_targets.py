@@ -154,6 +154,11 @@ class TeacherTargets:
         stats = getattr(self.teacher, "stats", None)
         return {"teacher/seconds": seconds, **(stats() if callable(stats) else {})}
 
+    def totals(self) -> dict[str, float]:
+        """Teacher seconds and the teacher's own counters since the start."""
+        stats = getattr(self.teacher, "stats", None)
+        return {"teacher/seconds": self.seconds, **(stats() if callable(stats) else {})}
+
     def close(self) -> None:
         """Stop the teacher's thread (queued work is dropped) and close the teacher's connections."""
         self._pool.shutdown(wait=True, cancel_futures=True)

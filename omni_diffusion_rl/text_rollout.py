@@ -230,3 +230,6 @@ class TextExperienceMaker:
         """Nothing: the answers' lengths are logged by the GSPO update from the answers it trains
         (so every execution mode logs them, not only the colocated one)."""
         return {}
+
+    def totals(self) -> dict[str, float]:
+        return {}

@@ -179,6 +179,9 @@ def test_targets_travel_with_the_groups_through_the_buffer(
     assert buffer["trained"] == 3 * 2 * 2, buffer
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss/distill"] > 0 for r in rows), rows
+    # the rollout process's teacher time reaches the trainer's metrics (cumulative, never falling)
+    teacher_s = [r["rollout/teacher/seconds"] for r in rows]
+    assert teacher_s[-1] > 0 and teacher_s == sorted(teacher_s), teacher_s
 
 
 def test_cost_measurement_runs_the_teacher_as_part_of_rollout(

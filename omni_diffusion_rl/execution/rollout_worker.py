@@ -70,9 +70,11 @@ class RolloutWorker:
         return True
 
     def _info(self, gen_s: float) -> dict[str, float]:
-        """Timings sent with a group: its generation seconds and this process's totals so far."""
+        """Timings sent with a group: its generation seconds and this process's totals so far (its
+        experience maker's too: teacher seconds and counters, as `exp.<name>`)."""
         idle = {f"idle_{k}": v for k, v in self.idle.items()}
-        return {"gen_s": gen_s, "generating_s": self.generating_s, **idle}
+        made = {f"{transport.EXPERIENCE_PREFIX}{k}": v for k, v in self.experience.totals().items()}
+        return {"gen_s": gen_s, "generating_s": self.generating_s, **idle, **made}
 
     def run(self) -> None:
         threading.Thread(target=self._receive_weights, name="weights-receiver", daemon=True).start()

@@ -461,11 +461,25 @@ class BufferSource(ExperienceSource):
                 "samples/dropped/stale": float(self.buffer.stats.dropped.get("stale", 0)),
                 **{f"idle/trainer_{k}_s": v for k, v in self.idle.items()},
                 **{f"idle/rollout_{k}_s": v for k, v in self._rollout_idle().items() if k != "generating"},
+                **{f"rollout/{k}": v for k, v in self._rollout_totals().items()},
             }
         )
         if self.lend:
             metrics.update({"hybrid/lent_groups": float(self.lent_made), "hybrid/lending_s": self.lending_s})
         return metrics
+
+    def _rollout_totals(self) -> dict[str, float]:
+        """The rollout processes' experience-maker totals (teacher seconds and counters), summed over
+        processes as last reported (cumulative since they started)."""
+        with self.ready:
+            infos = [dict(info) for info in self.rollout_info.values()]
+        total: dict[str, float] = {}
+        for info in infos:
+            for key, value in info.items():
+                if key.startswith(transport.EXPERIENCE_PREFIX):
+                    name = key.removeprefix(transport.EXPERIENCE_PREFIX)
+                    total[name] = total.get(name, 0.0) + value
+        return total
 
     def _rollout_idle(self) -> dict[str, float]:
         """The rollout processes' idle (by reason) and generating seconds, summed over processes

@@ -77,6 +77,10 @@ def _wait(work: Any, timeout_s: float | None, what: str) -> None:
 _KINDS = {"sample.": "per_sample", "shared.": "shared"}
 
 
+EXPERIENCE_PREFIX = "exp."
+"""Info keys of a group that carry its rollout process's experience-maker totals (exp.teacher/seconds)."""
+
+
 def pack_group(
     batch: NamedBatch, scored: ScoreResult, version: int, info: dict[str, float] | None = None
 ) -> bytes:
