@@ -547,7 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pre-train the tiny built-in base model (or, --teacher, its teacher) on synthetic clips",
     )
     pretrain.add_argument("--output", default=None, help="directory (default: the shipped builtin location)")
-    pretrain.add_argument("--steps", type=_positive_int, default=None, help="6000 (tiny_av), 1500 (--omni)")
+    pretrain.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="6000 (tiny_av); 1500 (--omni: its noisy-answer stage, after 2500 encoder and 600 "
+        "clean-answer steps)",
+    )
     pretrain.add_argument(
         "--label-noise",
         type=_label_noise,
