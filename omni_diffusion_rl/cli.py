@@ -202,9 +202,16 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         if args.teacher or args.label_noise is not None:
             print("odrl pretrain: --omni takes neither --teacher nor --label-noise", file=sys.stderr)
             return 2
-        steps = 1500 if args.steps is None else args.steps
-        print(json.dumps(pretrain_omni_model(args.output or OMNI_BASE, steps=steps, seed=args.seed)))
+        stages = {
+            "steps": 1500 if args.steps is None else args.steps,
+            "encoder_steps": 2500 if args.encoder_steps is None else args.encoder_steps,
+            "align_steps": 600 if args.align_steps is None else args.align_steps,
+        }
+        print(json.dumps(pretrain_omni_model(args.output or OMNI_BASE, seed=args.seed, **stages)))
         return 0
+    if args.encoder_steps is not None or args.align_steps is not None:
+        print("odrl pretrain: --encoder-steps and --align-steps are stages of --omni", file=sys.stderr)
+        return 2
     from .trainers.pretrain import TEACHER_RECIPE, pretrain_base_model
 
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
@@ -553,6 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="6000 (tiny_av); 1500 (--omni: its noisy-answer stage, after 2500 encoder and 600 "
         "clean-answer steps)",
+    )
+    pretrain.add_argument(
+        "--encoder-steps", type=_positive_int, default=None, help="--omni: its encoder stage (2500)"
+    )
+    pretrain.add_argument(
+        "--align-steps", type=_positive_int, default=None, help="--omni: its clean-answer stage (600)"
     )
     pretrain.add_argument(
         "--label-noise",

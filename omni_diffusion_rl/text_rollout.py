@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .answer_backends import AnswerBackend, HfAnswers
+from .config import ConfigError
 from .media import MediaBatch
 from .named_batch import BatchSchema, NamedBatch
 from .reward import ScoreResult, WeightedReward
@@ -150,8 +151,20 @@ class TextExperienceMaker:
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         backend: AnswerBackend | None = None,
     ) -> None:
-        for p in prompts[:1000]:
-            parse_question(p)  # refuse a prompt set that is not tiny AVQA before any work
+        questions = [parse_question(p) for p in prompts[:1000]]  # refuse a set that is not tiny AVQA now
+        if min_new_tokens > max_new_tokens:
+            raise ConfigError(
+                f"algorithm.min_new_tokens={min_new_tokens} is above "
+                f"algorithm.max_new_tokens={max_new_tokens}"
+            )
+        model = policy.model
+        longest = model.encoder.num_tokens + max(map(len, model.tokenize([q.text for q in questions])))
+        limit = int(model.lm.config.max_position_embeddings)
+        if longest + max_new_tokens > limit:
+            raise ConfigError(
+                f"algorithm.max_new_tokens={max_new_tokens}: the longest prompt takes {longest} positions "
+                f"(clip and question) and the model has {limit}; set it to at most {limit - longest}"
+            )
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
         self.group_size, self.max_new_tokens, self.temperature = group_size, max_new_tokens, temperature
         self.min_new_tokens = min_new_tokens

@@ -94,15 +94,15 @@ def completion(ids: list[int], reason: str) -> SimpleNamespace:
 
 
 def test_vllm_completions_become_padded_answers_with_truncation_flagged() -> None:
-    answers = answers_from_vllm(
-        [completion([5, 1], "stop"), completion([7, 8, 9], "length")], 0, torch.device("cpu")
-    )
-    assert answers.tokens.tolist() == [[5, 1, 0], [7, 8, 9]]
-    assert answers.lengths.tolist() == [2, 3]
-    assert answers.truncated.tolist() == [False, True]
+    # an end token as the last allowed token is an ended answer, whichever reason vLLM gives
+    done = [completion([5, 1], "stop"), completion([7, 8, 9], "length"), completion([4, 1], "length")]
+    answers = answers_from_vllm(done, 1, 0, torch.device("cpu"))
+    assert answers.tokens.tolist() == [[5, 1, 0], [7, 8, 9], [4, 1, 0]]
+    assert answers.lengths.tolist() == [2, 3, 2]
+    assert answers.truncated.tolist() == [False, True, False]
     assert answers.log_probs[0].tolist() == [-0.5, -1.0, 0.0]
     with pytest.raises(RuntimeError, match="did not finish 1 answers.*abort"):
-        answers_from_vllm([completion([5, 1], "stop"), completion([], "abort")], 0, torch.device("cpu"))
+        answers_from_vllm([completion([5, 1], "stop"), completion([], "abort")], 1, 0, torch.device("cpu"))
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
@@ -174,3 +174,14 @@ def test_vllm_log_probs_follow_each_published_adapter(model_dir: Path) -> None:
         assert bool((answers.lengths >= 2).all())
     backend.close()
     assert max(gaps) < 1e-4, gaps
+
+
+def test_answer_lengths_that_do_not_fit_the_model_are_refused_by_name(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    too_long = gspo_overrides(model_dir, tmp_path / "a", 1, "algorithm.max_new_tokens=90")
+    with pytest.raises(ConfigError, match=r"algorithm.max_new_tokens=90: .* set it to at most \d+"):
+        Trainer(load_config(None, too_long))
+    forced_past_limit = gspo_overrides(model_dir, tmp_path / "b", 1, "algorithm.min_new_tokens=8")
+    with pytest.raises(ConfigError, match="min_new_tokens=8 is above algorithm.max_new_tokens=6"):
+        Trainer(load_config(None, forced_past_limit))

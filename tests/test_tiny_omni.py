@@ -212,7 +212,9 @@ def linear_probe_accuracy(
     return float(((test @ weight + bias > 0).long() == test_labels).float().mean())
 
 
-def shape_features(model: TinyOmniModel, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shape_features(
+    model: TinyOmniModel, count: int, seed: int, with_logits: bool = False
+) -> tuple[torch.Tensor, ...]:
     """The LM's last hidden state where it starts answering "which shape is shown" about clips of
     scenes drawn from all of them (shape independent of the other attributes), and the shape."""
     from omni_diffusion_rl.world.avqa import Question
@@ -230,14 +232,32 @@ def shape_features(model: TinyOmniModel, count: int, seed: int) -> tuple[torch.T
             position_ids=prompted.positions,
             output_hidden_states=True,
         )
-    return out.hidden_states[-1][:, -1], torch.tensor([SHAPES.index(q.scene.shape) for q in qs])
+    labels = torch.tensor([SHAPES.index(q.scene.shape) for q in qs])
+    if with_logits:  # and the next-token logits: the first answer token's
+        return out.hidden_states[-1][:, -1], labels, out.logits[:, -1]
+    return out.hidden_states[-1][:, -1], labels
 
 
 def test_the_shipped_base_sees_the_shape_it_answers_wrong() -> None:
     """The base's wrong shape answers come from its labels, not from blindness: a linear probe on
-    its state reads circle against square in clips it was not fitted on (a base whose encoder had
-    lost the shape scored 0.53 here, and no reward could teach it shape)."""
+    its state reads circle against square in clips it was not fitted on (a base trained on the noisy
+    answers only scored 0.56 here, and no reward could teach it shape), while its greedy answer to a
+    square is still the annotator's "circle"."""
     base = TinyOmniModel.from_pretrained("builtin-omni").eval()
     train, train_labels = shape_features(base, 600, 0)
-    test, test_labels = shape_features(base, 300, 1)
+    test, test_labels, logits = shape_features(base, 300, 1, with_logits=True)
     assert linear_probe_accuracy(train, train_labels, test, test_labels) >= 0.9
+    circle, square = (ids[0] for ids in base.tokenize(["circle", "square"]))
+    says_square = logits[:, square] > logits[:, circle]
+    assert float(says_square[test_labels == 1].float().mean()) < 0.5  # wrong on most squares: room for RL
+
+
+def test_pretraining_runs_its_three_stages_and_saves_a_loadable_model(tmp_path: Path) -> None:
+    from omni_diffusion_rl.trainers.pretrain_omni import pretrain_omni_model
+
+    result = pretrain_omni_model(tmp_path / "base", steps=2, encoder_steps=2, align_steps=2, progress=False)
+    assert (result["steps"], result["encoder_steps"], result["align_steps"]) == (2, 2, 2)
+    assert set(result) >= {"final_loss", "align_loss", "encoder_accuracy/shape"}
+    assert result["final_loss"] > 0 and result["align_loss"] > 0
+    loaded = TinyOmniModel.from_pretrained(tmp_path / "base")
+    assert loaded.config["vocabulary"] == TinyOmniModel.from_pretrained("builtin-omni").config["vocabulary"]

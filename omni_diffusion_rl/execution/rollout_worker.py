@@ -119,3 +119,6 @@ class RolloutWorker:
         finally:
             transport.send_bytes(b"", 0, self.data_group, transport.DATA_TAG)  # done marker
             self.experience.reward.close()
+            backend = getattr(self.experience, "backend", None)  # an answer sampler (a vLLM engine)
+            if backend is not None:
+                backend.close()

@@ -1,6 +1,7 @@
-"""Pre-train the tiny omni model in two stages, as omni models are: its media encoder first, alone,
+"""Pre-train the tiny omni model in three stages, as omni models are: its media encoder first, alone,
 on clean labels (linear heads read each attribute of the clip from the encoder's output and are then
-dropped), then the whole model on tiny AVQA (supervised, teacher-forced answers) with label noise.
+dropped), then the whole model on tiny AVQA (supervised, teacher-forced answers) with clean answers,
+then with the label noise of a careless annotator.
 
 `odrl pretrain --omni` writes omni_diffusion_rl/assets/tiny_omni_base, the model GSPO starts from.
 Fresh clips every step, from the training scenes only. The noise is systematic, as a careless

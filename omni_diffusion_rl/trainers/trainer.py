@@ -255,14 +255,17 @@ class Trainer:
         return self._metrics
 
     def close_scorers(self) -> None:
-        """Close the reward, the eval metrics and the experience's annotator (a teacher's thread and
-        connections)."""
+        """Close the reward, the eval metrics, the experience's annotator (a teacher's thread and
+        connections) and its answer sampler (a vLLM engine)."""
         self.reward.close()
         for metric in self._metrics or []:
             metric.close()
         annotator = self.experience.annotator
         if annotator is not None and hasattr(annotator, "close"):
             annotator.close()
+        backend = getattr(self.experience, "backend", None)  # an answer sampler (a vLLM engine)
+        if backend is not None and hasattr(backend, "close"):
+            backend.close()
 
     # ------------------------------------------------------------------ data
     def prompts_for_step(self, step: int) -> tuple[list[str], list[int]]:
