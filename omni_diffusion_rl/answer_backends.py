@@ -41,6 +41,8 @@ class AnswerBackend(Protocol):
         min_new_tokens: int,
     ) -> Answers: ...
 
+    def close(self) -> None: ...
+
 
 class HfAnswers:
     """transformers generation in the policy's own process and weights (the rollout adapter active)."""
@@ -66,6 +68,9 @@ class HfAnswers:
             generators=generators,
             min_new_tokens=min_new_tokens,
         )
+
+    def close(self) -> None:
+        """Nothing to release: it samples with the policy itself."""
 
 
 def require_vllm() -> None:
