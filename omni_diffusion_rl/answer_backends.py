@@ -234,8 +234,9 @@ class VllmAnswers:
         return answers_from_vllm([o.outputs[0] for o in outputs], model.eos_id, model.pad_id, embeds.device)
 
     def close(self) -> None:
-        """Drop the engine (vLLM shuts its processes down) and the adapter files."""
-        self._engine = None
+        """Drop the engine (vLLM shuts its processes down) and the adapter files; a later call starts
+        a new engine and publishes the adapter to it afresh."""
+        self._engine, self._request, self._published = None, None, None
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
 

@@ -172,7 +172,13 @@ def test_vllm_log_probs_follow_each_published_adapter(model_dir: Path) -> None:
             mine = model.answer_log_probs(prompted, answers.tokens, answers.mask, 1.0, 2)
         gaps.append(float((mine - answers.log_probs)[answers.mask].abs().max()))
         assert bool((answers.lengths >= 2).all())
+    backend.close()  # a closed backend starts a new engine and publishes the adapter to it afresh
+    answers = backend.sample(model, prompted.embeds, prompted.mask, 6, 1.0, gens, 2)
+    with torch.no_grad(), lora.using_adapter(policy.transformer, lora.OLD):
+        mine = model.answer_log_probs(prompted, answers.tokens, answers.mask, 1.0, 2)
+    gaps.append(float((mine - answers.log_probs)[answers.mask].abs().max()))
     backend.close()
+    assert backend.version == 3
     assert max(gaps) < 1e-4, gaps
 
 
