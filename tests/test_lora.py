@@ -45,3 +45,14 @@ def test_forwards_follow_the_active_adapter() -> None:
     assert torch.equal(old, base), "old still equals its initial copy (lora_B = 0): the base output"
     assert not torch.equal(trained, base)
     assert torch.equal(model(x), trained), "leaving the context routes back to `default`"
+
+
+def test_an_embedding_target_is_refused_rather_than_never_trained() -> None:
+    """peft names an embedding's LoRA `lora_embedding_A.<adapter>` (no weight matrix): it would be
+    left out of the trained parameters, so the run would train nothing there without a word."""
+    import pytest
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)).requires_grad_(False)
+    with pytest.raises(lora.LoraTargetError, match=r"LoRA on \['0'\] is not supported"):
+        lora.add_nft_adapters(model, rank=2, alpha=4, target_modules=["0", "1"])

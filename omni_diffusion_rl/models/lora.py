@@ -54,6 +54,12 @@ def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: 
                 raise LoraTargetError(_target_message(model, target_modules, str(e).split(". ")[0])) from e
     if not _lora_layers(model):
         raise LoraTargetError(_target_message(model, target_modules, "nothing matched"))
+    named = set(adapter_parameters(model, TRAINED)) | set(adapter_parameters(model, OLD))
+    unnamed = sorted(k for k, _ in model.named_parameters() if "lora_" in k and k not in named)
+    if unnamed:  # e.g. an embedding's LoRA (lora_embedding_A.<adapter>): it would never be trained
+        layers = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in unnamed})
+        reason = f"LoRA on {layers} is not supported (its parameters are not weight matrices)"
+        raise LoraTargetError(_target_message(model, target_modules, reason))
     for name, param in model.named_parameters():  # fp32 adapters on a bf16 base (peft copies its dtype)
         if "lora_" in name and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
