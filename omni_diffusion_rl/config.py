@@ -311,6 +311,19 @@ class TrainConfig:
         ge=0,
     )
     progress: bool = _spec(True, "show a progress bar")
+    sharding: str = _spec(
+        "none",
+        "fsdp: shard every transformer block of the policy (frozen base and adapters) and the in-process "
+        "teacher over the training processes with torch's FSDP2, so each holds 1/N of the weights "
+        "(needs a family with repeated blocks; also turned on by accelerate launch's FSDP config); "
+        "none: every process holds whole copies",
+        choices=("none", "fsdp"),
+    )
+    cpu_offload: bool = _spec(
+        False,
+        "with sharding=fsdp: keep the sharded weights in host memory between uses (gathered onto the "
+        "device block by block); slower, for a base that does not fit the cards even when sharded",
+    )
 
 
 @dataclass
@@ -557,6 +570,17 @@ def check_consistency(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"algorithm.raft_keep={cfg.algorithm.raft_keep} keeps every sample of a group of "
             f"data.group_size={cfg.data.group_size}: nothing would be ranked; use fewer"
+        )
+    if cfg.train.sharding == "fsdp" and cfg.execution.mode == "auto":
+        raise ConfigError(
+            "execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "
+            "is not what a sharded run does: with train.sharding=fsdp choose execution.mode=colocated, "
+            "separate or hybrid (`odrl simulate --measure` predicts them)"
+        )
+    if cfg.train.cpu_offload and cfg.train.sharding != "fsdp":
+        raise ConfigError(
+            "train.cpu_offload=true offloads the shards of a sharded model: set train.sharding=fsdp too "
+            "(or train.cpu_offload=false)"
         )
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is needed")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -50,9 +51,11 @@ def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     return v.detach().to(states.device, torch.float32)
 
 
-def make_checked_teacher(cfg: ExperimentConfig, policy: object) -> Teacher:
+def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = None) -> Teacher:
     """The config's teacher, refused unless it fits the student: the same latent shape, layout and
-    convention, and both pass the convention probe (which catches a flipped velocity sign)."""
+    convention, and both pass the convention probe (which catches a flipped velocity sign). With a
+    `sharder` (sharding.Sharder: the training processes shard), an in-process teacher that can be
+    sharded (it has `shard(sharder)`) is split over the training processes too, forward only."""
     import os
 
     from .registry import teachers
@@ -72,6 +75,9 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object) -> Teacher:
         )
     else:
         teacher = teachers.create(c.name, **c.options)
+        place = getattr(teacher, "shard", None)
+        if sharder is not None and callable(place):
+            place(sharder)
     student = TeacherInfo(
         latent_shape=tuple(policy.latent_shape),  # type: ignore[attr-defined]
         layout=latent_layout(policy),

@@ -41,7 +41,9 @@ class FlowPolicyTeacher:
         if checkpoint is not None:
             self.policy = load_policy(checkpoint)
             source = {"checkpoint_adapters": _adapter_digest(Path(checkpoint))}
+            self.family = str(getattr(self.policy, "family", type(self.policy.transformer).__name__))
         else:
+            self.family = family
             model = ModelConfig(family=family, pretrained=pretrained, options=dict(options or {}))
             self.policy, _ = build_policy(model)
             source = {
@@ -69,6 +71,16 @@ class FlowPolicyTeacher:
 
     def info(self) -> TeacherInfo:
         return self._info
+
+    def shard(self, sharder: Any) -> None:
+        """Split the frozen transformer over the training processes (sharding.Sharder), forward only;
+        the teacher must run on the trainers' kind of device."""
+        if self.device.type != sharder.device.type:
+            raise ValueError(
+                f"teacher 'policy' runs on {self.device} but the training processes shard on "
+                f"{sharder.device.type}: set teacher.options.device={sharder.device.type}"
+            )
+        sharder.teacher(self.policy.transformer, self.family)
 
     @torch.no_grad()
     def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:

@@ -42,6 +42,8 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.launch",
         f"{PACKAGE}.subprocesses",
         f"{PACKAGE}.text_sampling",
+        f"{PACKAGE}.sharding",
+        f"{PACKAGE}.launch_check",
     ],
     # the generators, and the synthetic world (its data and its judge); see SEPARATE
     [f"{PACKAGE}.models", f"{PACKAGE}.world"],

@@ -124,6 +124,18 @@ class ShareSource(ExperienceSource):
         self.generated_at = time.perf_counter()
         return self.trainer.experience.batch_type.from_named(named).to(self.trainer.device), scored
 
+    # sharded: the leader's weight syncs gather the rollout adapter from every trainer's shards, so
+    # each takes part at the same points (the start, and every sync_every steps)
+    def start(self) -> None:
+        if self.trainer.sharded:
+            self.trainer.algorithm.rollout_state(self.trainer.transformer)
+
+    def after_step(self, ok: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+        trainer = self.trainer
+        if trainer.sharded and scheduler.should_sync(trainer.step, trainer.cfg.execution.sync_every):
+            trainer.algorithm.rollout_state(trainer.transformer)
+        return {}
+
 
 class BufferSource(ExperienceSource):
     """The trainer leader's batches: from the replay buffer that the rollout processes fill (hybrid:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from ..config import ModelConfig
     from .policy import FlowPolicy
@@ -44,8 +47,12 @@ def _build_policy(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     return loader(cfg)
 
 
-def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> FlowPolicy:
-    """The policy on `device`, base frozen, with the `default` and `old` LoRA adapters added."""
+def build_nft_policy(
+    cfg: ModelConfig, device: torch.device | str = "cpu", shard: Callable[[nn.Module], None] | None = None
+) -> FlowPolicy:
+    """The policy on `device`, base frozen, with the `default` and `old` LoRA adapters added. With
+    `shard` (sharding.py), the transformer stays in host memory until `shard` places each process's
+    part of it (a whole copy never goes to the device); the other components move to `device`."""
     import torch
 
     from . import lora
@@ -60,8 +67,11 @@ def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> Fl
         )
     move = getattr(policy, "to", None)
     if callable(move):  # every module it holds (VAEs, text encoder, ...), not only the transformer
-        move(device)
-    policy.transformer.to(device).requires_grad_(False)
+        with contextlib.nullcontext() if shard is None else _left_in_place(policy.transformer):
+            move(device)
+    if shard is None:
+        policy.transformer.to(device)
+    policy.transformer.requires_grad_(False)
     try:
         lora.add_nft_adapters(
             policy.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets or default_targets
@@ -79,4 +89,20 @@ def build_nft_policy(cfg: ModelConfig, device: torch.device | str = "cpu") -> Fl
                 f"model.gradient_checkpointing=true: the {cfg.family} transformer "
                 f"({type(policy.transformer).__name__}) cannot recompute its blocks ({e}); set it to false"
             ) from e
+    if shard is not None:
+        shard(policy.transformer)
+        told = getattr(policy, "use_sharded_transformer", None)
+        if callable(told):  # a policy whose transformer calls depend on the data makes them fixed
+            told()
     return policy
+
+
+@contextlib.contextmanager
+def _left_in_place(module: nn.Module) -> Iterator[None]:
+    """`module.to(...)` (called by a policy's own `to`, directly or through a pipeline) leaves the
+    module where it is for the duration: sharding places it afterwards, a part per process."""
+    module._apply = lambda fn, recurse=True: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module._apply

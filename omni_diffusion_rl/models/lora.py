@@ -14,6 +14,8 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from ..sharding import copy_whole_into, full_tensor
+
 TRAINED = "default"
 OLD = "old"
 
@@ -136,7 +138,16 @@ def soft_update_old(model: nn.Module, decay: float) -> None:
 
 
 def adapter_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    return {k: p.detach().clone().contiguous() for k, p in adapter_parameters(model, name).items()}
+    """Adapter `name`'s whole tensors by module path. On a sharded model every process must call it
+    (each tensor is gathered from its shards); an adapter with no parameters is an error, so a weight
+    sync or a checkpoint can never carry nothing."""
+    params = adapter_parameters(model, name)
+    if not params:
+        raise ValueError(
+            f"adapter '{name}' has no parameters in this model ({type(model).__name__}): the LoRA layers "
+            "bound nothing, so there is nothing to save or send"
+        )
+    return {k: full_tensor(p.detach()).clone().contiguous() for k, p in params.items()}
 
 
 def nft_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -156,6 +167,9 @@ def load_nft_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor])
 @torch.no_grad()
 def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
     params = adapter_parameters(model, name)
+    if not params or not state:
+        where = "this model has no parameters of it" if not params else "the tensors given hold none of it"
+        raise ValueError(f"adapter '{name}' binds no parameters: {where}; nothing would be loaded")
     missing = sorted(set(params) - set(state))
     unexpected = sorted(set(state) - set(params))
     if missing or unexpected:
@@ -167,4 +181,4 @@ def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.
             raise ValueError(
                 f"adapter '{name}' tensor {k}: shape {tuple(state[k].shape)} != {tuple(p.shape)}"
             )
-        p.copy_(state[k])
+        copy_whole_into(p, state[k])

@@ -131,6 +131,7 @@ class MiniMaxH3Policy:
         language_model.layers = language_model.layers[: text_encoder_layer + 1]  # the rest never reach it
         self.offload_text_encoder = offload_text_encoder
         self._prompt_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.call_per_sample = False  # use_sharded_transformer() turns it on
         self.video_size = self.video_channels * int(np.prod(self.video_grid))
         self.audio_size = STEREO * self.audio_channels * self.audio_frames
         blocks = len(self.transformer.transformer_blocks)
@@ -188,6 +189,12 @@ class MiniMaxH3Policy:
         return hidden
 
     # ------------------------------------------------------------------ the velocity
+    def use_sharded_transformer(self) -> None:
+        """The transformer is sharded (sharding.py): every process must make the same number of
+        transformer calls, so each sample gets its own call (how a seed-sized clip runs anyway)
+        instead of one per (sigma, prompt length), whose count depends on the data."""
+        self.call_per_sample = True
+
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat latents as video [B, C, F', H', W'] and stereo audio [B, 2, C_a, T]."""
         if x.ndim != 2 or x.shape[1] != self.video_size + self.audio_size:
@@ -278,11 +285,11 @@ class MiniMaxH3Policy:
         video, audio = self.split(x_t)
         sigma = torch.as_tensor(t, device=x_t.device, dtype=torch.float32).reshape(-1).expand(len(x_t))
         lengths = cond[TEXT_LENGTH].tolist()
-        groups: dict[tuple[float, int], list[int]] = {}
-        for i, key in enumerate(zip(sigma.tolist(), lengths, strict=True)):
-            groups.setdefault(key, []).append(i)
+        groups: dict[tuple[float, int, int], list[int]] = {}
+        for i, (s, length) in enumerate(zip(sigma.tolist(), lengths, strict=True)):
+            groups.setdefault((s, length, i if self.call_per_sample else 0), []).append(i)
         out = torch.empty(len(x_t), self.video_size + self.audio_size, device=x_t.device, dtype=x_t.dtype)
-        for (s, length), members in groups.items():
+        for (s, length, _), members in groups.items():
             index = torch.tensor(members, device=x_t.device)
             text = cond[TEXT][index, :length]
             video_v, audio_v = self.h3_velocity(video[index], audio[index], text, 1.0 - s)

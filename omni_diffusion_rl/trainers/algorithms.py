@@ -67,9 +67,10 @@ class Algorithm:
         lora.load_adapter_state_dict(transformer, lora.OLD, tensors)
 
     @classmethod
-    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any) -> Any:
+    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
         """What generation must attach to each chunk for this algorithm (rollout.Annotator: teacher
-        targets for distillation), built in every process that makes experience; None: nothing."""
+        targets for distillation), built in every process that makes experience (`sharder`: the
+        training processes shard, sharding.Sharder); None: nothing."""
         return None
 
     # ------------------------------------------------------------------ checkpoints
@@ -180,29 +181,30 @@ class DiffusionNFT(Algorithm):
         gradient average, with weight 0; the caller skips the step when no process has any.
         """
         a, learner = self.options, self.learner
-        learner.optimizer.zero_grad(set_to_none=True)
-        rollout, sums = self.nft_gradients(rollout, r, step, keep)
-        out = learner.weighted_mean_over_ranks(sums, float(len(rollout)), self.loss_metric_names())
-        learner.apply_gradients(out, weight=float(len(rollout)))
+        rows = trained_rows(keep, len(rollout), learner.sharded)
+        learner.begin_update(rows.trained, rows.passes(len(rollout)))
+        sums = self.nft_gradients(rollout, r, step, rows)
+        out = learner.weighted_mean_over_ranks(sums, float(rows.trained), self.loss_metric_names())
+        learner.apply_gradients(out, weight=float(rows.trained))
         decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
         lora.soft_update_old(learner.transformer, decay)
         out["old_decay"] = decay
         return out
 
     def nft_gradients(
-        self, rollout: Rollout, r: torch.Tensor, step: int, keep: torch.Tensor | None, scale: float = 1.0
-    ) -> tuple[Rollout, dict[str, float]]:
-        """Accumulate `scale` times the NFT loss's gradient; returns the kept samples and the loss
-        metrics (means over them)."""
+        self, rollout: Rollout, r: torch.Tensor, step: int, rows: TrainedRows, scale: float = 1.0
+    ) -> dict[str, float]:
+        """Accumulate `scale` times the NFT loss's gradient over the trained `rows`; returns the loss
+        metrics (means over the trained samples)."""
         a, learner = self.options, self.learner
         policy, transformer = learner.policy, learner.transformer
         inputs = noised_inputs(learner.cfg, rollout, step)
-        if keep is not None and not bool(keep.all()):
-            index = keep.nonzero().flatten()
-            rollout, r = rollout.select(index), r[index]
-            dev = index.to(rollout.x0.device)
+        if rows.index is not None:
+            rollout, r = rollout.select(rows.index), r[rows.index]
+            dev = rows.index.to(rollout.x0.device)
             inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
         r = r.to(rollout.x0.device)
+        weight = None if rows.weight is None else rows.weight.to(rollout.x0.device)
         sums: dict[str, float] = {}
         parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
         for t_all, _, x_all in inputs if len(rollout) else []:
@@ -229,12 +231,13 @@ class DiffusionNFT(Algorithm):
                     a.adv_clip_max,
                     v_ref,
                     a.kl_coef,
+                    None if weight is None else weight[part],
                 )
                 scaled = loss if scale == 1.0 else loss * scale
-                (scaled * share / len(inputs)).backward()
+                learner.backward(scaled * share / len(inputs))
                 for name, value in {"loss/total": loss.detach(), **metrics}.items():
                     sums[name] = sums.get(name, 0.0) + float(value) * share / len(inputs)
-        return rollout, sums
+        return sums
 
 
 @dataclass
@@ -274,10 +277,10 @@ class OnPolicyDistillation(DiffusionNFT):
     options_type = DistillOptions
 
     @classmethod
-    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any) -> Any:
+    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
         from ..teacher_targets import TeacherTargets, make_checked_teacher
 
-        teacher = make_checked_teacher(cfg, policy)
+        teacher = make_checked_teacher(cfg, policy, sharder)
         return TeacherTargets(
             teacher, cfg.algorithm.distill_states, cfg.train.seed, overlap=cfg.teacher.overlap
         )
@@ -298,31 +301,34 @@ class OnPolicyDistillation(DiffusionNFT):
         step: int,
     ) -> dict[str, float]:
         a, learner = self.options, self.learner
-        mine = keep[local]
-        index = mine.nonzero().flatten()
-        kept = rollout if bool(mine.all()) else rollout.select(index)
-        order = trained_state_order(learner.cfg, rollout, step)[index]  # keyed by group, before drops
-        learner.optimizer.zero_grad(set_to_none=True)
+        rows = trained_rows(keep[local], len(rollout), learner.sharded)
+        order = trained_state_order(learner.cfg, rollout, step)  # keyed by group, before drops
+        kept = rollout if rows.index is None else rollout.select(rows.index)
+        order = order if rows.index is None else order[rows.index]
+        learner.begin_update(rows.trained, rows.passes(len(rollout)))
         sums: dict[str, float] = {}
         if a.nft_coef > 0:  # first: it needs no teacher targets, so the teacher gets more time
             adv = torch.zeros(len(rewards))
             adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
             r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
-            _, nft = self.nft_gradients(rollout, r, step, mine, scale=a.nft_coef)
+            nft = self.nft_gradients(rollout, r, step, rows, scale=a.nft_coef)
             sums |= {f"nft/{k}": v for k, v in nft.items()}
-        sums |= self.distill_gradients(kept, order)
+        sums |= self.distill_gradients(kept, order, rows.weight)
         sums["loss/total"] = sums["loss/distill"] + a.nft_coef * sums.get("nft/loss/total", 0.0)
-        out = learner.weighted_mean_over_ranks(sums, float(len(kept)), self.loss_metric_names())
-        learner.apply_gradients(out, weight=float(len(kept)))
+        out = learner.weighted_mean_over_ranks(sums, float(rows.trained), self.loss_metric_names())
+        learner.apply_gradients(out, weight=float(rows.trained))
         decay = old_adapter_decay("copy" if a.nft_coef == 0 else a.decay_schedule, step + 1)
         lora.soft_update_old(learner.transformer, decay)
         out["old_decay"] = decay
         return out
 
-    def distill_gradients(self, rollout: Rollout, order: torch.Tensor) -> dict[str, float]:
+    def distill_gradients(
+        self, rollout: Rollout, order: torch.Tensor, sample_weight: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """Accumulate the velocity-matching loss's gradient at the trained states: the first
-        timestep_fraction of each sample's `order` [N, T]. Sample-major, in the order the chunks
-        were made: a chunk whose teacher targets are still pending is waited for when reached."""
+        timestep_fraction of each sample's `order` [N, T], each sample times its `sample_weight`
+        (None: 1). Sample-major, in the order the chunks were made: a chunk whose teacher targets are
+        still pending is waited for when reached."""
         from ..teacher_targets import STATES, TEACHER_V
 
         a, learner = self.options, self.learner
@@ -346,12 +352,14 @@ class OnPolicyDistillation(DiffusionNFT):
             rows = torch.arange(len(states), device=device)
             cond = index_condition(rollout.cond, part)
             share = (part.stop - part.start) / len(rollout)
+            row_weight = None if sample_weight is None else sample_weight[part].to(device)
             for j in range(num_train):
                 index = order[part, j]
                 with learner.autocast():
                     v = learner.policy.velocity(states[rows, index], grid[index], cond)
-                loss = distillation_loss(v.float(), targets[rows, index], weights[index])
-                (loss * share / num_train).backward()
+                weight = weights[index] if row_weight is None else weights[index] * row_weight
+                loss = distillation_loss(v.float(), targets[rows, index], weight)
+                learner.backward(loss * share / num_train)
                 total += float(loss.detach()) * share / num_train
         return {"loss/distill": total}
 
@@ -379,30 +387,60 @@ class RewardRankedFineTuning(Algorithm):
     ) -> dict[str, float]:
         learner = self.learner
         best = best_of_each_group(rewards, groups, keep, self.options.raft_keep)
-        mine = best[local]
         inputs = noised_inputs(learner.cfg, rollout, step)  # drawn for every sample: independent of the pick
-        index = mine.nonzero().flatten()
-        chosen = rollout.select(index)
-        dev = index.to(rollout.x0.device)
-        learner.optimizer.zero_grad(set_to_none=True)
+        rows = trained_rows(best[local], len(rollout), learner.sharded)
+        chosen = rollout if rows.index is None else rollout.select(rows.index)
+        weight = None if rows.weight is None else rows.weight.to(rollout.x0.device)
+        learner.begin_update(rows.trained, rows.passes(len(rollout)))
         total = 0.0
-        parts = micro_batches(len(index), learner.cfg.train.micro_batch_size)
-        for t, noise, x_t in inputs if len(index) else []:
-            t, noise, x_t = t[dev], noise[dev], x_t[dev]
+        parts = micro_batches(len(chosen), learner.cfg.train.micro_batch_size)
+        for t, noise, x_t in inputs if len(chosen) else []:
+            if rows.index is not None:
+                dev = rows.index.to(rollout.x0.device)
+                t, noise, x_t = t[dev], noise[dev], x_t[dev]
             for part in parts:
-                share = (part.stop - part.start) / len(index)
+                share = (part.stop - part.start) / len(chosen)
                 with learner.autocast():
                     v_theta = learner.policy.velocity(x_t[part], t[part], index_condition(chosen.cond, part))
-                loss = flow_matching_loss(v_theta.float(), noise[part], chosen.x0[part])
-                (loss * share / len(inputs)).backward()
+                part_weight = None if weight is None else weight[part]
+                loss = flow_matching_loss(v_theta.float(), noise[part], chosen.x0[part], part_weight)
+                learner.backward(loss * share / len(inputs))
                 total += float(loss.detach()) * share / len(inputs)
         out = learner.weighted_mean_over_ranks(
-            {"loss/flow_matching": total, "loss/total": total}, float(len(index)), self.loss_metric_names()
+            {"loss/flow_matching": total, "loss/total": total}, float(rows.trained), self.loss_metric_names()
         )
-        learner.apply_gradients(out, weight=float(len(index)))
+        learner.apply_gradients(out, weight=float(rows.trained))
         lora.soft_update_old(learner.transformer, old_adapter_decay("copy", step + 1))
         out["raft/trained_samples"] = float(best.sum())
         return out
+
+
+@dataclass(frozen=True)
+class TrainedRows:
+    """Which of a process's samples its passes run over, and what each weighs. Unsharded, dropped
+    samples are left out; sharded, every process runs the same passes over all of its samples
+    (FSDP gathers each block in lockstep) and a dropped one weighs 0, the others N / trained so
+    that the batch mean is the mean over the trained samples."""
+
+    index: torch.Tensor | None  # the rows the passes run over (None: all)
+    weight: torch.Tensor | None  # [rows] each sample's weight in the batch mean (None: 1)
+    trained: int  # the samples trained on
+
+    def passes(self, count: int) -> int:
+        """How many samples the passes run over, of `count`."""
+        return count if self.index is None else len(self.index)
+
+
+def trained_rows(keep: torch.Tensor | None, count: int, sharded: bool) -> TrainedRows:
+    """The rows of `count` samples to run passes over when `keep` [count] (None: all) says which
+    are trained."""
+    if keep is None or bool(keep.all()):
+        return TrainedRows(None, None, count)
+    trained = int(keep.sum())
+    if not sharded:
+        return TrainedRows(keep.nonzero().flatten(), None, trained)
+    weight = keep.float() * (count / trained) if trained else torch.zeros(count)
+    return TrainedRows(None, weight, trained)
 
 
 def micro_batches(count: int, size: int) -> list[slice]:

@@ -52,7 +52,7 @@ class GroupSequencePolicyOptimization(Algorithm):
         kept = rollout if bool(mine.all()) else rollout.select(index)
         adv = advantages[local][index]
         device = next(model.parameters()).device
-        learner.optimizer.zero_grad(set_to_none=True)
+        learner.begin_update(len(kept), len(kept))
         sums = dict.fromkeys(self.loss_metric_names(), 0.0)
         for part in micro_batches(len(kept), learner.cfg.train.micro_batch_size):
             share = (part.stop - part.start) / len(kept)
@@ -72,7 +72,7 @@ class GroupSequencePolicyOptimization(Algorithm):
                 a.clip_eps_high,
                 a.ratio_level,
             )
-            (loss * share).backward()
+            learner.backward(loss * share)
             gap = float((logp.detach() - sub.behaviour_logp)[mask].abs().mean()) if mask.any() else 0.0
             for name, value in {"loss/gspo": float(loss.detach()), "gspo/logp_gap": gap}.items():
                 sums[name] += value * share

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..config import ExperimentConfig
 from ..distributed import all_gather_cat, all_reduce_sum
 from ..models.policy import FlowPolicy
+from ..sharding import full_tensor
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Learner:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # the context forward passes run in (precision.py: bf16 autocast, or none); losses stay fp32
     autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+    # sharded (train.sharding=fsdp): FSDP reduces the gradients, and every process runs the same passes
+    sharded: bool = False
+    loss_scale: float = 1.0  # what `backward` multiplies each loss by (set by begin_update when sharded)
 
     @classmethod
     def in_group(
@@ -78,9 +82,34 @@ class Learner:
             for n, v in zip(names, values[:-1], strict=True)
         }
 
+    def begin_update(self, weight: float, passes_over: int) -> None:
+        """Before an update's backward passes: zero the gradients; sharded, scale this process's
+        losses by N w_i / sum_j w_j (w: its trained samples), so that FSDP's mean over N processes is
+        the sample-weighted mean, and check that every process runs its passes over `passes_over`
+        samples (FSDP gathers each block in lockstep: unequal passes would hang)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_scale = 1.0
+        if not self.sharded or self.world_size == 1:
+            return
+        mine = torch.tensor([[float(weight), float(passes_over)]], dtype=torch.float64)
+        everyone = self.gather(mine)
+        if bool((everyone[:, 1] != everyone[0, 1]).any()):
+            counts = [int(n) for n in everyone[:, 1].tolist()]
+            raise RuntimeError(
+                f"sharded training needs the same samples per process; the processes hold {counts} "
+                "(data.prompts_per_step must split evenly over the training processes)"
+            )
+        total = float(everyone[:, 0].sum())
+        self.loss_scale = self.world_size * float(weight) / total if total > 0 else 0.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), scaled for FSDP's reduction when sharded (see begin_update)."""
+        (loss if self.loss_scale == 1.0 else loss * self.loss_scale).backward()
+
     def average_gradients(self, weight: float = 1.0) -> None:
-        """Gradients averaged over processes, each weighted by its trained samples (`weight`)."""
-        if self.world_size == 1:
+        """Gradients averaged over processes, each weighted by its trained samples (`weight`); sharded,
+        FSDP has reduced them already (with the weights as loss scales)."""
+        if self.world_size == 1 or self.sharded:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         weights = torch.tensor([float(weight)], device=grads[0].device)
@@ -98,7 +127,6 @@ class Learner:
         """Average gradients over processes (weighted by `weight`, this process's samples), clip, step."""
         self.average_gradients(weight)
         if self.cfg.optim.grad_clip > 0:
-            metrics["grad_norm"] = float(
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
-            )
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+            metrics["grad_norm"] = float(full_tensor(norm))  # sharded: the norm over every shard
         self.optimizer.step()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -52,6 +53,13 @@ from ..prompts import load_prompts
 from ..reward import RewardError, ScoreResult, WeightedReward
 from ..reward_factory import reward_from_config
 from ..rollout import ExperienceMaker, Rollout, generate, step_generator
+from ..sharding import (
+    Sharder,
+    check_shardable,
+    load_whole_optimizer_state,
+    make_sharder,
+    whole_optimizer_state,
+)
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from ..world import tiny_world
 from .algorithms import algorithm_class, build_algorithm
@@ -66,9 +74,11 @@ def experience_maker(
     reward: WeightedReward,
     prompts: list[str],
     device: torch.device,
+    sharder: Sharder | None = None,
 ) -> ExperienceMaker:
     """The experience maker of a run: generation with the algorithm's rollout weights, in the run's
-    precision (answers for an answering policy: text_rollout.py)."""
+    precision (answers for an answering policy: text_rollout.py); `sharder`: the training processes
+    shard (an in-process teacher is sharded with them)."""
     s = cfg.sampling
     algorithm = algorithm_class(cfg.algorithm.name)
     if is_answering(policy) != algorithm.trains_answers:
@@ -110,7 +120,7 @@ def experience_maker(
         rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
         load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
         autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
-        annotator=algorithm.experience_annotator(cfg, policy),
+        annotator=algorithm.experience_annotator(cfg, policy, sharder),
     )
 
 
@@ -166,8 +176,15 @@ class Trainer:
         self._metrics: list[MetricScorer] | None = None  # eval metrics, built when first needed
         self.sample_counts: dict[str, int] = {}
         self.device = accelerator.device if accelerator is not None else (device or torch.device("cpu"))
-        self.policy = build_nft_policy(cfg.model, self.device)
+        trains_answers = algorithm_class(cfg.algorithm.name).trains_answers
+        self.sharder, self.sharding = make_sharder(cfg, self.world_size, group, self.device, trains_answers)
+        if self.is_main and self.world_size > 1:
+            print(f"odrl: {self.sharding}", file=sys.stderr, flush=True)
+        self.sharded = self.sharder is not None and self.sharder.active
+        self.policy = build_nft_policy(cfg.model, self.device, self.sharder.policy if self.sharded else None)
         self.transformer = self.policy.transformer
+        if self.sharder is not None and not self.sharded:  # one process: whole weights, checked alike
+            check_shardable(self.transformer, cfg.model.family)
         self.params = lora.trainable_parameters(self.transformer)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.autocast = autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), self.device)
@@ -175,8 +192,11 @@ class Trainer:
             cfg, self.policy, self.params, self.optimizer, self.rank, self.world_size, group, self.device
         )
         self.learner.autocast = self.autocast
+        self.learner.sharded = self.sharded
         self.algorithm = build_algorithm(self.learner)
-        self.experience = experience_maker(cfg, self.policy, self.reward, self.train_prompts, self.device)
+        self.experience = experience_maker(
+            cfg, self.policy, self.reward, self.train_prompts, self.device, self.sharder
+        )
         self.source = source or LocalSource()
         self.source.attach(self)
         self.step = 0
@@ -200,10 +220,12 @@ class Trainer:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
         path = None
-        if self.is_main:
+        if self.is_main or self.sharded:  # sharded: every process gathers the whole tensors with it
             tensors = self.algorithm.checkpoint_tensors()
+            optimizer = whole_optimizer_state(self.optimizer) if self.sharded else self.optimizer.state_dict()
+        if self.is_main:
             objects = {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
                 "numpy_rng": np.random.get_state(),
@@ -234,7 +256,7 @@ class Trainer:
             )
         try:
             self.algorithm.load_checkpoint_tensors(tensors)
-            self.optimizer.load_state_dict(objects["optimizer"])
+            load_whole_optimizer_state(self.optimizer, objects["optimizer"])
             torch.set_rng_state(objects["torch_rng"])
             random.setstate(objects["python_rng"])
             np.random.set_state(objects["numpy_rng"])
@@ -364,6 +386,9 @@ class Trainer:
         )
         for name, gathered in self._gather_parts(scored.parts).items():
             metrics[f"reward/{name}"] = float(gathered[keep_all].mean()) if keep_all.any() else float("nan")
+        if self.device.type == "cuda":  # the most any training process's device has held so far
+            peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30], dtype=torch.float64)
+            metrics["memory/max_allocated_gib"] = float(self._gather(peak).max())
         return metrics
 
     def failures_path(self) -> Path:
@@ -397,10 +422,13 @@ class Trainer:
         try:
             sample_prompts = heldout_prompts(prompts, n)
             noise = heldout_noise(n, self.policy.latent_shape)
-            for index in self._eval_batches(mine, sample_prompts):
+            batches = self._eval_batches(mine, sample_prompts)
+            for index in batches:
                 parts.append(
                     self._score_heldout_batch([sample_prompts[i] for i in index], noise[index], reasons)
                 )
+            for _ in range(self._lockstep_eval_batches(prompts, sample_prompts) - len(batches)):
+                self._generate_trained(sample_prompts[:1], noise[:1])  # sharded: the others' passes
         except Exception as e:
             error = e
         self._agree_on_failure(error, "evaluating the held-out set")  # the others would wait to gather
@@ -430,6 +458,17 @@ class Trainer:
         out["reward"] = float(scored.total.mean())
         out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
         return out
+
+    def _lockstep_eval_batches(self, prompts: list[str], sample_prompts: list[str]) -> int:
+        """Sharded: the most held-out batches any process generates (each runs as many generations,
+        discarding the extra ones, since FSDP gathers every block in lockstep); else 0."""
+        if not self.sharded:
+            return 0
+        n = self.cfg.data.eval_samples
+        return max(
+            len(self._eval_batches(samples_of_rank(prompts, n, rank, self.world_size), sample_prompts))
+            for rank in range(self.world_size)
+        )
 
     def _eval_batches(self, mine: list[int], sample_prompts: list[str]) -> list[list[int]]:
         """This process's held-out samples in batches of whole prompt groups, each no larger than a
@@ -479,7 +518,7 @@ class Trainer:
     def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
         """Samples of held-out prompts with their rewards and eval metrics (a failed score is shown as
         failed); for the tiny world the sheet puts the world's own render of each prompt beside them."""
-        if not self.is_main:
+        if not self.is_main and not self.sharded:
             return None
         if is_answering(self.policy):
             return self._preview_answers(tag, prompts_shown * samples_per_prompt)
@@ -489,7 +528,9 @@ class Trainer:
         noise = torch.randn(
             (len(prompts), *self.policy.latent_shape), generator=step_generator(0, 0, 0, "preview")
         )
-        rollout = self._generate_trained(prompts, noise)
+        rollout = self._generate_trained(prompts, noise)  # sharded: every process takes part
+        if not self.is_main:
+            return None
         media = self.policy.decode(rollout.x0)
         failures: dict[int, str] = {}
         columns = score_heldout(media, prompts, self.reward, self.metrics, sample_failures=failures)

@@ -1,0 +1,217 @@
+"""Sharded training (train.sharding=fsdp): what is sharded, what is refused, the pieces on two real
+gloo processes, and whole runs that must equal the unsharded ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from omni_diffusion_rl.algorithms.nft import flow_matching_loss, nft_loss
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.models import build_nft_policy, lora
+from omni_diffusion_rl.sharding import (
+    ShardingError,
+    check_shardable,
+    local_bytes,
+    make_sharder,
+    shard_units,
+    sharding_choice,
+)
+from omni_diffusion_rl.trainers.algorithms import trained_rows
+
+from .helpers import tiny_model_dir, tiny_sd3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+# ---------------------------------------------------------------------- what is sharded, what is refused
+def test_the_blocks_of_each_family_are_the_units(model_dir: Path) -> None:
+    policy = build_nft_policy(load_config(None, [f"model.pretrained={model_dir}"]).model)
+    units = shard_units(policy.transformer)
+    assert units == list(policy.transformer.blocks)
+    sd3 = tiny_sd3()
+    assert shard_units(sd3) == list(sd3.transformer_blocks)  # named by diffusers' _no_split_modules
+    nested = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    nested.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2)) for _ in range(2)])
+    nested.blocks[0].blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])  # inside a unit: not one itself
+    assert shard_units(nested) == list(nested.blocks)
+
+
+def test_a_family_without_blocks_is_refused_by_name() -> None:
+    with pytest.raises(
+        ShardingError, match=r"model.family=flat cannot be sharded: its transformer \(Linear\)"
+    ):
+        check_shardable(torch.nn.Linear(2, 2), "flat")
+
+
+def test_offload_without_sharding_and_auto_with_sharding_are_refused() -> None:
+    with pytest.raises(
+        ConfigError, match="train.cpu_offload=true offloads the shards .* set train.sharding=fsdp"
+    ):
+        load_config(None, ["train.cpu_offload=true"])
+    with pytest.raises(ConfigError, match="execution.mode=auto measures .* with train.sharding=fsdp choose"):
+        load_config(None, ["train.sharding=fsdp", "execution.mode=auto"])
+    load_config(None, ["train.sharding=fsdp", "train.cpu_offload=true"])
+
+
+def test_accelerates_fsdp_config_turns_sharding_on_and_says_so() -> None:
+    cfg = load_config(None, [])
+    assert not sharding_choice(cfg, {}).enabled
+    fsdp2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}
+    choice = sharding_choice(cfg, fsdp2)
+    assert choice.enabled and choice.cpu_offload
+    assert "accelerate launch's FSDP config, fsdp_version 2" in choice.describe(8)
+    assert "FSDP2 over 8 training processes" in choice.describe(8)
+    with pytest.raises(ShardingError, match="fsdp_version 1: .* set `fsdp_version: 2`"):
+        sharding_choice(cfg, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+    mine = sharding_choice(load_config(None, ["train.sharding=fsdp"]), {})
+    assert mine.enabled and not mine.cpu_offload and "(train.sharding=fsdp)" in mine.describe(2)
+
+
+def test_an_answering_model_is_refused_with_the_reason() -> None:
+    cfg = load_config("recipes/configs/tiny_avqa_gspo.yaml", ["train.sharding=fsdp"])
+    with pytest.raises(
+        ShardingError, match="tiny_omni with algorithm.name=gspo cannot be sharded: its answer"
+    ):
+        make_sharder(cfg, 2, None, torch.device("cpu"), trains_answers=True)
+    sharder, sentence = make_sharder(cfg, 1, None, torch.device("cpu"), trains_answers=False)
+    assert sharder is not None and not sharder.active and "one training process keeps whole" in sentence
+
+
+# ---------------------------------------------------------------------- the math sharding relies on
+def test_dropped_samples_weigh_zero_and_the_rest_give_the_mean_over_the_kept() -> None:
+    torch.manual_seed(0)
+    b, d = 6, 5
+    v_theta, v_old, x_t, x0, v_ref = (torch.randn(b, d, dtype=torch.float64) for _ in range(5))
+    t, r = torch.rand(b, dtype=torch.float64), torch.rand(b, dtype=torch.float64)
+    keep = torch.tensor([True, False, True, True, False, True])
+    rows = trained_rows(keep, b, sharded=True)
+    assert rows.index is None and rows.trained == 4 and rows.passes(b) == b
+    kept = keep.nonzero().flatten()
+    selected, sel_metrics = nft_loss(
+        v_theta[kept], v_old[kept], x_t[kept], x0[kept], t[kept], r[kept], 0.5, 2.0, v_ref[kept], 0.1
+    )
+    weighted, w_metrics = nft_loss(v_theta, v_old, x_t, x0, t, r, 0.5, 2.0, v_ref, 0.1, rows.weight)
+    torch.testing.assert_close(weighted, selected, rtol=1e-12, atol=0)
+    for name in sel_metrics:
+        torch.testing.assert_close(w_metrics[name], sel_metrics[name], rtol=1e-12, atol=0)
+    noise = torch.randn(b, d, dtype=torch.float64)
+    torch.testing.assert_close(
+        flow_matching_loss(v_theta, noise, x0, rows.weight),
+        flow_matching_loss(v_theta[kept], noise[kept], x0[kept]),
+        rtol=1e-12,
+        atol=0,
+    )
+    unsharded = trained_rows(keep, b, sharded=False)
+    assert unsharded.weight is None and unsharded.index.tolist() == kept.tolist() and unsharded.passes(b) == 4
+    nothing = trained_rows(torch.zeros(b, dtype=torch.bool), b, sharded=True)
+    assert nothing.trained == 0 and float(nothing.weight.abs().sum()) == 0.0
+    assert trained_rows(None, b, sharded=True).weight is None
+
+
+def test_an_adapter_that_binds_nothing_is_an_error() -> None:
+    bare = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="adapter 'old' has no parameters in this model"):
+        lora.adapter_state_dict(bare, lora.OLD)
+    with pytest.raises(ValueError, match="adapter 'old' binds no parameters: this model has no parameters"):
+        lora.load_adapter_state_dict(bare, lora.OLD, {"x": torch.zeros(1)})
+    adapted = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    lora.add_nft_adapters(adapted, 2, 2, ["0"])
+    with pytest.raises(ValueError, match="binds no parameters: the tensors given hold none of it"):
+        lora.load_adapter_state_dict(adapted, lora.OLD, {})
+
+
+# ---------------------------------------------------------------------- the pieces on two gloo processes
+def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None:
+    from omni_diffusion_rl.sharding import (
+        Sharder,
+        ShardingChoice,
+        full_tensor,
+        load_whole_optimizer_state,
+        whole_optimizer_state,
+    )
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = load_config(None, [f"model.pretrained={model_dir}", "model.lora_rank=4"]).model
+        torch.manual_seed(0)
+        whole = build_nft_policy(model)
+        torch.manual_seed(0)
+        sharder = Sharder(ShardingChoice(True, False, "test"), "tiny_av", None, torch.device("cpu"), 2)
+        sharded = build_nft_policy(model, shard=sharder.policy)
+        base = [p for n, p in sharded.transformer.named_parameters() if "lora_" not in n]
+        whole_base = [p for n, p in whole.transformer.named_parameters() if "lora_" not in n]
+        with torch.no_grad():  # lora_B starts at 0: move it so the adapters matter
+            for k, p in lora.adapter_parameters(whole.transformer, lora.TRAINED).items():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(k))))
+        lora.load_adapter_state_dict(
+            sharded.transformer, lora.TRAINED, lora.adapter_state_dict(whole.transformer, lora.TRAINED)
+        )
+        gathered = lora.adapter_state_dict(sharded.transformer, lora.TRAINED)
+        same_adapter = all(
+            torch.equal(v, whole_v)
+            for (k, v), (_, whole_v) in zip(
+                gathered.items(),
+                lora.adapter_state_dict(whole.transformer, lora.TRAINED).items(),
+                strict=True,
+            )
+        )
+        x = torch.randn(3, *whole.latent_shape, generator=torch.Generator().manual_seed(1))
+        t = torch.tensor([0.2, 0.5, 0.9])
+        cond = whole.encode_prompts(["a red circle", "a blue square", "a low tone"])
+        with torch.no_grad():
+            velocity_gap = float((sharded.velocity(x, t, cond) - whole.velocity(x, t, cond)).abs().max())
+        params = lora.trainable_parameters(sharded.transformer)
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        sharded.velocity(x, t, cond).square().mean().backward()
+        optimizer.step()
+        state = whole_optimizer_state(optimizer)
+        fresh = torch.optim.AdamW(params, lr=1e-2)
+        load_whole_optimizer_state(fresh, state)
+        again = whole_optimizer_state(fresh)
+        state_roundtrip = all(
+            torch.equal(state["state"][i][k], again["state"][i][k])
+            for i in state["state"]
+            for k in state["state"][i]
+        )
+        moments_whole = all(state["state"][i]["exp_avg"].shape == params[i].shape for i in state["state"])
+        result = {
+            "sharded": all(type(p).__name__ == "DTensor" for p in sharded.transformer.parameters()),
+            "base_bytes": local_bytes(base),
+            "whole_base_bytes": local_bytes(whole_base),
+            "same_adapter": same_adapter,
+            "velocity_gap": velocity_gap,
+            "state_roundtrip": state_roundtrip,
+            "moments_whole": moments_whole,
+            "norm_type": type(full_tensor(torch.nn.utils.clip_grad_norm_(params, 1.0))).__name__,
+        }
+        Path(f"{out}.{rank}").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts processes
+def test_sharded_pieces_on_two_processes_equal_the_whole_model(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "result"
+    mp.start_processes(
+        _sharded_pieces,
+        args=(str(tmp_path / "init"), str(model_dir), str(out)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        assert got["sharded"], "every parameter of the transformer is a shard"
+        assert got["base_bytes"] == pytest.approx(got["whole_base_bytes"] / 2, rel=0.1)
+        assert got["same_adapter"], "loading whole tensors into shards and gathering them back is exact"
+        assert got["velocity_gap"] < 1e-6
+        assert got["state_roundtrip"] and got["moments_whole"]
+        assert got["norm_type"] == "Tensor"
