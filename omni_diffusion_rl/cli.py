@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .config import ConfigError, ExecutionConfig, describe, load_config
 from .export import EXPORT_HELP, add_export_arguments, run_export
+from .launch_check import REFUSED, STARTED, check_machines_agree, machine_count, mark, wait_for_every_process
 from .lifeline import exit_with_parent
 
 if TYPE_CHECKING:
@@ -20,24 +21,39 @@ EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(
 
 
 def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported lazily
+    """accelerate's view of the processes: on CPU when asked (ACCELERATE_USE_CPU) or when no CUDA
+    device is visible (accelerate would otherwise take an FSDP config on a CPU machine for one lone
+    process per rank, and every process would write as the main one)."""
+    import torch
+    import torch.distributed as dist
     from accelerate import Accelerator
 
-    return Accelerator(
-        cpu=os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"),
-        log_with="wandb" if use_wandb else None,
+    asked = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    accelerator = Accelerator(
+        cpu=asked or not torch.cuda.is_available(), log_with="wandb" if use_wandb else None
     )
+    launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if launched != accelerator.num_processes:
+        raise ConfigError(
+            f"the launcher started {launched} processes but accelerate sees {accelerator.num_processes} "
+            f"({accelerator.distributed_type}); check the accelerate config's distributed_type and use_cpu"
+        )
+    return accelerator
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.config and "=" in args.config and not Path(args.config).exists():
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ and not args.check:
+    machines = _machines(args)
+    if (args.nproc > 1 or machines.count > 1) and "LOCAL_RANK" not in os.environ and not args.check:
         from .launch import run_launched, without_option
 
-        _check_process_layout(load_config(args.config, args.overrides), args.nproc)  # once, not per rank
-        return run_launched(args.nproc, without_option(args.argv, "--nproc"))  # each runs this again
+        _check_process_layout(load_config(args.config, args.overrides), args.nproc * machines.count)
+        machines.check_port_free()  # the checks made once, not per process; each runs this again:
+        return run_launched(args.nproc, without_option(args.argv, "--nproc"), machines=machines)
     exit_with_parent()  # a killed launcher takes this process down (never a run started from a shell)
+    mark(STARTED)  # tells `odrl train`'s launcher that the machines joined
     cfg = load_config(args.config, args.overrides)
     if args.check:
         return _preflight(args.config, cfg)
@@ -45,7 +61,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .trainers.trainer import Trainer
 
     prepare_run_dir(cfg.train.output_dir, args.resume, cfg.train.overwrite, is_main=_launcher_rank() == 0)
+    wait_for_every_process(args.join_timeout)  # several machines: every process started, or an error
     accelerator = _make_accelerator(cfg.tracking.wandb)
+    check_machines_agree(cfg.to_dict())  # several machines: one process layout and one config
     accelerator.wait_for_everyone()  # the main process has cleared the folder (train.overwrite)
 
     def run_mode(cfg, resume, recheck):  # noqa: ANN001, ANN202 - one mode on this process
@@ -67,6 +85,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary), flush=True)
     _close_process_group()
     return 0
+
+
+def _machines(args: argparse.Namespace):  # noqa: ANN202 - launch.Machines, imported lazily
+    """The machines of the run as `odrl train`'s options give them (checked)."""
+    from .launch import Machines
+
+    machines = Machines(
+        count=args.nnodes,
+        rank=args.node_rank or 0,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        join_timeout_s=args.join_timeout,
+    )
+    if machines.count > 1 and args.node_rank is None:
+        raise ConfigError(
+            f"--nnodes {machines.count} needs --node-rank: 0 on the machine at --master-addr, 1 .. "
+            f"{machines.count - 1} on the others, each machine its own"
+        )
+    machines.check()
+    return machines
 
 
 def _check_process_layout(cfg, processes: int) -> None:  # noqa: ANN001 - ExperimentConfig
@@ -253,7 +291,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "memory":
         from .benchmarks.memory import run_memory_bench
 
-        run_memory_bench(args.output or Path("runs/bench/memory.json"))
+        output = args.output or Path("runs/bench/memory.json")
+        run_memory_bench(output)
+        if args.measure:
+            from .benchmarks.memory_measured import run_memory_measurement
+
+            run_memory_measurement(output.with_name(output.stem + "_measured.json"))
+        return 0
+    if args.name == "sharding":
+        from .benchmarks.sharding import run_sharding_bench
+
+        output = args.output or Path("runs/bench/sharding.json")
+        run_sharding_bench(output, args.config, args.overrides, **steps, repeats=repeats or 3)
         return 0
     if args.name == "reward-server":
         from .benchmarks.reward_server import run_reward_server_bench
@@ -500,7 +549,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc",
         type=_positive_int,
         default=1,
-        help="processes to train with: starts `accelerate launch` itself (GPUs if CUDA is visible, else CPU)",
+        help="processes to train with (on each machine, with --nnodes): starts `accelerate launch` itself "
+        "(GPUs if CUDA is visible, else CPU)",
+    )
+    train.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        default=1,
+        help="machines to train on: run the same command on each, with its own --node-rank "
+        "(docs/multi-machine.md)",
+    )
+    train.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="with --nnodes: this machine's place, 0 on the machine at --master-addr, 1 .. N-1 on the others",
+    )
+    train.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="with --nnodes: the address of machine 0 that every machine reaches (default %(default)s)",
+    )
+    train.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="with --nnodes (required): a free TCP port on machine 0, the same on every machine",
+    )
+    train.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="with --nnodes: seconds to wait for every machine (and each of its processes) to start; "
+        "then stop with an error (default %(default)s)",
     )
     train.set_defaults(func=cmd_train)
 
@@ -677,16 +758,34 @@ def build_parser() -> argparse.ArgumentParser:
         "modes (auto, colocated, separate, hybrid with 2 processes, against the simulator), "
         "learning (held-out reward per execution mode over seeds, against colocated), "
         "recheck (auto's re-check after a wrong first pick, and its cost), "
-        "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes), "
-        "teacher (distillation's teacher: overlapped vs blocking schedule, 1 vs 2 teacher servers)",
+        "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes; --measure adds "
+        "the bytes each process holds in real sharded and unsharded runs of tiny models), "
+        "teacher (distillation's teacher: overlapped vs blocking schedule, 1 vs 2 teacher servers), "
+        "sharding (2 processes, train.sharding=fsdp against none: seconds per step)",
     )
     bench.add_argument(
-        "name", choices=("nft-step", "reward-server", "modes", "learning", "recheck", "memory", "teacher")
+        "name",
+        choices=(
+            "nft-step",
+            "reward-server",
+            "modes",
+            "learning",
+            "recheck",
+            "memory",
+            "teacher",
+            "sharding",
+        ),
+    )
+    bench.add_argument(
+        "--measure",
+        action="store_true",
+        help="memory: also measure tiny_av, LTX-2 and H3 (tiny random-init) at 1, 2 and 4 processes, "
+        "sharded and not (a few minutes; writes <output>_measured.json)",
     )
     bench.add_argument(
         "--config",
         default="recipes/configs/tiny_t2av_nft.yaml",
-        help="modes, learning, recheck: training config",
+        help="modes, learning, recheck, sharding: training config",
     )
     bench.add_argument(
         "--steps",
@@ -740,9 +839,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, PromptFileError, RegistryError, CheckpointError, RewardError) as e:
         rank = _launcher_rank()
-        if rank == 0 or not isinstance(e, (ConfigError, PromptFileError)):  # the same on every rank
+        if rank == 0 or _first_on_machine() or not isinstance(e, (ConfigError, PromptFileError)):
             where = f" (process {rank})" if rank else ""
             print(f"odrl: {type(e).__name__}{where}: {e}", file=sys.stderr)
+        mark(REFUSED)  # a launched process: its launcher exits 2 too, showing the sentence alone
         return 2
     except KeyboardInterrupt:
         if _launcher_rank() == 0:
@@ -751,6 +851,12 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 130
+
+
+def _first_on_machine() -> bool:
+    """Whether this process reports a configuration error for its machine: on several machines (each
+    with its own terminal) the first process of each does; on one, process 0 alone."""
+    return machine_count() > 1 and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def _launcher_rank() -> int:

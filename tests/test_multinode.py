@@ -1,0 +1,395 @@
+"""Training spread over several machines: each machine is played by one launch on loopback (127.0.0.1).
+
+`odrl train --nnodes 2 --node-rank R --master-port P` on each (or `accelerate launch --num_machines 2
+--machine_rank R ...` as accelerate users start it): the same run as one machine with as many
+processes; machines that disagree (process counts, configs) are refused before any step; a machine
+that never joins, or a process that dies before the run begins, ends the others with a sentence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from omni_diffusion_rl.launch import Machines, accelerate_command, free_port
+from omni_diffusion_rl.launch_check import (
+    LaunchError,
+    ProcessLayout,
+    config_problem,
+    describe_process,
+    flatten,
+    layout_problem,
+    wait_for_every_process,
+)
+from omni_diffusion_rl.subprocesses import run_process_tree
+
+from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
+
+LAUNCH_ENV = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+SAFETY_TIMEOUT_S = 300  # a hang fails the test; no verdict depends on how fast a run is
+CLOCK_KEYS = ("time/", "idle/", "rollout/seconds_per_group", "buffer/depth")  # as test_behaviour_fixture
+# separate mode with a deterministic schedule (see test_behaviour_fixture): the rollout process
+# generates each step's groups with the trainer's latest weights only, whatever the timing
+DETERMINISTIC_SEPARATE = [
+    "execution.mode=separate",
+    "execution.rollout_replicas=1",
+    "execution.max_staleness=0",
+    "execution.on_stale=wait",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def _machine(rank: int, port: int, args: list[str], nproc: int = 1, join_timeout_s: int = 120) -> list[str]:
+    """One machine's `odrl train` command of a 2-machine run."""
+    machine = ["--nnodes", "2", "--node-rank", str(rank), "--master-port", str(port)]
+    return odrl("train", "--nproc", str(nproc), *machine, "--join-timeout", str(join_timeout_s), *args)
+
+
+def _accelerate_machine(rank: int, port: int, args: list[str]) -> list[str]:
+    """The same machine started with accelerate launch and the recipe (1 process per machine)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"]
+    command += ["--main_process_port", str(port), "--rdzv_conf", "timeout=120"]
+    command += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    return [*command, str(REPO / "recipes" / "train_nft.py"), *args]
+
+
+def _run_machines(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """Every machine's command started at once (each in a session of its own), run to its end."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        runs = [pool.submit(run_process_tree, c, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO) for c in commands]
+        return [run.result() for run in runs]
+
+
+def _one_machine(nproc: int, args: list[str]) -> subprocess.CompletedProcess[str]:
+    done = run_process_tree(odrl("train", "--nproc", str(nproc), *args), SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _clock_free(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(CLOCK_KEYS)} for r in step_records(run_dir)]
+
+
+def _survivors(session: int, marker: str) -> list[str]:
+    """Processes still in `session`, or whose command line names `marker` (a launched process runs
+    in a session of its own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        state, _parent, _group, sid = stat.rsplit(")", 1)[1].split()[:4]
+        if state != "Z" and (int(sid) == session or marker in cmdline):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+# --- the launcher's options and the pure checks (no process started) ---------------------------
+
+
+def test_accelerate_gets_the_total_and_this_machines_place() -> None:
+    machines = Machines(count=2, rank=1, master_addr="10.0.0.1", master_port=29500, join_timeout_s=12.5)
+    command = accelerate_command(4, ["train", "cfg.yaml"], machines=machines)
+    pairs = dict(zip(command, command[1:], strict=False))
+    assert pairs["--num_processes"] == "8", "accelerate's --num_processes counts every machine's"
+    assert (pairs["--num_machines"], pairs["--machine_rank"]) == ("2", "1")
+    assert (pairs["--main_process_ip"], pairs["--main_process_port"]) == ("10.0.0.1", "29500")
+    assert pairs["--rdzv_conf"] == "timeout=13", "torch's static rendezvous waits whole seconds"
+    assert command[-2:] == ["train", "cfg.yaml"]
+    single = accelerate_command(2, ["train"])
+    assert "--machine_rank" not in single and "--rdzv_conf" not in single
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--nnodes", "2", "--node-rank", "0"], "--nnodes 2 needs --master-port"),
+        (["--nnodes", "2", "--master-port", "29500"], "--nnodes 2 needs --node-rank"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank 2 is not a machine"),
+        (["--node-rank", "1"], "--node-rank 1 needs --nnodes of at least 2"),
+        (["--nnodes", "2", "--node-rank", "0", "--master-port", "70000"], "70000 is not a TCP port"),
+        (
+            ["--nnodes", "2", "--node-rank", "0", "--master-port", "29500", "--join-timeout", "0"],
+            "more than 0",
+        ),
+    ],
+)
+def test_machine_options_that_cannot_start_a_run_are_refused(
+    options: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_diffusion_rl import launch
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.setattr(launch, "run_launched", _must_not_launch)
+    assert main(["train", *options, "eval.metrics=[]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(expected) == 1 and "Traceback" not in err, err
+
+
+def test_a_layout_indivisible_over_every_machines_processes_is_refused_before_launching(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_diffusion_rl import launch
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.setattr(launch, "run_launched", _must_not_launch)
+    machine = ["--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port())]
+    assert main(["train", "--nproc", "2", *machine, "data.prompts_per_step=2", "eval.metrics=[]"]) == 2
+    assert "data.prompts_per_step=2 must be divisible by the 4 processes" in capsys.readouterr().err
+
+
+def test_a_master_port_in_use_on_machine_0_is_refused_before_launching(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_diffusion_rl import launch
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.setattr(launch, "run_launched", _must_not_launch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        machine = ["--nnodes", "2", "--node-rank", "0", "--master-port", str(port)]
+        assert main(["train", *machine, "eval.metrics=[]"]) == 2
+    assert f"--master-port {port} is in use on this machine (machine 0" in capsys.readouterr().err
+
+
+def _must_not_launch(*_args: object, **_kwargs: object) -> int:
+    raise AssertionError("a refused layout must not start a launcher")
+
+
+def _layout(rank: int, machine: int, local: int, declared: int, config: str = "c") -> ProcessLayout:
+    return ProcessLayout(rank, machine, "host", local, declared, config)
+
+
+def test_machines_with_other_process_counts_are_named_with_what_to_make_equal() -> None:
+    agreeing = [_layout(0, 0, 2, 4), _layout(1, 0, 2, 4), _layout(2, 1, 2, 4), _layout(3, 1, 2, 4)]
+    assert layout_problem(agreeing, 4) is None
+    # machine 0 told --nproc 2, machine 1 --nproc 1: torch elastic still forms a world of 3
+    problem = layout_problem([_layout(0, 0, 2, 4), _layout(1, 0, 2, 4), _layout(2, 1, 1, 2)], 3)
+    assert problem is not None
+    assert "machine 0 (host) runs 2 processes and its launcher declared 4 in all" in problem
+    assert "machine 1 (host) runs 1 process and its launcher declared 2 in all; 3 processes joined" in problem
+    assert "the same --nproc (processes per machine) and --nnodes" in problem
+
+
+def test_machines_given_other_configs_are_named_key_by_key() -> None:
+    base = flatten({"train": {"steps": 2, "output_dir": "runs/a"}, "reward": {"weights": {"x": 1.0}}})
+    assert base == {"train.steps": 2, "train.output_dir": "runs/a", "reward.weights": {"x": 1.0}}
+    assert config_problem([(0, base), (1, dict(base))]) is None
+    other = {**base, "train.steps": 3}
+    problem = config_problem([(0, base), (0, base), (1, other)])
+    assert problem is not None
+    assert (
+        "machine 1 was given another config than machine 0: train.steps is 3 there and 2 on machine 0"
+        in problem
+    )
+    assert "the same config file and overrides" in problem
+
+
+def test_a_process_describes_itself_from_its_launchers_environment() -> None:
+    env = {"RANK": "3", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}
+    raw = describe_process({"train": {"steps": 2}}, env)
+    assert (raw.rank, raw.machine, raw.local_processes, raw.declared_world) == (3, 1, 2, 4)
+    declared = describe_process({"train": {"steps": 2}}, {**env, "ODRL_DECLARED_WORLD": "6"})
+    assert declared.declared_world == 6 and declared.config_sha256 == raw.config_sha256
+    assert describe_process({"train": {"steps": 3}}, env).config_sha256 != raw.config_sha256
+
+
+def _elastic_env(port: int, rank: int) -> dict[str, str]:
+    return {
+        "GROUP_WORLD_SIZE": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "GROUP_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def test_a_process_that_never_starts_stops_the_others_before_the_process_group() -> None:
+    """torch elastic's agent store (played here by a TCPStore of this test): rank 1 died before
+    the run began; rank 0 is told within the join timeout instead of waiting in init_process_group."""
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    with pytest.raises(LaunchError, match=r"process\(es\) 1 of 2 did not start within 0.5 s"):
+        wait_for_every_process(0.5, _elastic_env(port, 0))
+    store.set("odrl_join/none/0/1", "1")  # rank 1 arrives
+    wait_for_every_process(0.5, _elastic_env(port, 0))
+    wait_for_every_process(0.5, {})  # one machine, or no launcher: nothing to wait for
+    del store
+
+
+def test_a_store_nobody_serves_is_a_sentence() -> None:
+    with pytest.raises(
+        LaunchError, match=r"store on machine 0 \(127.0.0.1:\d+\) did not answer within 0.5 s"
+    ):
+        wait_for_every_process(0.5, _elastic_env(free_port(), 1))
+
+
+# --- two launches on loopback, each playing a machine --------------------------------------------
+
+
+@pytest.mark.slow  # starts launchers and training processes
+def test_two_machines_of_one_process_match_one_machine_of_two(model_dir: Path, tmp_path: Path) -> None:
+    one = tmp_path / "one_machine"
+    reference = _one_machine(2, fast_overrides(model_dir, one, 2))
+    two = tmp_path / "two_machines"
+    args, port = fast_overrides(model_dir, two, 2), free_port()
+    first, second = _run_machines(_machine(0, port, args), _machine(1, port, args))
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
+    rows_1, rows_2 = step_records(one), step_records(two)
+    assert [r["step"] for r in rows_2] == [1, 2]
+    for a, b in zip(rows_1, rows_2, strict=True):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+    after = last_json_line(first.stdout)["heldout_reward_after"]
+    assert after == pytest.approx(last_json_line(reference.stdout)["heldout_reward_after"], abs=1e-4)
+    assert "{" not in second.stdout, "machine 1 has no main process: the summary is printed once"
+
+
+@pytest.mark.slow  # starts launchers and training processes
+def test_separate_mode_trains_on_machine_0_from_a_rollout_process_on_machine_1(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Machine 0 runs the trainer (rank 0), machine 1 the rollout process; machine 1 is started with
+    accelerate launch and the recipe, as accelerate users do (the two launchers are interchangeable).
+    The schedule is deterministic (staleness bound 0, wait), so every clock-free logged value and the
+    held-out rewards equal one machine's 2 processes; timings, idle seconds and the buffer's depth
+    depend on the clock (and on the network between the machines) and are left out."""
+    one = tmp_path / "one_machine"
+    reference = last_json_line(
+        _one_machine(2, [*fast_overrides(model_dir, one, 2), *DETERMINISTIC_SEPARATE]).stdout
+    )
+    two = tmp_path / "two_machines"
+    args, port = [*fast_overrides(model_dir, two, 2), *DETERMINISTIC_SEPARATE], free_port()
+    first, second = _run_machines(_machine(0, port, args), _accelerate_machine(1, port, args))
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
+    summary = last_json_line(first.stdout)
+    assert summary["execution"]["mode"] == "separate"
+    assert (summary["execution"]["trainer_replicas"], summary["execution"]["rollout_replicas"]) == (1, 1)
+    assert summary["samples"]["trained"] == reference["samples"]["trained"] == 2 * 2 * 2
+    assert summary["execution"]["buffer"]["staleness_histogram"] == {"0": 8}
+    for key in ("heldout_reward_before", "heldout_reward_after"):
+        assert summary[key] == reference[key]
+    assert _clock_free(two) == _clock_free(one)
+
+
+@pytest.mark.slow  # starts launchers and training processes
+@pytest.mark.parametrize(
+    ("machine_1", "sentence"),
+    [
+        ({"nproc": 1}, "the machines do not agree on the run's layout: machine 0 "),
+        ({"extra": ["train.steps=3"]}, "machine 1 was given another config than machine 0: train.steps is 3"),
+    ],
+    ids=["nproc", "config"],
+)
+def test_machines_that_disagree_are_refused_before_any_step(
+    model_dir: Path, tmp_path: Path, machine_1: dict, sentence: str
+) -> None:
+    """Machine 0 says --nproc 2 and machine 1 --nproc 1 (torch elastic forms a world of 3 anyway),
+    or machine 1 is given another override: every machine exits 2 with the sentence, no traceback."""
+    run = tmp_path / "run"
+    args, port = [*fast_overrides(model_dir, run, 2), "data.prompts_per_step=4"], free_port()
+    nproc_0 = 2 if "nproc" in machine_1 else 1
+    first, second = _run_machines(
+        _machine(0, port, args, nproc=nproc_0),
+        _machine(1, port, [*args, *machine_1.get("extra", [])], nproc=machine_1.get("nproc", 1)),
+    )
+    for done in (first, second):
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.count(sentence) == 1, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not (run / "metrics.jsonl").exists(), "refused before any step is logged"
+
+
+@pytest.mark.slow  # starts launchers
+def test_a_machine_that_never_joins_ends_the_other_with_a_sentence_and_leaves_nothing(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Machine 0 started alone waits for the other to join; machine 1 started alone waits for
+    machine 0 to answer. Each gives up after --join-timeout with one sentence instead of torch's
+    traceback, and no process of either is left."""
+    runs = {rank: tmp_path / f"alone_{rank}" for rank in (0, 1)}
+    started = {
+        rank: _start(_machine(rank, free_port(), fast_overrides(model_dir, run, 2), join_timeout_s=10))
+        for rank, run in runs.items()
+    }
+    ended, survivors = {}, {}
+    try:
+        for rank, proc in started.items():
+            ended[rank] = proc.communicate(timeout=SAFETY_TIMEOUT_S)[1]
+            survivors[rank] = _survivors(proc.pid, str(runs[rank]))
+    finally:
+        for proc in started.values():
+            _kill_session(proc)
+    for rank, err in ended.items():
+        assert started[rank].returncode == 1, err[-3000:]
+        assert "odrl: machine(s) did not join within 10 s (--join-timeout)" in err, err[-3000:]
+        assert "--node-rank (0 on the machine at --master-addr 127.0.0.1, 1 on the other)" in err
+        assert "Traceback" not in err, err[-3000:]
+        assert not survivors[rank], f"machine {rank} left processes behind: {survivors[rank]}"
+        assert not (runs[rank] / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # starts launchers and training processes
+def test_a_process_that_dies_before_the_run_begins_stops_the_other_machine(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The machines joined, but machine 1's process stops at once (its run folder is a file): machine 0's
+    process is told within --join-timeout instead of waiting in init_process_group (30 min). Machine
+    0's join timeout (its rendezvous too) is short; machine 1's is long, so that machine 1 joins
+    however slowly it starts."""
+    port = free_port()
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    args = fast_overrides(model_dir, tmp_path / "run", 2)
+    first, second = _run_machines(
+        _machine(0, port, args, join_timeout_s=20),
+        _machine(1, port, [*args, f"train.output_dir={blocked}"]),
+    )
+    assert second.returncode == 2 and f"train.output_dir={blocked} is a file" in second.stderr, second.stderr
+    assert first.returncode == 2, first.stderr[-3000:]
+    expected = "odrl: LaunchError: process(es) 1 of 2 did not start within 20 s (--join-timeout)"
+    assert expected in first.stderr, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr + second.stderr
+
+
+def _start(command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=LAUNCH_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
