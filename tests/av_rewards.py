@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from omni_diffusion_rl.reward import RewardOutput
+from omni_diffusion_rl.benchmarks.tiny_families import AudioVideoLevel  # noqa: F401 - the tests import it here
 from rewards.imagebind import INSTALL_COMMAND, TINY_ARCHITECTURE, build_model, imagebind_available
 from rewards.tiny_models import save_tiny_clap
 
@@ -30,14 +30,6 @@ def clap_and_imagebind(folder: Path) -> dict[str, Any]:
         "imagebind": {"checkpoint": str(folder / "imagebind.pth"), "architecture": TINY_ARCHITECTURE},
     }
     return {"weights": {"clap": 1.0, "imagebind": 1.0}, "options": options}
-
-
-class AudioVideoLevel:
-    """A test reward that needs both streams: mean brightness plus mean loudness."""
-
-    def score(self, media, prompts):  # noqa: ANN001, ANN201
-        level = media.video.mean(dim=(1, 2, 3, 4)) + media.audio.abs().mean(dim=(1, 2))
-        return RewardOutput(level.clamp(0, 1), {})
 
 
 AV_LEVEL_PLUGIN = """
