@@ -1,0 +1,274 @@
+"""Whole sharded runs (train.sharding=fsdp) on two gloo processes against unsharded ones: the same
+losses, rewards and adapters (within 1e-5) for the tiny model, LTX-2 and MiniMax-H3, for NFT,
+distillation and RAFT (with dropped samples), resume in every direction, bf16, offload, and the
+separate and hybrid modes with a sharded trainer pool."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.world import tiny_world as world
+
+from .av_rewards import AV_LEVEL_PLUGIN
+from .h3_tiny import CLIP as H3_CLIP
+from .h3_tiny import save_tiny_h3
+from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
+from .ltx2_tiny import CLIP as LTX2_CLIP
+from .ltx2_tiny import tiny_ltx2_pipeline
+
+pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
+
+TOLERANCE = 1e-5
+SHARDED = "train.sharding=fsdp"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def _train(
+    overrides: list[str], processes: int = 1, resume: Path | None = None, env: dict[str, str] | None = None
+) -> dict:
+    """`odrl train [--nproc N]` in its own processes; its summary."""
+    args = ["train", *(["--nproc", str(processes)] if processes > 1 else []), *overrides]
+    args += ["--resume", str(resume)] if resume else []
+    env = {
+        **ENV,
+        "ACCELERATE_USE_CPU": "true",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
+    proc = run_process_tree(odrl(*args), timeout_s=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if processes > 1 and SHARDED in overrides:
+        assert "sharding: FSDP2 over" in proc.stderr, "the run says which sharding is in force"
+    return last_json_line(proc.stdout)
+
+
+def _accelerate_fsdp(overrides: list[str]) -> dict:
+    """`accelerate launch --config_file recipes/accelerate/fsdp2.yaml` of 2 processes, as shipped (a
+    GPU config: on a machine without CUDA the processes run on CPU, sharded by the config)."""
+    from omni_diffusion_rl.launch import free_port
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    command += [str(REPO / "recipes" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2"]
+    command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
+    command += [str(REPO / "recipes" / "train_nft.py"), *overrides]
+    env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"} | {"OMP_NUM_THREADS": "1"}
+    proc = run_process_tree(command, timeout_s=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "sharding: FSDP2 over 2 training processes (accelerate launch's FSDP config" in proc.stderr
+    return last_json_line(proc.stdout)
+
+
+def _adapters(run: Path) -> dict:
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    return load_file(run / "checkpoints" / latest / "tensors.safetensors")
+
+
+def _assert_same_run(a: Path, b: Path, tolerance: float = TOLERANCE) -> None:
+    """Every logged loss and reward, and every adapter tensor, within `tolerance` (0: bit-equal)."""
+    rows_a, rows_b = step_records(a), step_records(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for x, y in zip(rows_a, rows_b, strict=True):
+        for key in x:
+            if key.startswith(("loss/", "reward/", "nft/")):
+                assert abs(x[key] - y[key]) <= tolerance, (x["step"], key, x[key], y[key])
+    adapters_a, adapters_b = _adapters(a), _adapters(b)
+    assert adapters_a.keys() == adapters_b.keys() and adapters_a
+    worst = max(float((adapters_a[k] - adapters_b[k]).abs().max()) for k in adapters_a)
+    assert worst <= tolerance, f"adapters differ by {worst:.3g}"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model for 3 steps with a checkpoint every step: one process unsharded, two sharded
+    (through accelerate's FSDP config) and two unsharded."""
+    root = tmp_path_factory.mktemp("tiny_runs")
+    runs = {name: root / name for name in ("single", "sharded", "double")}
+    base = ["train.checkpoint_every=1", "algorithm.kl_coef=0.1"]
+    _train([*fast_overrides(model_dir, runs["single"], 3), *base])
+    _accelerate_fsdp([*fast_overrides(model_dir, runs["sharded"], 3), *base])
+    _train([*fast_overrides(model_dir, runs["double"], 3), *base], processes=2)
+    return runs
+
+
+def test_two_sharded_processes_train_what_one_process_does(tiny_runs: dict[str, Path]) -> None:
+    _assert_same_run(tiny_runs["single"], tiny_runs["sharded"])
+    _assert_same_run(
+        tiny_runs["double"], tiny_runs["sharded"], tolerance=0.0
+    )  # FSDP's mean = the hand-made one
+
+
+def _resume_from_step_2(run: Path, into: Path) -> Path:
+    """`into`: a copy of `run` as it was after step 2 (checkpoint and metrics)."""
+    into.mkdir(parents=True)
+    shutil.copytree(run / "checkpoints" / "step_0000002", into / "checkpoints" / "step_0000002")
+    (into / "checkpoints" / "latest").write_text("step_0000002")
+    kept = [
+        line for line in (run / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2
+    ]
+    (into / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    return into / "checkpoints" / "step_0000002"
+
+
+def test_sharded_checkpoints_resume_sharded_and_unsharded_and_the_other_way(
+    model_dir: Path, tiny_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    base = ["train.checkpoint_every=1", "algorithm.kl_coef=0.1"]
+    cases = {  # (the run whose step-2 checkpoint is resumed, processes, sharded)
+        "sharded_to_sharded": ("sharded", 2, True),
+        "sharded_to_whole": ("sharded", 1, False),
+        "whole_to_sharded": ("single", 2, True),
+    }
+    for name, (source, processes, sharded) in cases.items():
+        run = tmp_path / name
+        checkpoint = _resume_from_step_2(tiny_runs[source], run)
+        extra = [SHARDED] if sharded else []
+        _train([*fast_overrides(model_dir, run, 3), *base, *extra], processes, resume=checkpoint)
+        reference = tiny_runs["sharded" if sharded else "single"]
+        _assert_same_run(reference, run, tolerance=0.0 if name == "sharded_to_sharded" else TOLERANCE)
+
+
+def test_bf16_stays_within_two_percent_and_offload_changes_nothing(
+    model_dir: Path, tiny_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    base = ["train.checkpoint_every=1", "algorithm.kl_coef=0.1", SHARDED]
+    bf16, offload = tmp_path / "bf16", tmp_path / "offload"
+    _train([*fast_overrides(model_dir, bf16, 3), *base, "train.mixed_precision=bf16"], processes=2)
+    _train([*fast_overrides(model_dir, offload, 3), *base, "train.cpu_offload=true"], processes=2)
+    fp32_rows = step_records(tiny_runs["sharded"])
+    for fp32, low in zip(fp32_rows, step_records(bf16), strict=True):
+        for key in ("loss/total", "loss/policy", "loss/positive", "loss/negative"):
+            assert low[key] == pytest.approx(fp32[key], rel=0.02), (fp32["step"], key)
+    _assert_same_run(tiny_runs["sharded"], offload, tolerance=0.0)  # host memory is where CPU shards live
+
+
+RED = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
+BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
+
+
+@pytest.mark.parametrize("algorithm", ["distill", "raft"])
+def test_distillation_and_raft_with_dropped_samples_train_sharded_as_whole(
+    model_dir: Path, tmp_path: Path, algorithm: str
+) -> None:
+    """One process's prompt group fails to score at some steps (all its samples dropped): the
+    sharded processes still run the same passes, the dropped samples weighing 0; the in-process
+    teacher is sharded too."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{RED}\n{BLUE}\n")
+    extra = [
+        f"algorithm.name={algorithm}",
+        f"data.prompts={prompts}",
+        f"reward.plugins=[{REPO / 'tests' / 'plugin_rewards.py'}]",
+        "reward.weights={color_match: 1.0, test_fails_on_red: 1.0}",
+        "reward.max_failed_fraction=0.5",
+        "train.eval_at_start_and_end=false",
+        "train.micro_batch_size=1",
+        *(["algorithm.raft_keep=1"] if algorithm == "raft" else []),
+    ]
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    _train([*fast_overrides(model_dir, whole, 3), *extra])
+    summary = _train([*fast_overrides(model_dir, sharded, 3), *extra, SHARDED], processes=2)
+    assert summary["samples"]["dropped/reward_failed"] == 6, "half of the samples were dropped"
+    _assert_same_run(whole, sharded)
+
+
+def _family_overrides(family: str, folder: Path) -> list[str]:
+    """A tiny random-init LTX-2 or H3 saved in `folder`, and the overrides that train it 3 steps."""
+    plugin = folder / "av_level.py"
+    plugin.write_text(AV_LEVEL_PLUGIN)
+    if family == "ltx2":
+        tiny_ltx2_pipeline().save_pretrained(folder / "model")
+        clip = LTX2_CLIP
+    else:
+        save_tiny_h3(folder / "model")
+        clip = H3_CLIP
+    options = "{" + ", ".join(f"{k}: {v}" for k, v in clip.items()) + "}"
+    return [
+        f"model.family={family}",
+        f"model.pretrained={folder / 'model'}",
+        f"model.options={options}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "optim.lr=3e-4",  # the LTX-2 and H3 recipes' learning rate
+        "train.steps=3",
+        "train.eval_at_start_and_end=false",
+        "train.preview_every=0",
+        "train.progress=false",
+        "data.prompts_per_step=2",
+        "data.group_size=2",
+        "sampling.num_steps=3",
+        f"reward.plugins=[{plugin}]",
+        "reward.weights={av_level: 1}",
+        "eval.metrics=[]",
+    ]
+
+
+@pytest.mark.parametrize("family", ["ltx2", "minimax_h3"])
+def test_ltx2_and_h3_train_sharded_as_whole(family: str, tmp_path: Path) -> None:
+    overrides = _family_overrides(family, tmp_path)
+    _train([*overrides, f"train.output_dir={tmp_path / 'whole'}"])
+    _train([*overrides, f"train.output_dir={tmp_path / 'sharded'}", SHARDED], processes=2)
+    _assert_same_run(tmp_path / "whole", tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("mode", ["separate", "hybrid"])
+def test_a_sharded_trainer_pool_trains_from_the_buffer_and_syncs_whole_adapters(
+    model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """2 sharded trainer processes and 1 rollout process: every sample accounted for, and the
+    rollout process loaded whole adapters at every sync (a sync that binds nothing is an error).
+    Hybrid scores slowly (0.4 s a group, test_slow), so rollout cannot keep up and both sharded
+    trainers are lent together."""
+    run = tmp_path / "run"
+    extra = [
+        f"execution.mode={mode}",
+        "execution.rollout_replicas=1",
+        "execution.data_timeout_s=120",
+        SHARDED,
+    ]
+    if mode == "hybrid":
+        plugin = REPO / "tests" / "plugin_rewards.py"
+        extra += [f"reward.plugins=[{plugin}]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
+        extra += ["train.eval_at_start_and_end=false"]
+    summary = _train(
+        [*fast_overrides(model_dir, run, 3), *extra], processes=3, env={"ODRL_TEST_SLOW_S": "0.4"}
+    )
+    ex = summary["execution"]
+    buffer = ex["buffer"]
+    assert (ex["trainer_replicas"], ex["rollout_replicas"]) == (2, 1)
+    assert buffer["trained"] == 3 * 2 * 2 == summary["samples"]["trained"]
+    waiting = buffer["in_training"] + buffer.get("waiting", 0)
+    assert buffer["generated"] == buffer["trained"] + sum(buffer["dropped"].values()) + waiting
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["loss/total"] == r["loss/total"] for r in rows)  # finite, not NaN
+    if mode == "hybrid":
+        assert ex["hybrid"]["lends"] > 0, "one slow rollout process cannot keep up with training"
+        assert ex["hybrid"]["lent_groups"] == 2 * ex["hybrid"]["lends"], "both sharded trainers generate"
+
+
+def test_the_sharding_bench_pairs_both_layouts_by_round(model_dir: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.benchmarks.sharding import run_sharding_bench
+
+    small = [f"model.pretrained={model_dir}", "data.prompts_per_step=2", "data.group_size=2"]
+    small += ["sampling.num_steps=3", "model.lora_rank=4"]
+    output = tmp_path / "sharding.json"
+    result = run_sharding_bench(
+        output, str(REPO / "recipes/configs/tiny_t2av_nft.yaml"), small, steps=2, repeats=1
+    )
+    assert json.loads(output.read_text())["sharded_vs_unsharded"] == result["sharded_vs_unsharded"]
+    assert output.with_suffix(".png").stat().st_size > 0
+    for layout in ("sharded", "unsharded"):
+        assert len(result["rounds"][layout]) == 1 and result["rounds"][layout][0]["train_s"] > 0
+    assert result["sharded_vs_unsharded"]["s_per_prompt"]["verdict"] in ("faster", "slower", "within noise")
