@@ -253,12 +253,15 @@ def test_a_store_nobody_serves_is_a_sentence() -> None:
 
 @pytest.mark.slow  # starts launchers and training processes
 def test_two_machines_of_one_process_match_one_machine_of_two(model_dir: Path, tmp_path: Path) -> None:
+    """The two machines also shard the model between them (train.sharding=fsdp): one weight split
+    over two machines trains what one machine's two unsharded processes do."""
     one = tmp_path / "one_machine"
     reference = _one_machine(2, fast_overrides(model_dir, one, 2))
     two = tmp_path / "two_machines"
-    args, port = fast_overrides(model_dir, two, 2), free_port()
+    args, port = [*fast_overrides(model_dir, two, 2), "train.sharding=fsdp"], free_port()
     first, second = _run_machines(_machine(0, port, args), _machine(1, port, args))
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
+    assert "sharding: FSDP2 over 2 training processes" in first.stderr
     rows_1, rows_2 = step_records(one), step_records(two)
     assert [r["step"] for r in rows_2] == [1, 2]
     for a, b in zip(rows_1, rows_2, strict=True):
