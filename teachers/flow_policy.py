@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omni_diffusion_rl.config import ModelConfig
+from omni_diffusion_rl.config import ConfigError, ModelConfig
 from omni_diffusion_rl.registry import teachers
 from omni_diffusion_rl.teacher import CONVENTION, TeacherInfo, latent_layout
 
@@ -36,8 +36,7 @@ class FlowPolicyTeacher:
         from omni_diffusion_rl.inference import load_policy
         from omni_diffusion_rl.models import build_policy
 
-        if not cfg_scale >= 1.0:
-            raise ValueError(f"teacher 'policy': cfg_scale must be >= 1 (1 is off); got {cfg_scale}")
+        _check_options(cfg_scale, device, options)
         if checkpoint is not None:
             self.policy = load_policy(checkpoint)
             source = {"checkpoint_adapters": _adapter_digest(Path(checkpoint))}
@@ -54,11 +53,12 @@ class FlowPolicyTeacher:
             move(device)
         self.policy.transformer.to(device).requires_grad_(False).eval()
         self.device, self.cfg_scale = torch.device(device), float(cfg_scale)
+        self._sharded = False  # shard() splits the transformer over the training processes
         if self.cfg_scale != 1.0:
             try:
                 self.policy.encode_prompts([""])
             except ValueError as e:
-                raise ValueError(
+                raise ConfigError(
                     f"teacher 'policy': cfg_scale={cfg_scale} needs the empty prompt, which {family} refuses "
                     f"({e}); use cfg_scale 1"
                 ) from e
@@ -76,11 +76,12 @@ class FlowPolicyTeacher:
         """Split the frozen transformer over the training processes (sharding.Sharder), forward only;
         the teacher must run on the trainers' kind of device."""
         if self.device.type != sharder.device.type:
-            raise ValueError(
+            raise ConfigError(
                 f"teacher 'policy' runs on {self.device} but the training processes shard on "
                 f"{sharder.device.type}: set teacher.options.device={sharder.device.type}"
             )
         sharder.teacher(self.policy.transformer, self.family)
+        self._sharded = True
 
     @torch.no_grad()
     def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -91,7 +92,26 @@ class FlowPolicyTeacher:
             empty = {k: v.to(self.device) for k, v in self.policy.encode_prompts([""] * len(prompts)).items()}
             v_empty = self.policy.velocity(x_t, t, empty).float()
             v = v_empty + self.cfg_scale * (v - v_empty)
+        if self._sharded:  # FSDP keeps a root's weights gathered after forward for a backward that
+            self.policy.transformer.reshard()  # never comes to a teacher: split them again
         return v.cpu()
+
+
+def _check_options(cfg_scale: Any, device: Any, options: Any) -> None:
+    """The teacher's options as a ConfigError sentence (teacher.options, or serve-teacher --options)."""
+    where = "teacher 'policy' (teacher.options or serve-teacher --options)"
+    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or not cfg_scale >= 1.0:
+        raise ConfigError(f"{where}: cfg_scale must be a number >= 1 (1 is off); got {cfg_scale!r}")
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(
+            f"{where}: options must be a mapping of the family's model.options; got {options!r}"
+        )
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"{where}: device {device!r} is not a device, e.g. cpu or cuda:0 ({e})") from e
+    if kind.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{where}: device {device!r} but no CUDA device is visible here; use device cpu")
 
 
 def _adapter_digest(checkpoint: Path) -> str:

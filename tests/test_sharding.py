@@ -183,7 +183,19 @@ def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None
             for k in state["state"][i]
         )
         moments_whole = all(state["state"][i]["exp_avg"].shape == params[i].shape for i in state["state"])
+        from teachers.flow_policy import FlowPolicyTeacher
+
+        whole_teacher, teacher = FlowPolicyTeacher(), FlowPolicyTeacher()
+        teacher.shard(sharder)
+        prompts = ["a red circle", "a blue square", "a low tone"]
+        teacher_gap = float(
+            (teacher.velocity(x, t, prompts) - whole_teacher.velocity(x, t, prompts)).abs().max()
+        )
         result = {
+            "teacher_whole": [
+                n for n, p in teacher.policy.transformer.named_parameters() if type(p).__name__ != "DTensor"
+            ][:5],
+            "teacher_gap": teacher_gap,
             "sharded": all(type(p).__name__ == "DTensor" for p in sharded.transformer.parameters()),
             "base_bytes": local_bytes(base),
             "whole_base_bytes": local_bytes(whole_base),
@@ -215,3 +227,5 @@ def test_sharded_pieces_on_two_processes_equal_the_whole_model(model_dir: Path, 
         assert got["velocity_gap"] < 1e-6
         assert got["state_roundtrip"] and got["moments_whole"]
         assert got["norm_type"] == "Tensor"
+        assert got["teacher_whole"] == [], "the teacher's weights are split, after a forward too"
+        assert got["teacher_gap"] < 1e-5
