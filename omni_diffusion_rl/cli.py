@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +48,7 @@ def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.config and "=" in args.config and not Path(args.config).exists():
+    if args.config and _is_override(args.config):
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
     machines = _machines(args)
@@ -85,6 +91,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary), flush=True)
     _close_process_group()
     return 0
+
+
+def _is_override(word: str) -> bool:
+    """Whether a positional word is a key=value override rather than a file (which may hold '=')."""
+    if "=" not in word:
+        return False
+    try:
+        return not Path(word).exists()
+    except OSError:  # a name too long for a path: an override
+        return True
 
 
 def _machines(args: argparse.Namespace):  # noqa: ANN202 - launch.Machines, imported lazily
@@ -155,6 +171,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         prompts += load_prompts(args.prompts_file)
     if not prompts:
         raise ConfigError("give at least one --prompt or a --prompts-file")
+    _check_output_folder(args.output)
     policy = load_policy(args.checkpoint, args.pretrained)
     if getattr(policy, "kind", None) == "answers":
         raise ConfigError(
@@ -171,12 +188,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .eval_targets import evaluate_target, target_config
     from .evaluation import format_table, json_safe
 
-    overrides = [t for t in args.targets if "=" in t and not Path(t).exists()]
+    overrides = [t for t in args.targets if _is_override(t)]
     targets = [t for t in args.targets if t not in overrides]
     if not targets:
         raise ConfigError(
             "name at least one target to evaluate: a checkpoint, a model directory, base or world"
         )
+    if args.output:
+        _check_output_file(args.output)
     results = {}
     for target in targets:
         cfg = target_config(target, args.config, overrides)
@@ -195,7 +214,7 @@ def cmd_probe_rewards(args: argparse.Namespace) -> int:
     from .reward_factory import reward_from_config
     from .world.adversarial import probe_rewards
 
-    if args.config and "=" in args.config and not Path(args.config).exists():
+    if args.config and _is_override(args.config):
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
     cfg = load_config(args.config, list(args.overrides))
@@ -264,6 +283,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     steps = {} if args.steps is None else {"steps": args.steps}  # each bench has its own default
     repeats = args.repeats
+    if args.output:
+        _check_output_file(args.output)
     if args.name == "recheck":
         from .benchmarks.recheck import run_recheck_bench
 
@@ -322,6 +343,8 @@ def _json_options(text: str | None, example: str) -> object:
         return json.loads(text) if text else {}
     except json.JSONDecodeError as e:
         raise ConfigError(f"--options must be JSON, e.g. '{example}': {e}") from e
+    except RecursionError as e:  # json nests by recursion
+        raise ConfigError(f"--options nests too deeply for keyword arguments, e.g. '{example}'") from e
 
 
 def _serve_settings(args: argparse.Namespace, **extra: float) -> ServeSettings:
@@ -353,13 +376,13 @@ def _serve_settings(args: argparse.Namespace, **extra: float) -> ServeSettings:
 def cmd_serve_teacher(args: argparse.Namespace) -> int:
     from .config import import_plugins
     from .registry import teachers
-    from .serving.server import main_serve
 
     import_plugins(args.plugin or [])
     options = _json_options(args.options, '{"pretrained": "/models/teacher"}')
     if not isinstance(options, dict):
         raise ConfigError("--options must be a JSON object of the teacher's keyword arguments")
     settings = _serve_settings(args, service_ms=args.service_ms)
+    _check_can_listen(settings)  # before the teacher loads
     for key, value in (("checkpoint", args.checkpoint), ("device", args.device)):
         if value:
             options.setdefault(key, value)
@@ -367,13 +390,12 @@ def cmd_serve_teacher(args: argparse.Namespace) -> int:
         teacher = teachers.create(args.name, **options)
     except TypeError as e:
         raise ConfigError(f"teacher '{args.name}' could not be created with {sorted(options)} ({e})") from e
-    return main_serve({}, settings, teachers={args.name: teacher})
+    return _serve({}, settings, teachers={args.name: teacher})
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
     from .config import import_plugins
     from .registry import rewards
-    from .serving.server import main_serve
 
     import_plugins(args.plugin or [])
     options = _json_options(args.options, '{"clap": {"checkpoint": "/m"}}')
@@ -383,6 +405,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--options names rewards that are not served: {unknown}")
     settings = _serve_settings(args)
+    _check_can_listen(settings)  # before the rewards load
     served = {}
     for name in args.names:
         kwargs = dict(options.get(name, {}))
@@ -397,7 +420,76 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
                 f"reward '{name}' could not be created with {sorted(kwargs)} ({e}); give each reward its "
                 "own keyword arguments with --options"
             ) from e
-    return main_serve(served, settings)
+    return _serve(served, settings)
+
+
+def _serve(rewards: dict, settings: ServeSettings, teachers: dict | None = None) -> int:
+    """Run the server; a port taken since the check at start is a sentence too."""
+    from .serving.server import main_serve
+
+    with _listen_errors(settings):
+        return main_serve(rewards, settings, teachers=teachers)
+
+
+def _check_can_listen(settings: ServeSettings) -> None:
+    """Refuse, before any model loads, a --host/--port this process cannot listen on."""
+    if settings.port == 0:
+        return
+    with _listen_errors(settings):
+        addresses = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM)
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+                probe.bind(address)
+
+
+@contextmanager
+def _listen_errors(settings: ServeSettings) -> Iterator[None]:
+    """The OS errors of listening on --host/--port as ConfigError sentences; any other unchanged."""
+    try:
+        yield
+    except OSError as e:
+        refusal = _listen_refusal(e, settings.host, settings.port)
+        if refusal is None:
+            raise
+        raise refusal from e
+
+
+def _listen_refusal(e: OSError, host: str, port: int) -> ConfigError | None:
+    """The sentence for an error listening on host:port, or None when it is none of those."""
+    if isinstance(e, socket.gaierror):
+        return ConfigError(f"--host {host} is not a name or address of this machine ({e.strerror})")
+    reasons = {
+        errno.EADDRINUSE: f"port {port} on {host} is in use (another server?): stop it, or pass another "
+        "--port (0 picks a free one)",
+        errno.EADDRNOTAVAIL: f"--host {host} is not an address of this machine: give one of its "
+        "addresses, 127.0.0.1 (default) or 0.0.0.0 (every address, with a token)",
+        errno.EACCES: f"port {port} on {host} needs privileges here: pass --port 1024 or above (0 picks a "
+        "free one)",
+    }
+    reason = reasons.get(e.errno)
+    return ConfigError(f"cannot listen: {reason}") if reason else None
+
+
+def _check_output_folder(path: Path, option: str = "--output") -> None:
+    """Refuse, before any work, an output folder that cannot be made or written to."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {path} is not a folder; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{option} {path}: cannot write there ({e.strerror or e}); give a folder you can write to"
+        ) from e
+
+
+def _check_output_file(path: Path, option: str = "--output") -> None:
+    """Refuse, before any work, an output file that could not be written."""
+    if path.is_dir():
+        raise ConfigError(f"{option} {path} is a folder; give a file name")
+    _check_output_folder(path.parent, f"{option} {path}: the folder")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -406,6 +498,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .execution.planner.simulate import format_report, simulate_settings
 
     reported = None
+    _check_output_file(args.output)
     if args.measure:
         from .execution.planner.measure import costs_to_json, measure_costs
 
@@ -476,6 +569,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from e
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0 picks a free one), got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -489,7 +592,7 @@ def _positive_int(text: str) -> int:
 def add_server_arguments(parser: argparse.ArgumentParser, token_env: str, port: int) -> None:
     """The options every server takes: address, batching, limits, timeouts and its token."""
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=port, help="0 picks a free port (see the ready line)")
+    parser.add_argument("--port", type=_port, default=port, help="0 picks a free port (see the ready line)")
     parser.add_argument(
         "--max-batch",
         type=_positive_int,
@@ -829,21 +932,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; the project's errors (and the specific OS errors the commands explain) end it
+    with one sentence and exit code 2; anything else is a bug and keeps its traceback."""
     args = parse_args(argv)
-    from .checkpoint import CheckpointError
-    from .prompts import PromptFileError
-    from .registry import RegistryError
-    from .reward import RewardError
-
     try:
         return args.func(args)
-    except (ConfigError, PromptFileError, RegistryError, CheckpointError, RewardError) as e:
-        rank = _launcher_rank()
-        if rank == 0 or _first_on_machine() or not isinstance(e, (ConfigError, PromptFileError)):
-            where = f" (process {rank})" if rank else ""
-            print(f"odrl: {type(e).__name__}{where}: {e}", file=sys.stderr)
-        mark(REFUSED)  # a launched process: its launcher exits 2 too, showing the sentence alone
-        return 2
     except KeyboardInterrupt:
         if _launcher_rank() == 0:
             print(
@@ -851,6 +944,56 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 130
+    except SystemExit as e:  # odrl's commands return their code: this came from a plug-in or library
+        return _refuse("SystemExit", _exit_sentence(e, args.command), per_machine=False)
+    except Exception as e:
+        if not isinstance(e, _explained_errors()):
+            raise
+        from .prompts import PromptFileError
+
+        return _refuse(type(e).__name__, str(e), per_machine=isinstance(e, (ConfigError, PromptFileError)))
+
+
+def _explained_errors() -> tuple[type[Exception], ...]:
+    """The project's error types: each says what was wrong and what to do in one sentence (imported
+    when an error happens, so that a plain command does not import the servers' client)."""
+    from .checkpoint import CheckpointError
+    from .prompts import PromptFileError
+    from .registry import RegistryError
+    from .reward import RewardError
+    from .serving.teacher_client import TeacherServerError
+    from .teacher import TeacherMismatch
+
+    return (
+        ConfigError,
+        PromptFileError,
+        RegistryError,
+        CheckpointError,
+        RewardError,
+        TeacherServerError,
+        TeacherMismatch,
+    )
+
+
+def _refuse(kind: str, sentence: str, per_machine: bool) -> int:
+    """Print `odrl: KIND: sentence` (a configuration error once per machine, anything else from every
+    process that hit it), tell a launcher the run was refused, exit code 2."""
+    rank = _launcher_rank()
+    if rank == 0 or _first_on_machine() or not per_machine:
+        where = f" (process {rank})" if rank else ""
+        print(f"odrl: {kind}{where}: {sentence}", file=sys.stderr)
+    mark(REFUSED)  # a launched process: its launcher exits 2 too, showing the sentence alone
+    return 2
+
+
+def _exit_sentence(e: SystemExit, command: str) -> str:
+    """Who called sys.exit during `odrl COMMAND`, and what to do instead."""
+    frames = traceback.extract_tb(e.__traceback__)
+    caller = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return (
+        f"`odrl {command}` was ended by sys.exit({e.code!r}){caller}; a plug-in must raise an error "
+        "instead of exiting"
+    )
 
 
 def _first_on_machine() -> bool:

@@ -34,6 +34,11 @@ def load_prompts(source: str) -> list[str]:
         raise PromptFileError(
             f"prompt file {path} is a directory; give a UTF-8 text file with one prompt a line"
         )
+    if path.exists() and not path.is_file():
+        raise PromptFileError(
+            f"prompt file {path} is not a regular file (a device, pipe or socket); give a UTF-8 text file "
+            "with one prompt a line"
+        )
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist (or use one of {', '.join(BUILTIN)})")
     if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
@@ -44,6 +49,8 @@ def load_prompts(source: str) -> list[str]:
         raise PromptFileError(
             f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8"
         ) from e
+    except OSError as e:
+        raise PromptFileError(f"prompt file {path} cannot be read ({e.strerror or e})") from e
     prompts = [
         line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
     ]

@@ -8,7 +8,8 @@ A third-party package registers a reward in its pyproject.toml:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -66,11 +67,25 @@ class Registry:
             )
         factory = self._factories[name]
         if isinstance(factory, _LazyEntryPoint):
-            factory = self._factories[name] = factory.load()
+            with self._no_exit(name, "importing"):
+                factory = self._factories[name] = factory.load()
         return factory
 
     def create(self, name: str, **kwargs: Any) -> Any:
-        return self.get(name)(**kwargs)
+        factory = self.get(name)
+        with self._no_exit(name, "creating"):
+            return factory(**kwargs)
+
+    @contextmanager
+    def _no_exit(self, name: str, doing: str) -> Iterator[None]:
+        """A plug-in that calls sys.exit would end odrl without a word: a RegistryError says who."""
+        try:
+            yield
+        except SystemExit as e:
+            raise RegistryError(
+                f"{doing} {self.kind} '{name}' called sys.exit({e.code!r}); a plug-in must raise an error "
+                "instead of exiting"
+            ) from e
 
 
 class _LazyEntryPoint:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .config import DISTILL_STATES, ExperimentConfig
+from .config import DISTILL_STATES, ConfigError, ExperimentConfig
 from .rollout import Rollout, step_generator
 from .teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
 
@@ -72,9 +72,15 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
             c.retries,
             c.request_samples,
             c.health_every_s,
+            token_env=c.token_env,  # named when a server refuses the token
         )
     else:
-        teacher = teachers.create(c.name, **c.options)
+        try:
+            teacher = teachers.create(c.name, **c.options)
+        except TypeError as e:  # an option the teacher does not take
+            raise ConfigError(
+                f"teacher.options: teacher '{c.name}' could not be created with {sorted(c.options)} ({e})"
+            ) from e
         place = getattr(teacher, "shard", None)
         if sharder is not None and callable(place):
             place(sharder)

@@ -277,22 +277,30 @@ class RemoteReward:
         return f" (for reward{plural} {', '.join(repr(n) for n in self.wanted)})"
 
 
-def server_base_url(url: str) -> str:
-    """`url` as scheme://host[:port] without a trailing slash, or a ServerURLError saying what to give."""
-    example = "give only scheme://host:port, e.g. http://127.0.0.1:8400 (as `odrl serve-reward` prints it)"
+SERVER_KINDS = {
+    "reward": ("serve-reward", 8400, "/score/NAME"),
+    "teacher": ("serve-teacher", 8500, "/velocity/NAME"),
+}
+
+
+def server_base_url(url: str, kind: str = "reward") -> str:
+    """`url` as scheme://host[:port] without a trailing slash, or a ServerURLError saying what to give;
+    kind: which server it should be (reward or teacher), named in the errors."""
+    command, port, path = SERVER_KINDS[kind]
+    example = f"give only scheme://host:port, e.g. http://127.0.0.1:{port} (as `odrl {command}` prints it)"
+    what = f"{kind} server url '{url}'"
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
     except ValueError as e:
-        raise ServerURLError(f"reward server url '{url}' is not a valid url ({e}); {example}") from e
+        raise ServerURLError(f"{what} is not a valid url ({e}); {example}") from e
     if parts.scheme not in ("http", "https"):
-        raise ServerURLError(f"reward server url '{url}' must start with http:// or https://; {example}")
+        raise ServerURLError(f"{what} must start with http:// or https://; {example}")
     if not parts.hostname:
-        raise ServerURLError(f"reward server url '{url}' has no host; {example}")
+        raise ServerURLError(f"{what} has no host; {example}")
     if parts.path not in ("", "/") or parts.query or parts.fragment or url.endswith(("?", "#")):
         raise ServerURLError(
-            f"reward server url '{url}' has a path, query or fragment; {example}. The client adds "
-            "/info and /score/NAME itself"
+            f"{what} has a path, query or fragment; {example}. The client adds /info and {path} itself"
         )
     return f"{parts.scheme}://{parts.netloc}"
 

@@ -6,17 +6,25 @@ request goes to the healthy replica with the fewest samples outstanding (so a sl
 requests stay outstanding longer, gets fewer; at most `window` requests wait at a replica, the
 rest here), waits at most `timeout_s`, and on a timeout,
 connection error or 5xx is retried on another replica, up to `retries` times. A replica that failed
-leaves the rotation and comes back once its /health answers (checked every `health_every_s`). When
-no replica is left, a TeacherUnavailable names each one and why it is out. A 4xx (a malformed
-request, a wrong token) is not retried: it is a bug or a setup error, raised at once.
+leaves the rotation and comes back once it is proven again (checked every `health_every_s`): its
+/info must describe the teacher every replica described at start (fingerprint, latent shape, layout,
+convention), so a replica restarted with another teacher stays out, with a logged sentence. An
+answer that came over a new connection is used only once the replica is proven the same way (a
+replica restarted between two requests is a new server). When no replica is left, a
+TeacherUnavailable names each one and why it is out. A 4xx (a malformed request, a wrong token) is
+not retried: it is a bug or a setup error, raised at once. Every error here is a TeacherServerError,
+which `odrl` shows as one sentence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -24,21 +32,35 @@ import torch
 
 from ..reward import run_on_background_loop
 from ..teacher import TeacherInfo, TeacherMismatch
-from .client import _SESSIONS, KEEPALIVE_S, server_base_url
+from .client import _SESSIONS, KEEPALIVE_S, ServerURLError, server_base_url
 from .teacher_wire import decode_velocity, encode_states
 from .wire import CONTENT_TYPE
 
 HEALTH_TIMEOUT_S = 2.0
 WAIT_S = 0.002  # between looks for a free replica slot
 BACKOFF_S, MAX_BACKOFF_S = 0.2, 5.0  # before attempt k + 1: BACKOFF_S * 2^k, at most MAX_BACKOFF_S
+TOKEN_ENV = "ODRL_TEACHER_TOKEN"
+logger = logging.getLogger(__name__)
 
 
-class TeacherUnavailable(RuntimeError):
+class TeacherServerError(RuntimeError):
+    """A teacher server could not be used: down, refusing, misaddressed or serving another teacher."""
+
+
+class TeacherUnavailable(TeacherServerError):
     """No teacher replica could answer (all down or failing)."""
 
 
-class TeacherRequestRejected(ValueError):
+class TeacherRequestRejected(TeacherServerError):
     """A teacher server refused a request (4xx): retrying elsewhere cannot help."""
+
+
+class TeacherServerMismatch(TeacherServerError, TeacherMismatch):
+    """A teacher server serves another teacher than the run's, or none by that name."""
+
+
+class TeacherURLError(TeacherServerError, ValueError):
+    """teacher.urls is empty or holds a url that is not scheme://host:port."""
 
 
 @dataclass
@@ -52,7 +74,8 @@ class Replica:
     failures: int = 0
     seconds: float = 0.0  # waiting for its answers
     last_error: str = ""
-    checked_at: float = field(default=0.0)  # last /health probe while out of rotation
+    checked_at: float = field(default=0.0)  # last probe while out of rotation
+    logged: str = ""  # the refusal last logged for it (each is logged once)
 
 
 class ReplicaPool:
@@ -63,8 +86,8 @@ class ReplicaPool:
 
     def __init__(self, urls: list[str], window: int = 2) -> None:
         if not urls:
-            raise ValueError("teacher.urls is empty: give at least one teacher server")
-        self.replicas = [Replica(server_base_url(u)) for u in urls]
+            raise TeacherURLError("teacher.urls is empty: give at least one teacher server")
+        self.replicas = [Replica(_teacher_url(u)) for u in urls]
         self.window, self.retries = window, 0
 
     def candidates(self, tried: set[str]) -> list[Replica]:
@@ -96,7 +119,8 @@ class ReplicaPool:
 
 class RemoteTeacher:
     """Teacher `name` on the servers at `urls` (scheme://host:port each); window: requests in flight
-    per replica at most (the rest wait here for the first free replica)."""
+    per replica at most (the rest wait here for the first free replica); token: the servers' bearer
+    token (default: the environment variable token_env)."""
 
     def __init__(
         self,
@@ -108,6 +132,7 @@ class RemoteTeacher:
         request_samples: int = 16,
         health_every_s: float = 1.0,
         window: int = 2,
+        token_env: str = TOKEN_ENV,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or request_samples < 1 or health_every_s <= 0:
             raise ValueError(
@@ -116,9 +141,14 @@ class RemoteTeacher:
         self.pool = ReplicaPool(list(urls), window)
         self.name, self.timeout_s, self.retries = name, timeout_s, retries
         self.request_samples, self.health_every_s = request_samples, health_every_s
-        self.token = token if token is not None else os.environ.get("ODRL_TEACHER_TOKEN") or None
+        self.token_env = token_env
+        self.token = token if token is not None else os.environ.get(token_env) or None
         self._session: aiohttp.ClientSession | None = None
-        self._info = run_on_background_loop(self._agreed_info())
+        try:
+            self._info = run_on_background_loop(self._agreed_info())
+        except BaseException:
+            self.close()  # refused at start: no connection left open
+            raise
 
     # ------------------------------------------------------------------ the teacher contract
     def info(self) -> TeacherInfo:
@@ -155,7 +185,7 @@ class RemoteTeacher:
 
     async def _request(self, x: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         body, tried = encode_states(x, t, prompts), set()
-        await self._check_down()  # replicas out of rotation rejoin once /health answers (rate-limited)
+        await self._check_down()  # replicas out of rotation rejoin once proven again (rate-limited)
         for attempt in range(self.retries + 1):
             if attempt:
                 self.pool.retries += 1
@@ -164,8 +194,8 @@ class RemoteTeacher:
             if replica is None:
                 raise TeacherUnavailable(
                     f"no teacher replica of '{self.name}' is left ({self.pool.describe_down()}); start "
-                    "`odrl serve-teacher` again where teacher.urls points, the run continues from its last "
-                    "checkpoint with --resume"
+                    "`odrl serve-teacher` with the run's teacher again where teacher.urls points, the run "
+                    "continues from its last checkpoint with --resume"
                 )
             tried.add(replica.url)
             replica.outstanding += len(x)
@@ -177,6 +207,9 @@ class RemoteTeacher:
                 self.pool.fail(replica, f"no answer within teacher.timeout_s={self.timeout_s:g} s")
                 continue
             except _Busy:  # the replica is fine, only busy or stopping: try again, elsewhere if possible
+                continue
+            except _Unproven as e:  # a new connection reached a server that is not the run's teacher
+                self._keep_out(replica, e.problem, e.refused)
                 continue
             except (aiohttp.ClientError, ConnectionError, _ServerFault) as e:
                 self.pool.fail(replica, f"{type(e).__name__}: {e}")
@@ -215,12 +248,16 @@ class RemoteTeacher:
                 return None
 
     async def _post(self, replica: Replica, body: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        """The replica's answer to one request; over a new connection, only once the replica is
+        proven to serve the run's teacher (else _Unproven)."""
         session = await self._session_here()
+        connection = SimpleNamespace(new=False)  # set by the session's trace when it connects anew
         async with session.post(
             f"{replica.url}/velocity/{self.name}",
             data=body,
             headers={"Content-Type": CONTENT_TYPE},
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            trace_request_ctx=connection,
         ) as resp:
             answer = await resp.read()
             if resp.status in (429, 503):
@@ -228,81 +265,173 @@ class RemoteTeacher:
             if resp.status >= 500 or resp.status == 408:
                 raise _ServerFault(f"HTTP {resp.status}: {answer[:300].decode(errors='replace')}")
             if resp.status != 200:
-                hint = (
-                    " (set the token in ODRL_TEACHER_TOKEN or teacher.token_env)"
-                    if resp.status == 401
-                    else ""
-                )
+                hint = f" ({self._token_hint()})" if resp.status in (401, 403) else ""
                 text = answer[:300].decode(errors="replace")
                 raise TeacherRequestRejected(
                     f"teacher server {replica.url} answered {resp.status}: {text}{hint}"
                 )
+        if connection.new:
+            await self._prove(replica, self.timeout_s)
         try:
             return decode_velocity(answer, shape)
         except ValueError as e:
             raise _ServerFault(str(e)) from e
 
     async def _check_down(self) -> None:
-        """Probe /health of the replicas out of rotation whose last probe is old enough."""
-        session = await self._session_here()
+        """Probe the replicas out of rotation whose last probe is old enough: one rejoins once its
+        /info proves it serves the run's teacher."""
 
         async def probe(replica: Replica) -> None:
             replica.checked_at = time.monotonic()
             try:
-                async with session.get(
-                    f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
-                ) as resp:
-                    if resp.status == 200:
-                        replica.healthy = True
-            except (aiohttp.ClientError, ConnectionError, TimeoutError, asyncio.TimeoutError) as e:
-                replica.last_error = f"/health: {type(e).__name__}: {e}"
+                await self._prove(replica, HEALTH_TIMEOUT_S)
+            except _Unproven as e:
+                self._keep_out(replica, e.problem, e.refused)
+                return
+            replica.healthy, replica.logged = True, ""
 
         await asyncio.gather(*(probe(r) for r in self.pool.due_for_check(self.health_every_s)))
 
+    async def _prove(self, replica: Replica, timeout_s: float) -> None:
+        """Return once `replica` describes the teacher agreed at start; else _Unproven says why."""
+        try:
+            info = await self._served_info(replica, timeout_s)
+        except _InfoProblem as e:
+            raise _Unproven(e.problem, refused=e.kind is not TeacherUnavailable) from e
+        if info != self._info:
+            raise _Unproven(f"serves another teacher than the run's ({_difference(info, self._info)})", True)
+
+    def _keep_out(self, replica: Replica, problem: str, refused: bool) -> None:
+        """Take `replica` out of rotation; a replica that answers but is refused is logged (once)."""
+        self.pool.fail(replica, problem)
+        if refused and replica.logged != problem:
+            replica.logged = problem
+            logger.warning(
+                "odrl: teacher replica %s %s; it stays out of rotation until it serves the run's teacher "
+                "(fingerprint %s) again",
+                replica.url,
+                problem,
+                self._info.fingerprint,
+            )
+
     async def _agreed_info(self) -> TeacherInfo:
         """Every replica's /info must serve this teacher and describe the same one."""
-        session = await self._session_here()
         seen: dict[str, TeacherInfo] = {}
         for replica in self.pool.replicas:
             try:
-                async with session.get(
-                    f"{replica.url}/info", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-                ) as resp:
-                    data: Any = await resp.json(content_type=None)
-                    if resp.status != 200:
-                        raise TeacherRequestRejected(
-                            f"teacher server {replica.url} answered {resp.status}: {data}"
-                        )
-            except (
-                aiohttp.ClientError,
-                ConnectionError,
-                TimeoutError,
-                asyncio.TimeoutError,
-                ValueError,
-            ) as e:
-                raise TeacherUnavailable(
-                    f"teacher server {replica.url} does not answer /info ({type(e).__name__}: {e}); start "
-                    f"`odrl serve-teacher {self.name}` there or fix teacher.urls"
-                ) from e
-            served = data.get("teachers", {}) if isinstance(data, dict) else {}
-            if self.name not in served:
-                raise TeacherMismatch(
-                    f"teacher server {replica.url} does not serve '{self.name}'; it serves {sorted(served)}"
-                )
-            seen[replica.url] = TeacherInfo.from_dict(served[self.name])
+                seen[replica.url] = await self._served_info(replica, self.timeout_s)
+            except _InfoProblem as e:
+                start = f"; start `odrl serve-teacher {self.name}` there or fix teacher.urls"
+                advice = start if e.kind is TeacherUnavailable else ""
+                raise e.kind(f"teacher server {replica.url} {e.problem}{advice}") from e
         infos = set(seen.values())
         if len(infos) > 1:
             listing = "; ".join(f"{u}: {i.fingerprint}" for u, i in seen.items())
-            raise TeacherMismatch(f"the teacher replicas serve different models (fingerprints {listing})")
+            raise TeacherServerMismatch(
+                f"the teacher replicas serve different models (fingerprints {listing}); start every "
+                "replica with the same teacher"
+            )
         return infos.pop()
+
+    async def _served_info(self, replica: Replica, timeout_s: float) -> TeacherInfo:
+        """How `replica`'s /info describes teacher `name`, or _InfoProblem saying why it cannot."""
+        session = await self._session_here()
+        try:
+            async with session.get(
+                f"{replica.url}/info", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                status, body = resp.status, await resp.read()
+        except (aiohttp.ClientError, ConnectionError, TimeoutError, asyncio.TimeoutError) as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise _InfoProblem(TeacherUnavailable, f"does not answer /info ({reason})") from e
+        if status in (401, 403):
+            raise _InfoProblem(TeacherRequestRejected, f"refused /info ({status}): {self._token_hint()}")
+        try:
+            data = json.loads(body) if status == 200 else None
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise _InfoProblem(
+                TeacherServerMismatch,
+                f"answered /info with {status} and no teacher description: is it an `odrl serve-teacher` "
+                "server?",
+            )
+        return self._described(data)
+
+    def _described(self, data: dict[str, Any]) -> TeacherInfo:
+        """Teacher `name`'s description in a server's /info, or _InfoProblem."""
+        served = data.get("teachers")
+        if not isinstance(served, dict) or self.name not in served:
+            others = sorted(served) if isinstance(served, dict) else []
+            rewards = data.get("rewards") if not others else None
+            kind = f"; it is a reward server (rewards {rewards})" if rewards else ""
+            raise _InfoProblem(
+                TeacherServerMismatch,
+                f"does not serve '{self.name}'; it serves {others}{kind}: point teacher.urls at "
+                f"`odrl serve-teacher {self.name}` servers",
+            )
+        try:
+            return TeacherInfo.from_dict(served[self.name])
+        except TeacherMismatch as e:
+            raise _InfoProblem(TeacherServerMismatch, str(e)) from e
+
+    def _token_hint(self) -> str:
+        """What to do about a refused token."""
+        if self.token is None:
+            return (
+                f"no token was sent: set {self.token_env} to the token the teacher server was started "
+                "with (or teacher.token_env to the variable that holds it)"
+            )
+        return f"the token sent (from {self.token_env}) is not the teacher server's: set the server's token"
 
     async def _session_here(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=0)
-            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_create_end.append(_mark_new_connection)
+            self._session = aiohttp.ClientSession(headers=headers, connector=connector, trace_configs=[trace])
             _SESSIONS.add(self._session)  # closed at exit if the caller does not
         return self._session
+
+
+async def _mark_new_connection(_session: Any, context: Any, _params: Any) -> None:
+    """A request opened a new connection: its answer is used once the replica is proven again."""
+    if isinstance(context.trace_request_ctx, SimpleNamespace):
+        context.trace_request_ctx.new = True
+
+
+def _teacher_url(url: str) -> str:
+    try:
+        return server_base_url(url, kind="teacher")
+    except ServerURLError as e:
+        raise TeacherURLError(f"teacher.urls: {e}") from e
+
+
+def _difference(got: TeacherInfo, want: TeacherInfo) -> str:
+    """What differs between a replica's description and the run's teacher."""
+    names = ("fingerprint", "latent_shape", "layout", "convention")
+    return "; ".join(
+        f"{name} {getattr(got, name)} where the run's is {getattr(want, name)}"
+        for name in names
+        if getattr(got, name) != getattr(want, name)
+    )
+
+
+class _InfoProblem(Exception):
+    """Why a replica's /info does not describe the teacher: `kind` is the public error it becomes."""
+
+    def __init__(self, kind: type[TeacherServerError], problem: str) -> None:
+        super().__init__(problem)
+        self.kind, self.problem = kind, problem
+
+
+class _Unproven(Exception):
+    """A replica not proven to serve the run's teacher; refused: it answered, but not as the run's."""
+
+    def __init__(self, problem: str, refused: bool) -> None:
+        super().__init__(problem)
+        self.problem, self.refused = problem, refused
 
 
 class _Busy(Exception):
