@@ -267,6 +267,12 @@ class GSPOConfig:
         0, "gspo: the end token is forbidden before this many (forced-long answers)", ge=0
     )
     temperature: float = _spec(1.0, "gspo: sampling temperature of the rollout answers", gt=0)
+    adv_std: str = _spec(
+        "population",
+        "gspo: the std a group's advantages divide by: population (ddof 0) | sample (Bessel's "
+        "correction, as trl's GRPOTrainer: advantages smaller by sqrt((G-1)/G), 0.935 at G=8)",
+        choices=("population", "sample"),
+    )
     rollout_backend: str = _spec(
         "hf",
         "gspo: what samples the rollout answers: hf (transformers, KV cache) | vllm (vLLM >= 0.11, "

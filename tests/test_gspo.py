@@ -171,3 +171,21 @@ def test_bad_shapes_and_levels_are_named() -> None:
         policy_loss(x, x, torch.zeros(2), x.bool(), level="word")
     with pytest.raises(ValueError, match=r"advantages \(3,\)"):
         policy_loss(x, x, torch.zeros(3), x.bool())
+
+
+def test_the_sample_std_gives_trls_advantages_and_the_population_std_ours() -> None:
+    """algorithm.adv_std=sample divides by the std with Bessel's correction, as trl's GRPOTrainer
+    computes it (rewards.view(-1, G).std(dim=1)); population (the default) is larger by
+    sqrt(G / (G - 1)), 1.069 at G=8."""
+    from omni_diffusion_rl.algorithms.advantages import STD_CORRECTIONS
+
+    g = 8
+    rewards = torch.rand(3 * g, generator=torch.Generator().manual_seed(0))
+    groups = torch.arange(3).repeat_interleave(g)
+    grouped = rewards.view(-1, g).double()
+    trl = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    sample = group_advantages(rewards, groups, per_group_std=True, std_correction=STD_CORRECTIONS["sample"])
+    torch.testing.assert_close(sample, trl.flatten().float(), rtol=1e-6, atol=1e-7)
+    population = group_advantages(rewards, groups, per_group_std=True)
+    ratio = (population / sample)[sample.abs() > 0.1]
+    torch.testing.assert_close(ratio, torch.full_like(ratio, (g / (g - 1)) ** 0.5), rtol=1e-3, atol=0)

@@ -5,14 +5,22 @@ from __future__ import annotations
 import torch
 
 ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
+STD_CORRECTIONS = {"population": 0, "sample": 1}
+"""algorithm.adv_std: the std advantages divide by, without (ddof 0) or with Bessel's correction (trl)."""
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool = False, eps: float = 1e-4
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    per_group_std: bool = False,
+    eps: float = 1e-4,
+    std_correction: int = 0,
 ) -> torch.Tensor:
     """A = (R - mean of R's prompt group) / (std + eps).
 
-    std is the population std (ddof 0) of the whole batch by default, or of each group.
+    std is the std of the whole batch by default, or of each group; std_correction 0 is the
+    population std (ddof 0), 1 the sample std with Bessel's correction (trl's GRPO/GSPO: larger by
+    sqrt(G / (G - 1)) for groups of G, so advantages are smaller by sqrt((G - 1) / G), 0.935 at G=8).
     Pass the rewards of the whole training batch (all processes) so every rank agrees.
     """
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
@@ -28,10 +36,10 @@ def group_advantages(
     sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
     centred = rewards - (sums / counts)[inverse]
     if per_group_std:
-        var = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, centred**2) / counts
-        std = var.sqrt()[inverse]
+        squares = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, centred**2)
+        std = (squares / (counts - std_correction)).sqrt()[inverse]
     else:
-        std = rewards.std(correction=0)
+        std = rewards.std(correction=std_correction)
     return (centred / (std + eps)).float()
 
 

@@ -50,6 +50,12 @@ def policy_loss(
     answer's tokens (`sequence`, GSPO) or each token's own ratio (`token`, GRPO). Aggregating per
     answer, then over answers, keeps a long answer from weighing more than a short one.
 
+    Convention (differs from the paper and trl): the log-ratio is clamped at 20 before exp, so the
+    ratio never overflows to inf. For A > 0 the clip at 1 + eps_high binds long before that and
+    nothing changes; for A < 0, where the unclipped term w A is the smaller one, the loss of an answer
+    whose log-ratio exceeds 20 (w > 5e8: an answer the behaviour policy almost never sampled) is
+    capped at e^20 |A| and its gradient is 0, where trl's grows without bound.
+
     Returns the loss and its statistics: the share of clipped ratios, the ratio's mean and its
     largest distance from 1."""
     if level not in RATIO_LEVELS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..algorithms.advantages import group_advantages
+from ..algorithms.advantages import STD_CORRECTIONS, group_advantages
 from ..algorithms.gspo import policy_loss
 from ..algorithms.soft_update import old_adapter_decay
 from ..config import GSPOConfig
@@ -46,7 +46,10 @@ class GroupSequencePolicyOptimization(Algorithm):
         a, learner = self.options, self.learner
         model = learner.policy.model
         advantages = torch.zeros(len(rewards))
-        advantages[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=True)
+        correction = STD_CORRECTIONS[a.adv_std]
+        advantages[keep] = group_advantages(
+            rewards[keep], groups[keep], per_group_std=True, std_correction=correction
+        )
         mine = keep[local]
         index = mine.nonzero().flatten()
         kept = rollout if bool(mine.all()) else rollout.select(index)
