@@ -20,8 +20,8 @@ $(BIN)/odrl:
 setup: $(BIN)/odrl
 
 demo: setup
-	# The demo owns runs/tiny_t2av_nft: running it again starts over there.
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_t2av_nft.yaml train.overwrite=true
+	# The demo owns runs/tiny_t2av_nft: running it again starts over there (ARGS: more overrides).
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_t2av_nft.yaml train.overwrite=true $(ARGS)
 
 test: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
