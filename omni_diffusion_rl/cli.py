@@ -716,7 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
         "directory, base (the config's base model) or world (the tiny world's own renders); "
         "section.key=value items are config overrides for all of them",
     )
-    evaluate.add_argument("--config", help="YAML config; for a checkpoint only its data/eval/sampling/reward")
+    evaluate.add_argument(
+        "--config",
+        help="YAML config; for a checkpoint every section but model (the checkpoint's), and its "
+        "sampling section, if any, replaces the checkpoint's",
+    )
     evaluate.add_argument("--no-reward", action="store_true", help="only the eval metrics")
     evaluate.add_argument("--output", type=Path, help="also write the results as JSON here")
     evaluate.set_defaults(func=cmd_eval)

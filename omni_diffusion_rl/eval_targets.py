@@ -1,26 +1,34 @@
 """What `odrl eval` evaluates: the world's own clips, a base model, or a training checkpoint.
 
-Each target becomes a `MediaMaker` (held-out prompts and noise -> media) and is run through the
-same held-out evaluation as training's before/after (`evaluation.evaluate_heldout`).
+A media generator becomes a `MediaMaker` (held-out prompts and noise -> media) and is run through
+the same held-out evaluation as training's before/after (`evaluation.evaluate_heldout`); an
+answering model (GSPO's tiny omni) is scored by the held-out exact-answer accuracy training logs
+(`evaluate_answers`).
+
+A checkpoint is untrusted: it contributes its model section (which model its adapters belong to,
+checked by `checkpoint.checkpoint_model`) and its sampling section (how it samples, bounded) and
+nothing else. The data, reward and eval sections, which name files to read, servers, tokens and
+plug-ins, come from the user's --config and overrides, else from this package's defaults for the
+model's family (`FAMILY_EVAL_DEFAULTS`), never from the checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import MANIFEST, CheckpointError, load_checkpoint, resolve_checkpoint
+from .checkpoint import MANIFEST, CheckpointError, checkpoint_model, checkpoint_sampling, load_checkpoint
 from .config import (
     ConfigError,
     ExperimentConfig,
+    SamplingConfig,
     _set_dotted,
-    _yaml,
-    check_input_file,
     config_from_dict,
     parse_override,
-    read_text_bounded,
+    read_config_file,
 )
 from .evaluation import MediaMaker, build_metrics, evaluate_heldout
 from .media import MediaBatch
@@ -30,68 +38,89 @@ from .rollout import generate
 
 WORLD = "world"
 BASE = ("base", "builtin")
-EVAL_SECTIONS = ("data", "eval", "sampling", "reward")  # what a --config file sets for a checkpoint
+ANSWER_EVAL: dict[str, dict[str, Any]] = {
+    "data": {"eval_prompts": "builtin:tiny_avqa_heldout"},
+    "reward": {"weights": {"avqa_exact": 1.0, "answer_format": 0.5}},
+    "eval": {"metrics": []},
+}
+"""An answering model's evaluation: tiny AVQA's held-out questions and the GSPO recipe's rewards."""
+FAMILY_EVAL_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"tiny_av": {}, "tiny_omni": ANSWER_EVAL}
+"""This package's evaluation settings by model family, under the --config file and the overrides:
+tiny_av the config defaults (the tiny world's held-out prompts, reward and judge), tiny_omni
+ANSWER_EVAL, any other family the config defaults without the judge (OTHER_FAMILY_EVAL: it judges
+tiny-world clips only)."""
+OTHER_FAMILY_EVAL: dict[str, dict[str, Any]] = {"eval": {"metrics": []}}
 
 
 def is_checkpoint(path: Path) -> bool:
     return (path / MANIFEST).is_file() or (path / "latest").is_file()
 
 
+def _user_config(config_path: str | None) -> dict[str, Any]:
+    """The sections of the --config file (empty without one), read by config.py's checked loader."""
+    return read_config_file(config_path) if config_path is not None else {}
+
+
+def _checkpoint_sections(target: str, user: dict[str, Any]) -> dict[str, Any]:
+    """The user's sections with the checkpoint's checked model section, and its sampling section
+    unless the user's config has one. Nothing else of the checkpoint's config is read."""
+    _, _, state = load_checkpoint(target, objects=False)
+    sections = {**user, "model": dataclasses.asdict(checkpoint_model(state, target))}
+    if "sampling" not in user:
+        sections["sampling"] = dataclasses.asdict(checkpoint_sampling(state, target))
+    return sections
+
+
+def _layered(base: dict[str, dict[str, Any]], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, section by section and key by key."""
+    out = dict(top)
+    for name, section in base.items():
+        given = top.get(name, {})
+        out[name] = {**section, **given} if isinstance(given, dict) else given
+    return out
+
+
 def target_config(target: str, config_path: str | None, overrides: list[str]) -> ExperimentConfig:
-    """The config a target is evaluated with. A checkpoint brings its own (the model it was trained
-    on); a --config file's data, eval, sampling and reward sections and the overrides go on top.
-    Other targets use the --config file (or the defaults) and the overrides."""
-    data: dict[str, Any] = {}
-    if config_path is not None:
-        path = Path(config_path)
-        check_input_file(path, "config file")
-        data = _yaml(read_text_bounded(path)) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping of sections")
+    """The config a target is evaluated with: the --config file (or none) and the overrides, over
+    this package's defaults for the model's family. A checkpoint sets the model section (the one it
+    was trained with; overrides still apply) and, unless --config has one, the sampling section."""
+    data = _user_config(config_path)
     if target not in (WORLD, *BASE) and is_checkpoint(Path(target)):
-        _, _, state = load_checkpoint(target, objects=False)
-        saved = state.get("config")
-        if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-            raise CheckpointError(f"checkpoint {target} has no model configuration in its state.json")
-        # A shared checkpoint names no code to import: its reward.plugins are left out (give them with
-        # --config or reward.plugins=[...] to score with a plug-in reward).
-        reward = saved.get("reward") if isinstance(saved.get("reward"), dict) else {}
-        saved = {**saved, "reward": {k: v for k, v in reward.items() if k != "plugins"}}
-        data = {**saved, **{k: v for k, v in data.items() if k in EVAL_SECTIONS}}
+        data = _checkpoint_sections(target, data)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
-    return config_from_dict(data)
+    model = data.get("model")
+    family = model.get("family", "tiny_av") if isinstance(model, dict) else "tiny_av"
+    return config_from_dict(_layered(FAMILY_EVAL_DEFAULTS.get(family, OTHER_FAMILY_EVAL), data))
 
 
-def prepare_target(target: str, cfg: ExperimentConfig) -> tuple[MediaMaker, tuple[int, ...]]:
-    """The target's media maker and the latent shape of its noise."""
-    if target == WORLD:
-        return _world_maker(cfg)
-    from .inference import load_policy
+def target_policy(target: str, cfg: ExperimentConfig) -> Any:
+    """The policy a target (not 'world') names: the base cfg.model names, a save_pretrained model
+    directory, or a checkpoint's trained adapter on the base cfg.model names (fingerprint checked)."""
+    from .inference import read_trained, trained_policy
     from .models import build_policy
 
     if target in BASE:
-        policy, _ = build_policy(cfg.model)
-    else:
-        path = Path(target)
-        if not path.exists():
-            raise CheckpointError(
-                f"{target} does not exist; give a run's checkpoints/ folder, a step_* folder, a "
-                "save_pretrained model directory, base or world"
-            )
-        if is_checkpoint(path):
-            policy = load_policy(resolve_checkpoint(path))
-        elif (path / "config.json").is_file():
-            policy, _ = build_policy(type(cfg.model)(**{**cfg.model.__dict__, "pretrained": str(path)}))
-        else:
-            raise CheckpointError(
-                f"{target} is neither a training checkpoint (no {MANIFEST} or latest file) nor a model "
-                "directory (no config.json); give a run's checkpoints/ folder, a step_* folder, a "
-                "save_pretrained model directory, base or world"
-            )
-    s = cfg.sampling
+        return build_policy(cfg.model)[0]
+    path = Path(target)
+    if not path.exists():
+        raise CheckpointError(
+            f"{target} does not exist; give a run's checkpoints/ folder, a step_* folder, a "
+            "save_pretrained model directory, base or world"
+        )
+    if is_checkpoint(path):
+        return trained_policy(read_trained(path), cfg.model)
+    if (path / "config.json").is_file():
+        return build_policy(dataclasses.replace(cfg.model, pretrained=str(path)))[0]
+    raise CheckpointError(
+        f"{target} is neither a training checkpoint (no {MANIFEST} or latest file) nor a model "
+        "directory (no config.json); give a run's checkpoints/ folder, a step_* folder, a "
+        "save_pretrained model directory, base or world"
+    )
 
+
+def _policy_maker(policy: Any, s: SamplingConfig) -> MediaMaker:
     @torch.no_grad()
     def make(prompts: list[str], noise: torch.Tensor) -> MediaBatch:
         rollout = generate(
@@ -99,7 +128,7 @@ def prepare_target(target: str, cfg: ExperimentConfig) -> tuple[MediaMaker, tupl
         )
         return policy.decode(rollout.x0)
 
-    return make, tuple(policy.latent_shape)
+    return make
 
 
 def _world_maker(cfg: ExperimentConfig) -> tuple[MediaMaker, tuple[int, ...]]:
@@ -120,9 +149,20 @@ def _world_maker(cfg: ExperimentConfig) -> tuple[MediaMaker, tuple[int, ...]]:
 
 
 def evaluate_target(target: str, cfg: ExperimentConfig, with_reward: bool = True) -> dict[str, float]:
-    """A target's held-out summary: the training reward (unless `with_reward` is off) and the eval
-    metrics, on the config's held-out prompts, sample count and sampler."""
-    make, latent_shape = prepare_target(target, cfg)
+    """A target's held-out summary on the config's held-out prompts, sample count and sampler: the
+    training reward (unless `with_reward` is off) and the eval metrics of a media generator, the
+    exact-answer accuracy (and reward) of an answering model."""
+    if target == WORLD:
+        return _evaluate_media(*_world_maker(cfg), cfg, with_reward)
+    policy = target_policy(target, cfg)
+    if getattr(policy, "kind", None) == "answers":
+        return evaluate_answers(policy, cfg, with_reward)
+    return _evaluate_media(_policy_maker(policy, cfg.sampling), tuple(policy.latent_shape), cfg, with_reward)
+
+
+def _evaluate_media(
+    make: MediaMaker, latent_shape: tuple[int, ...], cfg: ExperimentConfig, with_reward: bool
+) -> dict[str, float]:
     reward = reward_from_config(cfg.reward) if with_reward else None
     metrics = build_metrics(cfg.eval.metrics, cfg.eval.options)
     try:
@@ -134,3 +174,55 @@ def evaluate_target(target: str, cfg: ExperimentConfig, with_reward: bool = True
             reward.close()
         for metric in metrics:
             metric.close()
+
+
+def _questions(cfg: ExperimentConfig) -> tuple[list[str], list[Any]]:
+    """The held-out prompts and the tiny AVQA questions they name (a prompt that names none is
+    refused by its line number, never echoed)."""
+    from .world.avqa import parse_question
+
+    prompts = load_prompts(cfg.data.eval_prompts)
+    questions = []
+    for i, prompt in enumerate(prompts, 1):
+        try:
+            questions.append(parse_question(prompt))
+        except ValueError as e:
+            raise ConfigError(
+                f"data.eval_prompts={cfg.data.eval_prompts}: prompt {i} is not a tiny AVQA question "
+                "('<kind> | <tiny-world prompt>'); an answering model is evaluated on questions, e.g. "
+                "data.eval_prompts=builtin:tiny_avqa_heldout"
+            ) from e
+    return prompts, questions
+
+
+@torch.no_grad()
+def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = True) -> dict[str, float]:
+    """An answering policy's held-out exact-answer accuracy, greedy and sampled, overall and per
+    question kind (accuracy/...), and the training reward of its greedy answers (reward, reward/...):
+    what the trainer logs as eval/..., on the same questions, clips and random numbers (train.seed)."""
+    from .avqa_eval import answer_questions, avqa_accuracy
+    from .tiny_clip import FPS, SAMPLE_RATE
+
+    if cfg.eval.metrics:
+        raise ConfigError(
+            f"eval.metrics={cfg.eval.metrics}: an answering model is scored by its exact answers; media "
+            "metrics do not apply (set eval.metrics=[])"
+        )
+    prompts, pool = _questions(cfg)
+    per_question = max(1, cfg.data.eval_samples // len(prompts))
+    seed, limit = cfg.train.seed, cfg.algorithm.max_new_tokens
+    accuracy = avqa_accuracy(policy.model, pool, per_question, seed, limit)
+    out = {f"accuracy/{k}": v for k, v in accuracy.items()}
+    if not with_reward:
+        return out
+    chosen = [q for q in pool for _ in range(per_question)]
+    answers, video, audio = answer_questions(policy.model, chosen, seed, True, limit)
+    media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
+    reward = reward_from_config(cfg.reward)
+    try:
+        scored = reward(media, [p for p in prompts for _ in range(per_question)])
+    finally:
+        reward.close()
+    out["reward"] = float(scored.total.mean())
+    out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
+    return out

@@ -2,7 +2,8 @@
 
 A checkpoint keeps both NFT adapters (`default`, the trained one, and `old`) in one tensors file
 that only this toolkit reads. `export_adapter` rebuilds the policy the way `inference.load_policy`
-does (base model from the checkpoint's config, no pickle read) and writes the trained adapter as
+does (base model from the checkpoint's checked model section, the same fingerprint check, the adapter
+tensors checked, no training state or pickle read) and writes the trained adapter as
 
 - `peft`: `adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.save_pretrained`
   writes; `peft.PeftModel.from_pretrained(base_transformer, OUT)` loads it as the `default` adapter.
@@ -83,50 +84,20 @@ def _check_family(fmt: str, family: str) -> None:
         )
 
 
-def _model_config(state: dict[str, Any], path: str | Path) -> Any:
-    """The checkpoint's ModelConfig, from its state.json (the trainer writes the whole config there)."""
-    from .checkpoint import CheckpointError
-    from .config import ModelConfig
-
-    model = state.get("config", {}).get("model") if isinstance(state.get("config"), dict) else None
-    if not isinstance(model, dict):
-        raise CheckpointError(
-            f"checkpoint {path} has no model config in state.json; was it written by odrl train?"
-        )
-    try:
-        return ModelConfig(**model)
-    except TypeError as e:
-        raise CheckpointError(f"checkpoint {path} has a model config this version cannot read: {e}") from e
-
-
 def _trained_transformer(checkpoint: str | Path, fmt: str) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """(transformer with the checkpoint's adapters, its ModelConfig, provenance) without objects.pt."""
-    from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
-    from .models import build_nft_policy, lora
+    """(transformer with the checkpoint's adapters, its ModelConfig, provenance), read as `odrl sample`
+    reads it (inference.read_trained and trained_policy: the checked model section, the base it
+    names, the fingerprint, the checked adapter tensors; no training state)."""
+    from .inference import read_trained, trained_policy
+    from .models import lora
 
-    path = resolve_checkpoint(checkpoint)
-    tensors, _, state = load_checkpoint(path, objects=False)  # no pickle is read to export
-    cfg = _model_config(state, path)
+    trained = read_trained(checkpoint)
+    cfg, path = trained.model, trained.path
     _check_family(fmt, cfg.family)
-    try:
-        policy = build_nft_policy(cfg)
-    except (OSError, ValueError) as e:
-        raise ExportError(
-            f"cannot rebuild the base model of checkpoint {path} (model.family={cfg.family}, "
-            f"model.pretrained={cfg.pretrained}); the export needs the base it was trained on: {e}"
-        ) from e
-    transformer = policy.transformer
-    try:
-        lora.load_nft_adapter_tensors(transformer, tensors)
-    except ValueError as e:
-        raise CheckpointError(
-            f"the adapters of checkpoint {path} do not fit the base model at {cfg.pretrained}: {e}"
-        ) from e
-    lora.set_active_adapter(transformer, lora.TRAINED)
-    transformer.eval()
+    transformer = trained_policy(trained).transformer
     provenance = {
         "checkpoint": str(path.resolve()),
-        "step": state.get("step"),
+        "step": trained.state["step"],  # checked by load_checkpoint
         "adapter": f"{lora.TRAINED} (the trained NFT adapter)",
         "family": cfg.family,
         "pretrained": cfg.pretrained,
@@ -200,7 +171,8 @@ def export_adapter(checkpoint: str | Path, out: str | Path, fmt: str = "peft") -
     `fmt` is "peft" (PeftModel.from_pretrained) or "diffusers" (load_lora_weights; sd3, ltx2 and minimax_h3).
     Raises ExportError (a ConfigError) for an unknown format, a family without that format or an
     `out` that is a file or a non-empty directory, and CheckpointError for a path that is not a
-    complete checkpoint. objects.pt (a pickle) is never read.
+    complete checkpoint, a checkpoint of another base (fingerprint) or one whose recorded model or
+    adapter tensors are refused. objects.pt (a pickle) is never read.
     """
     _check_format(fmt)
     out = Path(out)

@@ -1,19 +1,97 @@
-"""Load a trained policy from a checkpoint and generate media (used by `odrl sample` and notebooks)."""
+"""Load a trained policy from a checkpoint and generate media (used by `odrl sample`, `odrl eval`,
+`odrl export` and notebooks).
+
+Every command reads a checkpoint the same way: the verified files, the checked model section of its
+config (`checkpoint.checkpoint_model`), the base built from it, the fingerprint compared and the
+adapter tensors checked (`lora.load_nft_adapter_tensors`) before they are loaded.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint
-from .config import ModelConfig
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_model,
+    checkpoint_sampling,
+    load_checkpoint,
+    resolve_checkpoint,
+)
+from .config import ConfigError, ModelConfig, SamplingConfig
 from .media import MediaBatch
 from .models import build_nft_policy, build_policy, lora
 from .models.fingerprint import fingerprint_matches
 from .models.policy import FlowPolicy
 from .rollout import generate
+
+MAX_LATENT_ELEMENTS = 1 << 28
+"""Latent elements of one sample a checkpoint's model may need (1 GiB in fp32): LTX-2 and MiniMax-H3
+at their recipes' clip sizes need a few million; options that ask for more are refused."""
+
+
+@dataclass(frozen=True)
+class TrainedCheckpoint:
+    """A verified checkpoint's adapter tensors, its state.json and the settings checked from it."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    model: ModelConfig
+    sampling: SamplingConfig
+
+
+def read_trained(checkpoint: str | Path) -> TrainedCheckpoint:
+    """The checkpoint's adapters and checked model and sampling sections (no training state read,
+    no model built)."""
+    path = resolve_checkpoint(checkpoint)
+    tensors, _, state = load_checkpoint(path, objects=False)
+    return TrainedCheckpoint(
+        path, tensors, state, checkpoint_model(state, path), checkpoint_sampling(state, path)
+    )
+
+
+def trained_policy(trained: TrainedCheckpoint, model: ModelConfig | None = None) -> Any:
+    """The base `model` names (default: the checkpoint's) with the checkpoint's adapters loaded and
+    the trained one active, after checking that it is the model they were trained on (latent size,
+    fingerprint, adapter tensors). A base that cannot be built is a CheckpointError too."""
+    model = model or trained.model
+    try:
+        policy = build_nft_policy(model)
+    except (ConfigError, OSError) as e:
+        raise CheckpointError(
+            f"checkpoint {trained.path}: cannot build the base its adapters belong to (model.family="
+            f"{model.family}, model.pretrained={model.pretrained}): {e}"
+        ) from e
+    _check_latent_size(policy, trained.path)
+    if not fingerprint_matches(trained.state, dataclasses.asdict(model), policy.transformer):
+        raise CheckpointError(
+            f"checkpoint {trained.path} was trained on another base model than the one at "
+            f"model.pretrained={model.pretrained} now (its transformer config differs); give the base "
+            "it was trained on"
+        )
+    try:
+        lora.load_nft_adapter_tensors(policy.transformer, trained.tensors)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {trained.path}: {e}") from e
+    lora.set_active_adapter(policy.transformer, lora.TRAINED)
+    policy.transformer.eval()
+    return policy
+
+
+def _check_latent_size(policy: Any, path: Path) -> None:
+    shape = getattr(policy, "latent_shape", None)  # an answering policy has none
+    if shape is not None and math.prod(shape) > MAX_LATENT_ELEMENTS:
+        raise CheckpointError(
+            f"checkpoint {path}: its model makes latents of shape {tuple(shape)}, over "
+            f"{MAX_LATENT_ELEMENTS} elements a sample; its model.options ask for a clip larger than any "
+            "this toolkit generates"
+        )
 
 
 def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin") -> FlowPolicy:
@@ -21,35 +99,7 @@ def load_policy(checkpoint: str | Path | None = None, pretrained: str = "builtin
     if checkpoint is None:
         policy, _ = build_policy(ModelConfig(pretrained=pretrained))
         return policy
-    tensors, _, state = load_checkpoint(checkpoint, objects=False)  # no training state read to sample
-    model = checkpoint_model_config(state, checkpoint)
-    policy = build_nft_policy(model)
-    if not fingerprint_matches(state, dataclasses.asdict(model), policy.transformer):
-        raise CheckpointError(
-            f"checkpoint {checkpoint} was trained on another base model than the one at "
-            f"model.pretrained={model.pretrained} now (its transformer config differs); give the base "
-            "it was trained on"
-        )
-    try:
-        lora.load_nft_adapter_tensors(policy.transformer, tensors)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {checkpoint}: {e}") from e
-    lora.set_active_adapter(policy.transformer, lora.TRAINED)
-    policy.transformer.eval()
-    return policy
-
-
-def checkpoint_model_config(state: dict, checkpoint: str | Path) -> ModelConfig:
-    """The model configuration a checkpoint's state.json records, or a CheckpointError."""
-    model = state.get("config", {}).get("model") if isinstance(state.get("config"), dict) else None
-    if not isinstance(model, dict):
-        raise CheckpointError(f"checkpoint {checkpoint}: state.json records no model configuration")
-    try:
-        return ModelConfig(**model)
-    except TypeError as e:
-        raise CheckpointError(
-            f"checkpoint {checkpoint}: state.json has a model configuration this version does not know ({e})"
-        ) from e
+    return trained_policy(read_trained(checkpoint))
 
 
 @torch.no_grad()

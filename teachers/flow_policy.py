@@ -118,9 +118,9 @@ def _adapter_digest(checkpoint: Path) -> str:
     """What a checkpoint's adapters are, by content: the sha256 its manifest records for its tensor
     file (verified when load_policy read it), so copies at other paths agree and a retrained run
     differs."""
-    from omni_diffusion_rl.checkpoint import read_bounded, resolve_checkpoint
+    from omni_diffusion_rl.checkpoint import MAX_MANIFEST_BYTES, read_json, resolve_checkpoint
 
-    manifest = json.loads(read_bounded(resolve_checkpoint(checkpoint) / "manifest.json").decode("utf-8"))
+    manifest = read_json(resolve_checkpoint(checkpoint) / "manifest.json", MAX_MANIFEST_BYTES)
     return str(manifest["files"]["tensors.safetensors"]["sha256"])
 
 

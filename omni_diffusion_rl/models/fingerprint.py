@@ -49,6 +49,8 @@ def fingerprint_matches(state: dict[str, Any], model: dict[str, Any], transforme
     `transformer`: the current fingerprint, or an older checkpoint's whole-config hash when its
     recorded model has the same identity."""
     recorded = state.get("model_fingerprint")
+    if not isinstance(recorded, str):  # a checkpoint's value: anything but a digest matches nothing
+        return False
     if recorded == model_fingerprint(model, transformer):
         return True
     config = state.get("config")

@@ -155,18 +155,52 @@ def nft_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"{name}/{k}": v for name in (TRAINED, OLD) for k, v in adapter_state_dict(model, name).items()}
 
 
+ADAPTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes adapter tensors may be loaded from (each cast to its parameter's dtype)."""
+
+
 def load_nft_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of nft_adapter_tensors."""
-    for name in (TRAINED, OLD):
-        prefix = f"{name}/"
-        load_adapter_state_dict(
-            model, name, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        )
+    """Inverse of nft_adapter_tensors, for a checkpoint's tensors (untrusted): exactly the keys of
+    both adapters, each a floating tensor of its parameter's shape whose values are finite in the
+    parameter's dtype. Everything is checked before anything is copied."""
+    by_adapter: dict[str, dict[str, torch.Tensor]] = {name: {} for name in (TRAINED, OLD)}
+    for key, value in tensors.items():
+        name, sep, param = key.partition("/")
+        if not sep or name not in by_adapter:
+            raise ValueError(
+                f"unknown tensor {key[:120]!r}: a checkpoint holds only the '{TRAINED}/' and '{OLD}/' "
+                "adapters' tensors"
+            )
+        by_adapter[name][param] = value
+    params = {name: adapter_parameters(model, name) for name in by_adapter}
+    for name, state in by_adapter.items():
+        check_adapter_tensors(params[name], name, state)
+    for name, state in by_adapter.items():
+        _copy_adapter_tensors(params[name], state)
 
 
-@torch.no_grad()
-def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
-    params = adapter_parameters(model, name)
+def check_adapter_tensors(params: dict[str, nn.Parameter], name: str, state: dict[str, torch.Tensor]) -> None:
+    """A ValueError unless `state` holds exactly adapter `name`'s parameters, each a tensor of a
+    floating dtype (ADAPTER_DTYPES) and the parameter's shape, finite once cast to its dtype."""
+    _check_adapter_keys(params, name, state)
+    for k, p in params.items():
+        value = state[k]
+        if not isinstance(value, torch.Tensor) or value.dtype not in ADAPTER_DTYPES:
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"adapter '{name}' tensor {k} is {kind}, not a floating tensor ({p.dtype}); an adapter "
+                "is stored as float16, bfloat16, float32 or float64"
+            )
+        if p.shape != value.shape:
+            raise ValueError(f"adapter '{name}' tensor {k}: shape {tuple(value.shape)} != {tuple(p.shape)}")
+        if not bool(torch.isfinite(value.to(p.dtype)).all()):
+            raise ValueError(
+                f"adapter '{name}' tensor {k} holds NaN or infinite values (as {p.dtype}); the run that "
+                "wrote it diverged, or the file was edited: use an earlier checkpoint"
+            )
+
+
+def _check_adapter_keys(params: dict[str, nn.Parameter], name: str, state: dict[str, torch.Tensor]) -> None:
     if not params or not state:
         where = "this model has no parameters of it" if not params else "the tensors given hold none of it"
         raise ValueError(f"adapter '{name}' binds no parameters: {where}; nothing would be loaded")
@@ -176,9 +210,22 @@ def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.
         raise ValueError(
             f"adapter '{name}' does not match this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
+
+
+@torch.no_grad()
+def _copy_adapter_tensors(params: dict[str, nn.Parameter], state: dict[str, torch.Tensor]) -> None:
+    for k, p in params.items():
+        copy_whole_into(p, state[k])
+
+
+@torch.no_grad()
+def load_adapter_state_dict(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
+    """Adapter `name` <- `state` (a weight sync between this run's processes): the same keys and shapes."""
+    params = adapter_parameters(model, name)
+    _check_adapter_keys(params, name, state)
     for k, p in params.items():
         if p.shape != state[k].shape:
             raise ValueError(
                 f"adapter '{name}' tensor {k}: shape {tuple(state[k].shape)} != {tuple(p.shape)}"
             )
-        copy_whole_into(p, state[k])
+    _copy_adapter_tensors(params, state)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import reprlib
 import sys
 import time
 import uuid
@@ -29,7 +30,15 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..checkpoint import CheckpointError, atomic_write_text, load_checkpoint, save_checkpoint
+from ..checkpoint import (
+    CheckpointError,
+    atomic_write_text,
+    check_execution_state,
+    check_training_objects,
+    load_checkpoint,
+    resume_fields,
+    save_checkpoint,
+)
 from ..config import ConfigError, ExperimentConfig
 from ..distributed import all_reduce_sum
 from ..evaluation import (
@@ -247,26 +256,33 @@ class Trainer:
         return path
 
     def load(self, path: str | Path) -> None:
+        """Resume from a checkpoint (--resume): its adapters, optimizer and RNG states, step, counters
+        and the source's state. Only the run's own config decides what runs; every field taken from
+        the checkpoint is checked (checkpoint.resume_fields and the checks it names) before any is
+        applied, and anything wrong is a CheckpointError that says what."""
         tensors, objects, state = load_checkpoint(path)
         if not fingerprint_matches(state, dataclasses.asdict(self.cfg.model), self.transformer):
-            saved = state.get("config", {}).get("model")
+            saved = state.get("config", {}).get("model") if isinstance(state.get("config"), dict) else None
             raise CheckpointError(
-                f"checkpoint {path} was made for another model configuration ({saved}); "
+                f"checkpoint {path} was made for another model configuration ({reprlib.repr(saved)}); "
                 f"this run uses {dataclasses.asdict(self.cfg.model)}"
             )
+        resumed = resume_fields(state, path)
+        check_execution_state(state, path)
+        check_training_objects(objects, self.optimizer, path)
         try:
             self.algorithm.load_checkpoint_tensors(tensors)
             load_whole_optimizer_state(self.optimizer, objects["optimizer"])
             torch.set_rng_state(objects["torch_rng"])
             random.setstate(objects["python_rng"])
             np.random.set_state(objects["numpy_rng"])
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            self.step = resumed.step
+            self.source.load_state_dict(state)
+        except (KeyError, ValueError, TypeError, RuntimeError, OverflowError) as e:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from e
-        self.step = int(state["step"])
-        self.eval_before = state.get("eval_before")
-        self.sample_counts = dict(state.get("sample_counts", {}))
-        self.wandb_run_id = state.get("wandb_run_id") or self.wandb_run_id
-        self.source.load_state_dict(state)
+        self.eval_before = resumed.eval_before
+        self.sample_counts = resumed.sample_counts
+        self.wandb_run_id = resumed.wandb_run_id or self.wandb_run_id
 
     @property
     def metrics(self) -> list[MetricScorer]:
