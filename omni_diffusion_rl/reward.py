@@ -5,6 +5,8 @@ A reward is any object with `score(media: MediaBatch, prompts: list[str])` (a pl
 also carries named components [B] for logging. Register it with
 `@omni_diffusion_rl.registry.rewards.register("name")` or the `omni_diffusion_rl.rewards` entry points.
 A run's combined reward is built from its config by `reward_factory.reward_from_config`.
+A reward may declare `input_limits` (InputLimits), the largest sample it is meant for: a reward
+server refuses larger requests before the reward sees them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,69 @@ class RewardOutput:
 
     scores: torch.Tensor
     components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """The largest sample a reward is meant for, declared as the reward's attribute `input_limits`.
+
+    A reward server refuses (413, naming the limit and what it got) frames larger than
+    `frame_height` x `frame_width`, and a request holding more video pixels (B x F x H x W) or audio
+    values (B x C x S) than `max_batch` such samples, before the reward sees it. In-process scoring
+    does not check: a run's own clips are trusted. A reward that declares none gets
+    DEFAULT_INPUT_LIMITS.
+    """
+
+    frames: int  # video frames of the largest sample
+    frame_height: int
+    frame_width: int
+    audio_samples: int  # audio values of the largest sample: channels x samples per channel
+    meant_for: str = ""  # what these are, quoted in the server's refusals
+
+    def __post_init__(self) -> None:
+        sizes = (self.frames, self.frame_height, self.frame_width, self.audio_samples)
+        if not all(isinstance(v, int) and v >= 1 for v in sizes):
+            raise ValueError(f"input limits must be whole numbers >= 1; got {self}")
+
+    @property
+    def pixels(self) -> int:
+        """Video pixels (F x H x W) of the largest sample."""
+        return self.frames * self.frame_height * self.frame_width
+
+    def per_request(self, max_batch: int) -> dict[str, int | str]:
+        """These limits and the request budgets they give at `max_batch` samples (the server's /info)."""
+        return {
+            "frames": self.frames,
+            "frame_height": self.frame_height,
+            "frame_width": self.frame_width,
+            "audio_samples": self.audio_samples,
+            "request_pixels": max_batch * self.pixels,
+            "request_audio_samples": max_batch * self.audio_samples,
+            "meant_for": self.meant_for,
+        }
+
+
+DEFAULT_INPUT_LIMITS = InputLimits(
+    frames=2048,
+    frame_height=4096,
+    frame_width=4096,
+    audio_samples=2 * 48_000 * 1200,
+    meant_for="the default for a reward that declares no input_limits: 2048 frames of 4096 x 4096, "
+    "20 minutes of stereo 48 kHz audio",
+)
+
+
+def input_limits(reward: object) -> InputLimits:
+    """The limits `reward` declares (its `input_limits`), or DEFAULT_INPUT_LIMITS."""
+    declared = getattr(reward, "input_limits", None)
+    if declared is None:
+        return DEFAULT_INPUT_LIMITS
+    if not isinstance(declared, InputLimits):
+        raise TypeError(
+            f"{type(reward).__name__}.input_limits is a {type(declared).__name__}; declare an "
+            "omni_diffusion_rl.reward.InputLimits, or none for the defaults"
+        )
+    return declared
 
 
 @runtime_checkable

@@ -12,18 +12,35 @@ A batch without text, or prompts that are not tiny AVQA prompts, is an error (ne
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.world.avqa import answer_options, exact_match, normalise_answer, parse_question
 from omni_diffusion_rl.world.tiny_world import COLORS, PITCH_BINS, SHAPES
+from rewards.tiny_world import TINY_CLIP_LIMITS
 
-_DESCRIPTION = re.compile(
-    rf"^a ({'|'.join(COLORS)}) ({'|'.join(SHAPES)}) with a ({'|'.join(PITCH_BINS)}) tone at the (start|end)$"
+# A description, word by word: the options of each word.
+_DESCRIPTION = (
+    ("a",),
+    tuple(COLORS),
+    SHAPES,
+    ("with",),
+    ("a",),
+    tuple(PITCH_BINS),
+    ("tone",),
+    ("at",),
+    ("the",),
+    ("start", "end"),
 )
+
+
+def is_description(text: str) -> bool:
+    """A normalised answer of the form "a <colour> <shape> with a <pitch> tone at the <start|end>"."""
+    words = text.split(" ")
+    if len(words) != len(_DESCRIPTION):
+        return False
+    return all(word in options for word, options in zip(words, _DESCRIPTION, strict=True))
 
 
 def _answers(media: MediaBatch) -> list[str]:
@@ -36,6 +53,8 @@ def _answers(media: MediaBatch) -> list[str]:
 class AVQAExactMatch:
     """1.0 for the exact right answer (case, spaces and punctuation normalised), else 0.0."""
 
+    input_limits = TINY_CLIP_LIMITS  # it reads only the answers; its clips are tiny-world clips
+
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         answers = _answers(media)
         return torch.tensor(
@@ -47,10 +66,12 @@ class AVQAExactMatch:
 class AnswerFormat:
     """1.0 when the answer has the question's form (an option, or a scene description), else 0.0."""
 
+    input_limits = TINY_CLIP_LIMITS
+
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         out = []
         for answer, prompt in zip(_answers(media), prompts, strict=True):
             kind, text = parse_question(prompt).kind, normalise_answer(answer)
-            ok = bool(_DESCRIPTION.match(text)) if kind == "describe" else text in answer_options(kind)
+            ok = is_description(text) if kind == "describe" else text in answer_options(kind)
             out.append(float(ok))
         return torch.tensor(out)

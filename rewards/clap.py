@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.reward import InputLimits
 from rewards.clap_features import clap_input_features, repeat_pad
 
 SINC_ZERO_CROSSINGS = 16  # half-width of the resampling filter, in zero crossings of its sinc
@@ -257,6 +258,16 @@ class ClapReward:
     whether the checkpoint is a fusion one (False), the text encoder ("roberta", the only one CLAP_Module
     tokenises for) and whether to apply laion-clap's int16 round trip to the waveform (True).
     """
+
+    # It resamples each whole clip (then hears a centre crop of its window) and reads no video.
+    input_limits = InputLimits(
+        frames=2048,
+        frame_height=4096,
+        frame_width=4096,
+        audio_samples=2 * 48_000 * 600,
+        meant_for="CLAP hears at most a 10 s window of each clip and reads no video: up to 10 minutes of "
+        "stereo 48 kHz audio, video up to 2048 frames of 4096 x 4096",
+    )
 
     def __init__(
         self,

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import RewardOutput
+from omni_diffusion_rl.reward import InputLimits, RewardOutput
 from rewards import imagebind_preprocess as prep
 
 SITE_ENV = "ODRL_IMAGEBIND_SITE"
@@ -263,6 +263,16 @@ class ImageBindReward:
     audio_clips, video_clips: at most this many 2 s clips per sample (ImageBind uses 3 and 5), spread evenly.
     spatial_crops: 1 (centre crop) or 3 (left/centre/right, ImageBind's video evaluation; 3x the cost).
     """
+
+    # Frames are resized to 224 on their short side and audio resampled to 16 kHz before the model.
+    input_limits = InputLimits(
+        frames=2048,
+        frame_height=4096,
+        frame_width=4096,
+        audio_samples=2 * 48_000 * 600,
+        meant_for="ImageBind resizes frames to 224 and hears 2 s clips at 16 kHz: up to 2048 frames of "
+        "4096 x 4096 and 10 minutes of stereo 48 kHz audio",
+    )
 
     def __init__(
         self,

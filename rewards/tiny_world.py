@@ -21,7 +21,22 @@ import torch
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.reward import InputLimits
 from omni_diffusion_rl.world import tiny_world as world
+
+# What the detectors are meant for: the tiny world's clips (room for stereo). Their work grows with
+# the square of a frame's pixels (every mask of the world at every place), so a reward server refuses
+# larger frames: 64 x 64 frames took 1.2 GB for shape_match, 2048 x 2048 more memory than a machine has.
+TINY_CLIP_LIMITS = InputLimits(
+    frames=world.VIDEO_FRAMES,
+    frame_height=world.VIDEO_SIZE,
+    frame_width=world.VIDEO_SIZE,
+    audio_samples=2 * round(world.SAMPLE_RATE * world.DURATION_S),
+    meant_for=(
+        f"the tiny world's clips: {world.VIDEO_FRAMES} frames of {world.VIDEO_SIZE} x {world.VIDEO_SIZE}, "
+        f"{world.DURATION_S:g} s of audio at {world.SAMPLE_RATE} Hz"
+    ),
+)
 
 FOREGROUND_DISTANCE = 0.3  # RGB distance from the background colour that makes a pixel foreground
 VISIBLE_PIXELS = 10  # a frame with fewer foreground pixels shows nothing
@@ -34,10 +49,15 @@ def _scenes(prompts: list[str]) -> list[world.Scene]:
         scene = world.parse_prompt(p)
         if scene is None:
             raise ValueError(
-                f"'{p}' is not a tiny-world prompt (expected e.g. '{world.ALL_SCENES[0].prompt}')"
+                f"'{_shown(p)}' is not a tiny-world prompt (expected e.g. '{world.ALL_SCENES[0].prompt}')"
             )
         scenes.append(scene)
     return scenes
+
+
+def _shown(prompt: str, most: int = 200) -> str:
+    """A prompt as an error message quotes it: at most `most` characters."""
+    return prompt if len(prompt) <= most else f"{prompt[:most]}... ({len(prompt)} characters)"
 
 
 def _video(media: MediaBatch) -> torch.Tensor:
@@ -101,6 +121,8 @@ class ColorMatchReward:
     """Closeness of the shape's pixels to the prompt's colour (Gaussian per pixel, sigma 0.25), times
     how well each visible frame's foreground fits the world's shape sizes."""
 
+    input_limits = TINY_CLIP_LIMITS
+
     def __init__(self, sigma: float = 0.25) -> None:
         self.sigma = sigma
 
@@ -120,6 +142,8 @@ class ColorMatchReward:
 class ShapeMatchReward:
     """Per visible frame: IoU of the foreground with the best mask of the prompt's shape, scaled down
     as the best mask of the other shape fits about as well (`margin` of IoU decides)."""
+
+    input_limits = TINY_CLIP_LIMITS
 
     def __init__(self, margin: float = 0.08) -> None:
         self.margin = margin
@@ -143,6 +167,8 @@ def _spectrum(mono: torch.Tensor, sample_rate: int) -> tuple[torch.Tensor, torch
 @rewards.register("pitch_match")
 class PitchMatchReward:
     """Share of the audio's spectral energy within 1/8 octave of the prompt's pitch."""
+
+    input_limits = TINY_CLIP_LIMITS
 
     def __init__(self, tolerance_octaves: float = 0.125) -> None:
         self.tolerance = tolerance_octaves
@@ -172,6 +198,8 @@ class TimingMatchReward:
     """Sound and picture in the half the prompt names: for each, (energy or foreground in the named
     half - in the other half) / both, and the two multiplied. A tone for the whole clip scores 0."""
 
+    input_limits = TINY_CLIP_LIMITS
+
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         mono, video = _audio(media), _video(media)
         named = _named_half(_scenes(prompts), mono.device)
@@ -187,6 +215,8 @@ class AVSyncReward:
     """Picture and sound on together and off together, frame by frame: 1 - mean |picture - sound|
     activity, times how much each switches (max - min over the clip), so always-on scores 0. Sound
     activity rises from 0 at `quiet_rms` to 1 at `loud_rms` (the world's tone is 0.35 RMS)."""
+
+    input_limits = TINY_CLIP_LIMITS
 
     def __init__(self, quiet_rms: float = 0.06, loud_rms: float = 0.2) -> None:
         self.quiet_rms, self.loud_rms = quiet_rms, loud_rms
@@ -210,6 +240,8 @@ class AVSyncReward:
 class CleanBackgroundReward:
     """1 - the mean deviation from the background colour (in units of `tolerance`, capped at 1) of the
     pixels away from the shape: outside the best-fitting world mask, grown by one pixel."""
+
+    input_limits = TINY_CLIP_LIMITS
 
     def __init__(self, tolerance: float = 0.1) -> None:
         self.tolerance = tolerance
@@ -243,6 +275,8 @@ class GroupDiversityReward:
     has no other sample in the batch cannot be scored: NaN (a failed sample, never a 0). Score a
     prompt's samples in one call (a reward server's --max-batch a multiple of the group size).
     """
+
+    input_limits = TINY_CLIP_LIMITS
 
     def __init__(self, spread: float = 2.5) -> None:
         self.spread = spread

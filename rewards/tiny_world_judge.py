@@ -11,12 +11,14 @@ from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import RewardOutput
 from omni_diffusion_rl.world import judge
+from rewards.tiny_world import TINY_CLIP_LIMITS
 
 
 @rewards.register("tiny_world_judge")
 class TinyWorldJudge:
     """All attributes right (score), each attribute and the health signs (components)."""
 
+    input_limits = TINY_CLIP_LIMITS
     headline = "all_correct"  # what the score is called in summaries
     components = (*judge.ATTRIBUTES, *judge.HEALTH, "diversity")
 

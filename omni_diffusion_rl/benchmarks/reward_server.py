@@ -4,6 +4,11 @@
   batches (max batch 32) and to the same server with max batch 1; samples scored per second.
 * Overhead: one batch of 16 one-second 48 kHz clips scored in-process (`ClapReward.score`) and
   through the server (`RemoteReward.score`: encode, HTTP on loopback, decode, batcher, answer).
+* Under attack (issue 24): 200 concurrent adversarial requests against a tiny-world reward server
+  (1 MB prompts, 8,000-character prompts for the old regex, the AVQA prompt, 32 prompts at the
+  prompt limit, 2048 x 2048 and 1024 x 1024 frames) while one client sends good requests one after
+  another: the good requests' latency (target: median under 1 s), every adversarial answer's status
+  (all 4xx), and the server's peak RSS (VmHWM; target: under RSS_BOUND_MB).
 
 Both servers are real child processes on 127.0.0.1. Rounds alternate the arms so that other load
 on the machine hits them alike; the report gives medians (and the per-round values in the JSON).
@@ -15,20 +20,27 @@ import asyncio
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import torch
+from safetensors.torch import save as save_tensors
 
 from ..media import MediaBatch
 from ..serving.client import RemoteReward
 from ..serving.process import ServerProcess
+from ..serving.wire import CONTENT_TYPE, MAX_PROMPT_CHARS, encode_media
 from .common import machine_info
 
 CLIP_RATE = 48_000
 TARGET_THROUGHPUT_RATIO = 3.0
 TARGET_OVERHEAD_MS = 20.0
+TARGET_GOOD_MEDIAN_S = 1.0  # a good request's median latency under attack
+RSS_BOUND_MB = 1024  # the attacked server's peak resident memory (at rest: about 250 MB with CPU torch)
+ATTACKED_REWARDS = ["color_match", "shape_match", "clean_background", "avqa_exact"]
 
 
 def _clips(n: int, seed: int) -> MediaBatch:
@@ -53,9 +65,15 @@ async def _throughput(
 
 
 def run_reward_server_bench(
-    output: Path, rounds: int = 5, clients: int = 32, requests_per_client: int = 8, overhead_repeats: int = 10
+    output: Path,
+    rounds: int = 5,
+    clients: int = 32,
+    requests_per_client: int = 8,
+    overhead_repeats: int = 10,
+    adversarial_requests: int = 200,
 ) -> dict[str, Any]:
-    """Throughput (batched vs batch size 1) and client overhead; print a table, write JSON to `output`."""
+    """Throughput (batched vs batch size 1), client overhead and behaviour under attack; print a
+    table, write JSON to `output`."""
     from rewards.clap import ClapReward
     from rewards.tiny_models import CLAP_CORPUS, save_tiny_clap
 
@@ -124,6 +142,7 @@ def run_reward_server_bench(
             "in_process_ms_each": [round(t * 1e3, 2) for t in in_process],
             "served_ms_each": [round(t * 1e3, 2) for t in served],
         },
+        "adversarial": run_adversarial(adversarial_requests),
         "machine": machine_info(),
     }
     print(format_table(result))
@@ -135,7 +154,7 @@ def run_reward_server_bench(
 
 def format_table(result: dict[str, Any]) -> str:
     """Plain-text table: throughput of both servers, then the client overhead, against the targets."""
-    t, o = result["throughput"], result["overhead"]
+    t, o, a = result["throughput"], result["overhead"], result["adversarial"]
     met = {True: "met", False: "NOT met"}
     return "\n".join(
         [
@@ -151,5 +170,187 @@ def format_table(result: dict[str, Any]) -> str:
             f"  {'through the server':<22}{o['served_ms']:>10.2f} ms",
             f"  added {o['added_ms']:.2f} ms, ratio {o['ratio']:.3f}  "
             f"(target <= {o['target_added_ms']:g} ms: {met[o['added_ms'] <= o['target_added_ms']]})",
+            *adversarial_lines(a, met),
         ]
     )
+
+
+def adversarial_lines(a: dict[str, Any], met: dict[bool, str]) -> list[str]:
+    """The table's lines for the server under attack."""
+    good, target = a["good_latency_s"], a["target_good_median_s"]
+    lines = [
+        f"under attack: {a['requests']} concurrent adversarial requests ({a['flood_s']:.1f} s), "
+        f"{good['count']} good requests during it from another client",
+        f"  good request latency: median {good['median']:.3f} s, p90 {good['p90']:.3f} s, "
+        f"max {good['max']:.3f} s (quiet: median {a['quiet_latency_s']['median']:.3f} s; "
+        f"target median < {target:g} s: {met[good['median'] < target]}); answers {a['good_statuses']}",
+        f"  server peak RSS {a['rss_peak_mb']:.0f} MB (at start {a['rss_start_mb']:.0f} MB; bound "
+        f"{a['rss_bound_mb']} MB: {met[a['rss_peak_mb'] < a['rss_bound_mb']]})",
+    ]
+    for kind, row in a["kinds"].items():
+        lines.append(f"  {kind:<34}{row['statuses']}  (body {row['body_mb']:.2f} MB)")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ under attack
+def _adversarial_bodies() -> dict[str, tuple[str, bytes]]:
+    """The attacker's requests of issue 24 (and a maximal legal header): kind -> (path, body)."""
+    from ..world import tiny_world as world
+
+    gen = torch.Generator().manual_seed(0)
+    _, video, amps = world.synthetic_clips(1, gen)
+    clip = MediaBatch(
+        video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
+    )
+    clips = MediaBatch(
+        video=video.expand(32, -1, -1, -1, -1),
+        audio=clip.audio.expand(32, -1, -1),
+        fps=clip.fps,
+        sample_rate=clip.sample_rate,
+    )
+    answers = MediaBatch(
+        video=video, audio=clip.audio, fps=clip.fps, sample_rate=clip.sample_rate, text=["a"]
+    )
+    return {
+        "1 MB prompt": ("/score/color_match", encode_media(clip, ["red circle " * 95_000], torch.float16)),
+        "8,000-character prompt": (
+            "/score/color_match",
+            encode_media(clip, ["red circle " * 730], torch.float16),
+        ),
+        "AVQA describe prompt": (
+            "/score/avqa_exact",
+            encode_media(answers, ["describe | " + "red circle " * 1000], torch.float16),
+        ),
+        "32 prompts at the limit": (
+            "/score/color_match",
+            encode_media(clips, [("red circle " * 1490)[:MAX_PROMPT_CHARS]] * 32, torch.float16),
+        ),
+        "2048 x 2048 frames (48 MB)": ("/score/clean_background", _frames_body(2048)),
+        "1024 x 1024 frames (12 MB)": ("/score/shape_match", _frames_body(1024)),
+    }
+
+
+def _frames_body(side: int) -> bytes:
+    video = torch.zeros(1, 2, 3, side, side, dtype=torch.float16)
+    return save_tensors(
+        {"video": video}, metadata={"prompts": '["a red circle"]', "fps": "8", "sample_rate": "8000"}
+    )
+
+
+def _good_body() -> bytes:
+    from ..world import tiny_world as world
+
+    prompts, video, amps = world.synthetic_clips(4, torch.Generator().manual_seed(1))
+    media = MediaBatch(
+        video=video, audio=world.synthesize_audio(amps), fps=world.FPS, sample_rate=world.SAMPLE_RATE
+    )
+    return encode_media(media, prompts)
+
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(current, peak) resident memory of process `pid` in MB, from /proc (Linux)."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> int:
+    """The status of one POST (0: the connection failed before an answer)."""
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": CONTENT_TYPE}) as answer:
+            await answer.read()
+            return answer.status
+    except aiohttp.ClientError:
+        return 0
+
+
+def _good_client(url: str, stop: threading.Event, out: list[tuple[float, float, int]]) -> None:
+    """Good requests one after another until `stop` is set, on this thread's own event loop (a client
+    apart from the attacker's): (when it started, seconds, status) each."""
+
+    async def run() -> None:
+        body = _good_body()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            while not stop.is_set():
+                start = time.perf_counter()
+                status = await _post(session, f"{url}/score/shape_match", body)
+                out.append((start, time.perf_counter() - start, status))
+
+    asyncio.run(run())
+
+
+async def _flood(url: str, kinds: list[str], bodies: dict[str, tuple[str, bytes]]) -> list[int]:
+    """Every request of `kinds` at once, each on its own connection: their statuses."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
+    ) as session:
+        return await asyncio.gather(*(_post(session, url + bodies[k][0], bodies[k][1]) for k in kinds))
+
+
+def _attack(url: str, requests: int, quiet_s: float = 1.0) -> dict[str, Any]:
+    """`requests` adversarial requests at once (the kinds in turn) while another client sends good
+    requests; the good ones are timed before (quiet) and during the flood."""
+    bodies = _adversarial_bodies()
+    kinds = [list(bodies)[i % len(bodies)] for i in range(requests)]
+    stop, timed = threading.Event(), []
+    good = threading.Thread(target=_good_client, args=(url, stop, timed), daemon=True)
+    good.start()
+    time.sleep(quiet_s)
+    start = time.perf_counter()
+    statuses = asyncio.run(_flood(url, kinds, bodies))
+    end = time.perf_counter()
+    stop.set()
+    good.join(timeout=300)
+    by_kind: dict[str, dict[str, Any]] = {
+        k: {"statuses": {}, "body_mb": round(len(bodies[k][1]) / 2**20, 3)} for k in bodies
+    }
+    for kind, status in zip(kinds, statuses, strict=True):
+        _count(by_kind[kind]["statuses"], status)
+    during = [(t, status) for began, t, status in timed if start <= began + t and began <= end]
+    good_statuses: dict[str, int] = {}
+    for _, status in during:
+        _count(good_statuses, status)
+    return {
+        "kinds": by_kind,
+        "flood_s": round(end - start, 3),
+        "good_latency_s": _summary([t for t, _ in during]),
+        "good_statuses": good_statuses,
+        "quiet_latency_s": _summary([t for began, t, _ in timed if began + t < start]),
+    }
+
+
+def _count(counts: dict[str, int], status: int) -> None:
+    counts[str(status)] = counts.get(str(status), 0) + 1
+
+
+def _summary(seconds: list[float]) -> dict[str, Any]:
+    ordered = sorted(seconds)
+    return {
+        "count": len(ordered),
+        "median": round(statistics.median(ordered), 4),
+        "p90": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
+        "max": round(ordered[-1], 4),
+        "each": [round(t, 4) for t in seconds],
+    }
+
+
+def run_adversarial(requests: int = 200) -> dict[str, Any]:
+    """A tiny-world reward server (default settings) under `requests` concurrent adversarial requests."""
+    with ServerProcess(ATTACKED_REWARDS) as server:
+        assert server.proc is not None
+        rss_start, _ = _rss_mb(server.proc.pid)
+        result = _attack(server.url, requests)
+        _, rss_peak = _rss_mb(server.proc.pid)
+        alive = server.proc.poll() is None
+    return {
+        "requests": requests,
+        "rewards": ATTACKED_REWARDS,
+        **result,
+        "server_alive": alive,
+        "rss_start_mb": round(rss_start, 1),
+        "rss_peak_mb": round(rss_peak, 1),
+        "rss_bound_mb": RSS_BOUND_MB,
+        "target_good_median_s": TARGET_GOOD_MEDIAN_S,
+    }

@@ -8,6 +8,14 @@ up; a batcher takes the oldest, adds queued requests of the same shape up to `ma
 thread and gives each request its own rows. The model is never called by two threads at once. A
 request whose batch fails is answered alone, so one bad request does not fail the others.
 
+One request's work is bounded, not only its bytes: a request's safetensors header is read and checked
+(on a worker thread) before the rest of its body, so the batch size, the prompts (MAX_PROMPT_CHARS
+each) and the media against the reward's declared `input_limits` (frame size; video pixels and audio
+values per request, at most `max_batch` of its largest samples) are refused with a 400 or 413 before
+the body is received; decoding and the value checks run on worker threads too, so the event loop
+(and /health) never waits on them. A body that is not declared safetensors gets 415, a missing or
+malformed Authorization header (a token is set) 401, each with a sentence.
+
 Slow or idle clients cannot hold the server: a request counts against `max_in_flight` only once its
 body has arrived, a body not in within `read_timeout_s` gets 408 and its connection is closed, and a
 connection that sends no complete request headers (idle keep-alive, or half-sent headers) for
@@ -19,6 +27,7 @@ abandoning a model call still running.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import json
@@ -33,17 +42,35 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp
 import torch
 from aiohttp import web
 
 from ..media import MediaBatch
-from ..reward import Reward, RewardError, RewardOutput, call_reward, checked_output
-from .teacher_wire import decode_states, encode_velocity
-from .wire import CONTENT_TYPE, WireError, decode_media, scores_to_json
+from ..reward import Reward, RewardError, RewardOutput, call_reward, checked_output, input_limits
+from .teacher_wire import EXPECTS as STATES_EXPECTS
+from .teacher_wire import check_states_header, decode_states, encode_velocity
+from .wire import (
+    CONTENT_TYPE,
+    MAX_HEADER_BYTES,
+    MAX_PROMPT_CHARS,
+    MAX_TEXT_CHARS,
+    TooLarge,
+    WireError,
+    check_media_header,
+    decode_media,
+    header_length,
+    read_header,
+    scores_to_json,
+)
 
 logger = logging.getLogger(__name__)
 API_VERSION = 1
 CLOSE_WAIT_S = 0.5  # at shutdown, after the requests being scored were answered: for the rest to go
+LINGER_BYTES = 4 << 20  # a refused request's unread rest up to this: read and dropped, the connection kept
+LINGER_S = (
+    2.0  # a larger rest: read and dropped this long at most after the answer, then the connection closes
+)
 T = TypeVar("T")
 TOKEN_HELP = (
     "set one in the environment, e.g. "
@@ -414,6 +441,8 @@ def build_app(
         for name, teacher in (teachers or {}).items()
     }
     every_batcher: list[Batcher] = [*batchers.values(), *teacher_batchers.values()]
+    limits = {name: input_limits(reward) for name, reward in rewards.items()}
+    latents = {name: tuple(b.teacher.info().latent_shape) for name, b in teacher_batchers.items()}
     in_flight = 0  # requests whose body has been read, until answered
     reading = 0  # requests whose body is arriving
     arriving = 0  # their declared bytes (a chunked body counts as max_request_mb)
@@ -422,13 +451,10 @@ def build_app(
     @web.middleware
     async def authorise(request: web.Request, handler: Any) -> web.StreamResponse:
         if settings.token and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            expected = f"Bearer {settings.token}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                what = "no bearer token" if not given else "a wrong bearer token"
-                return _error(
-                    401, f"this server needs 'Authorization: Bearer <token>'; got {what}", "unauthorised"
-                )
+            problem = _authorisation_problem(request.headers.get("Authorization"), settings.token)
+            if problem is not None:
+                message = f"this server needs 'Authorization: Bearer <token>'; got {problem}"
+                return await _refuse(request, _error(401, message, "unauthorised"))
         return await handler(request)
 
     async def health(_: web.Request) -> web.Response:
@@ -443,6 +469,10 @@ def build_app(
                 "max_batch": settings.max_batch,
                 "max_wait_ms": settings.max_wait_ms,
                 "max_request_bytes": max_bytes,
+                "max_header_bytes": MAX_HEADER_BYTES,
+                "max_prompt_chars": MAX_PROMPT_CHARS,
+                "max_text_chars": MAX_TEXT_CHARS,
+                "input_limits": {name: lim.per_request(settings.max_batch) for name, lim in limits.items()},
                 "max_in_flight": settings.max_in_flight,
                 "in_flight": in_flight,
                 "reading": reading,
@@ -456,14 +486,15 @@ def build_app(
             return None
         return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
 
-    async def receive(request: web.Request) -> bytes | web.Response:
-        """The request's body once it has arrived, or the answer refusing it (busy, too large, slow)."""
+    async def receive(request: web.Request, precheck: Callable[[bytes], None]) -> bytes | web.Response:
+        """The request's body once it has arrived, or the answer refusing it (busy, too large, slow,
+        or a header that `precheck` refuses: then the rest of the body is not received)."""
         nonlocal reading, arriving
         if request.content_length is not None and request.content_length > max_bytes:
-            return _too_large(request.content_length, max_bytes)
+            return await _refuse(request, _too_large(request.content_length, max_bytes))
         refusal = busy()  # before the upload too: no point receiving a body that would get 503
         if refusal is not None:
-            return refusal
+            return await _refuse(request, refusal)
         # Only a request whose body has arrived counts as in flight: uploads that stall cannot crowd
         # out the others, and each one is cut off after read_timeout_s. What may be arriving at once
         # is bounded by max_uploads_mb, so uploads cannot exhaust memory.
@@ -476,8 +507,11 @@ def build_app(
             return await _answer_and_close(request, _error(503, message, "busy"))
         reading += 1
         arriving += declared
+        refusal = None
         try:
-            body = await asyncio.wait_for(request.read(), settings.read_timeout_s)
+            body = await asyncio.wait_for(
+                _read_checked(request, precheck, max_bytes), settings.read_timeout_s
+            )
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
             size = "chunked" if request.content_length is None else f"{request.content_length} bytes"
             message = (
@@ -485,49 +519,68 @@ def build_app(
                 "s of its headers; closing the connection"
             )
             return await _answer_and_close(request, _error(408, message, "timeout"))
-        except web.HTTPRequestEntityTooLarge:
-            return _too_large(None, max_bytes)
+        except WireError as e:  # refused by its header (or a chunked body over max_bytes)
+            refusal = _wire_error(e)
         finally:
             reading -= 1
             arriving -= declared
+        if refusal is not None:  # what is left of the body is dropped, not held: no longer arriving
+            return await _refuse(request, refusal)
         return busy() or body
 
     async def handle(
-        request: web.Request, known: dict[str, Any], what: str, answer: Any
+        request: web.Request,
+        known: dict[str, Any],
+        what: str,
+        precheck: Callable[[str, bytes], None],
+        decode: Callable[[str, bytes], Any],
+        answer: Callable[[str, Any], Any],
     ) -> web.StreamResponse:
+        """Receive a request for model `name` (its header checked by `precheck` first), decode it
+        and have `answer` answer it; parsing and checks run on worker threads, off the event loop."""
         nonlocal in_flight
         name = request.match_info["name"]
         if name not in known:
-            return _error(
-                404, f"this server does not serve {what} '{name}'; it serves {sorted(known)}", "unknown"
-            )
-        body = await receive(request)
+            message = f"this server does not serve {what} '{name}'; it serves {sorted(known)}"
+            return await _refuse(request, _error(404, message, "unknown"))
+        refusal = _content_type_refusal(request)
+        if refusal is not None:
+            return await _refuse(request, refusal)
+        body = await receive(request, functools.partial(precheck, name))
         if isinstance(body, web.StreamResponse):
             return body
         in_flight += 1
         try:
-            return await answer(name, body)
+            try:  # parsing and checks touch every value of up to max_request_mb: off the event loop
+                decoded = await asyncio.get_running_loop().run_in_executor(None, decode, name, body)
+            except WireError as e:
+                return _wire_error(e)
+            del body  # the decoded tensors are what the request holds while it waits
+            return await answer(name, decoded)
         finally:
             in_flight -= 1
 
+    def media_precheck(name: str, prefix: bytes) -> None:
+        check_media_header(read_header(prefix), limits[name], settings.max_batch, name)
+
+    def media_decode(name: str, body: bytes) -> Any:
+        return decode_media(body, limits[name], settings.max_batch, name)
+
+    def states_precheck(name: str, prefix: bytes) -> None:
+        check_states_header(read_header(prefix, STATES_EXPECTS), latents[name], settings.max_batch)
+
+    def states_decode(name: str, body: bytes) -> Any:
+        return decode_states(body, latents[name], settings.max_batch)
+
     async def score(request: web.Request) -> web.StreamResponse:
-        return await handle(request, batchers, "reward", score_body)
+        return await handle(request, batchers, "reward", media_precheck, media_decode, score_media)
 
     async def velocity(request: web.Request) -> web.StreamResponse:
-        return await handle(request, teacher_batchers, "teacher", velocity_body)
+        return await handle(request, teacher_batchers, "teacher", states_precheck, states_decode, velocity_of)
 
-    async def score_body(name: str, body: bytes) -> web.Response:
-        try:  # parsing and checks off the event loop: they touch every value of up to max_request_mb
-            media, prompts = await asyncio.get_running_loop().run_in_executor(None, decode_media, body)
-        except WireError as e:
-            return _error(400, str(e), "bad_request")
-        if len(media) > settings.max_batch:
-            message = (
-                f"{len(media)} samples exceed the server's max batch of {settings.max_batch}; send fewer"
-            )
-            return _error(413, message, "too_large")
+    async def score_media(name: str, decoded: tuple[MediaBatch, list[str]]) -> web.Response:
         try:
-            out = await batchers[name].score(media, prompts)
+            out = await batchers[name].score(*decoded)
         except ServerStopping as e:
             return _error(503, str(e), "stopping")
         except RewardError as e:
@@ -543,23 +596,9 @@ def build_app(
             }
         )
 
-    async def velocity_body(name: str, body: bytes) -> web.Response:
-        batcher = teacher_batchers[name]
-        shape = tuple(batcher.teacher.info().latent_shape)
+    async def velocity_of(name: str, decoded: tuple[torch.Tensor, torch.Tensor, list[str]]) -> web.Response:
         try:
-            states, t, prompts = await asyncio.get_running_loop().run_in_executor(
-                None, decode_states, body, shape
-            )
-        except WireError as e:
-            return _error(400, str(e), "bad_request")
-        if len(states) > settings.max_batch:
-            message = (
-                f"{len(states)} states exceed the server's max batch of {settings.max_batch}; send fewer"
-            )
-            return _error(413, message, "too_large")
-        del body  # the decoded tensors are what the request holds while it waits
-        try:
-            v = await batcher.velocity(states, t, prompts)
+            v = await teacher_batchers[name].velocity(*decoded)
         except ServerStopping as e:
             return _error(503, str(e), "stopping")
         except TeacherError as e:  # a teacher that fails is an error for the client, never a silent target
@@ -598,24 +637,114 @@ def build_app(
     return app
 
 
-def _too_large(size: int | None, limit: int) -> web.Response:
+def _too_large_message(size: int | None, limit: int) -> str:
     got = f"{size} bytes" if size is not None else "more"
-    return _error(
-        413,
+    return (
         f"request of {got} exceeds the server's limit of {limit} bytes; send smaller batches or start "
-        "the server with a larger --max-request-mb",
-        "too_large",
+        "the server with a larger --max-request-mb"
     )
 
 
-async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+def _too_large(size: int | None, limit: int) -> web.Response:
+    return _error(413, _too_large_message(size, limit), "too_large")
+
+
+def _wire_error(e: WireError) -> web.Response:
+    return _error(e.status, str(e), "too_large" if e.status == 413 else "bad_request")
+
+
+def _authorisation_problem(given: str | None, token: str) -> str | None:
+    """None when the Authorization header `given` carries `token`; else what is wrong with it."""
+    if not given:
+        return "no bearer token"
+    if not (given.isascii() and given.isprintable()):
+        return "an Authorization header with characters outside printable ASCII, which no token has"
+    if not given.startswith("Bearer "):
+        return "an Authorization header that is not 'Bearer <token>'"
+    if not hmac.compare_digest(given.encode("ascii"), f"Bearer {token}".encode("ascii")):
+        return "a wrong bearer token"
+    return None
+
+
+def _content_type_refusal(request: web.Request) -> web.Response | None:
+    """None when the body is declared safetensors, or not declared at all (raw HTTP clients); a 415
+    naming the expected type otherwise."""
+    given = request.headers.get("Content-Type")
+    if given is None or given.split(";", 1)[0].strip().lower() == CONTENT_TYPE:
+        return None
+    message = (
+        f"this server reads safetensors bodies of Content-Type '{CONTENT_TYPE}'; got {given[:100]!r}. "
+        f"Send the body with 'Content-Type: {CONTENT_TYPE}'"
+    )
+    return _error(415, message, "unsupported_media_type")
+
+
+async def _read_checked(request: web.Request, precheck: Callable[[bytes], None], max_bytes: int) -> bytes:
+    """The request's body. Its first 8 + header-length bytes go to `precheck` (on a worker thread)
+    before the rest is received, so a request refused by its header costs no more than that."""
+    stream = request.content
+    prefix = await _read_up_to(stream, 8)
+    prefix += await _read_up_to(stream, header_length(prefix, request.content_length))
+    await asyncio.get_running_loop().run_in_executor(None, precheck, prefix)
+    chunks, total = [prefix], len(prefix)
+    while chunk := await stream.readany():
+        total += len(chunk)
+        if total > max_bytes:  # only a chunked body gets here: a declared length was checked
+            raise TooLarge(_too_large_message(None, max_bytes))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_up_to(stream: Any, size: int) -> bytes:
+    """`size` bytes of the body, or fewer where it ends (the header checks then say what is short)."""
+    try:
+        return await stream.readexactly(size)
+    except asyncio.IncompleteReadError as e:
+        return e.partial
+
+
+async def _refuse(request: web.Request, response: web.Response) -> web.Response:
+    """Answer a request whose body is left (partly) unread. A rest of up to LINGER_BYTES is read and
+    dropped after the answer (aiohttp's lingering) and the connection kept; a larger rest, or one of
+    unknown size, is not worth receiving: the connection is closed, after at most LINGER_S of
+    reading and dropping, so that a client still sending gets the answer rather than a reset."""
+    if not request.body_exists:
+        return response
+    length = request.content_length
+    if length is not None and length - request.content.total_bytes <= LINGER_BYTES:
+        return response
+    return await _answer_and_close(request, response, linger_s=LINGER_S)
+
+
+async def _answer_and_close(
+    request: web.Request, response: web.Response, linger_s: float = 0.0
+) -> web.Response:
     """Send `response`, then close the connection: its request body was not read to the end, so the
-    connection cannot carry another request (and aiohttp would otherwise linger reading the rest)."""
+    connection cannot carry another request. With `linger_s`, the answer is followed by a half-close
+    and what the client still sends is read and dropped for up to that long first (closing with
+    unread data resets the connection, and a client still sending may lose the answer)."""
     response.force_close()
     await response.prepare(request)
     await response.write_eof()
+    if linger_s > 0:
+        await _drop_rest(request, linger_s)
     request.protocol.force_close()
     return response
+
+
+async def _drop_rest(request: web.Request, seconds: float) -> None:
+    """Half-close the connection and read and drop the rest of the body for up to `seconds`."""
+    transport = request.transport
+    if transport is None or transport.is_closing() or not transport.can_write_eof():
+        return
+    transport.write_eof()
+    deadline = time.monotonic() + seconds
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not await asyncio.wait_for(request.content.readany(), left):
+                return
+    except (TimeoutError, asyncio.TimeoutError, ConnectionError, aiohttp.ClientError, OSError):
+        return  # out of time, or the client went away: either way nothing more to drop
 
 
 async def serve(

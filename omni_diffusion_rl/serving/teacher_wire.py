@@ -2,7 +2,9 @@
 bytes (never a pickle), checked before any model sees them.
 
 Request: `states` [B, *latent] and `t` [B] (float16/bfloat16/float32, finite, t in [0, 1]) with
-metadata `prompts` (a JSON list of B strings). Answer: `velocity` [B, *latent] float32.
+metadata `prompts` (a JSON list of B strings of at most MAX_PROMPT_CHARS characters each). Answer:
+`velocity` [B, *latent] float32. The header alone settles everything but the values
+(`check_states_header`), so the server checks it before receiving the rest of the body.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .wire import WireError, check_tensor, read_metadata, read_prompts
+from .wire import (
+    Header,
+    TooLarge,
+    WireError,
+    check_finite,
+    check_spec,
+    load_checked,
+    read_header,
+    read_prompts,
+)
 
 EXPECTS = "'prompts' (a JSON list of strings)"
 
@@ -27,26 +38,45 @@ def encode_states(states: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> 
     return save_tensors(tensors, metadata={"prompts": json.dumps(list(prompts))})
 
 
-def decode_states(body: bytes, latent_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """The states, times and prompts of a request for a teacher working on `latent_shape`, or a
-    WireError naming what is wrong."""
-    meta = read_metadata(body, EXPECTS)
-    tensors = _load(body)
-    if set(tensors) != {"states", "t"}:
-        raise WireError(f"the payload must hold exactly 'states' and 't'; got {sorted(tensors)}")
-    states, t = tensors["states"], tensors["t"]
+def check_states_header(
+    header: Header, latent_shape: tuple[int, ...], max_batch: int | None = None
+) -> tuple[int, list[str]]:
+    """The batch size and prompts a teacher request's header declares, checked: exactly `states`
+    [B, *latent_shape] and `t` [B] as floats, B in [1, max_batch] (more: TooLarge, a 413) and B
+    prompts of at most MAX_PROMPT_CHARS characters."""
+    specs = header.tensors
+    if set(specs) != {"states", "t"}:
+        names = sorted(n[:40] for n in specs)[:5]
+        raise WireError(f"the payload must hold exactly 'states' and 't'; got {names}")
+    states, t = specs["states"], specs["t"]
     layout = f"[B, {', '.join(str(d) for d in latent_shape)}] (this teacher's latent)"
-    check_tensor("states", states, 1 + len(latent_shape), layout)
+    check_spec("states", states, 1 + len(latent_shape), layout)
     if tuple(states.shape[1:]) != tuple(latent_shape):
         raise WireError(f"'states' must be {layout}; got shape {list(states.shape)}")
-    check_tensor("t", t.reshape(-1, 1), 2, "[B]")
-    if t.ndim != 1 or len(t) != len(states):
-        raise WireError(f"'t' must be [B] with B = {len(states)}; got shape {list(t.shape)}")
-    if len(states) == 0:
+    batch = states.shape[0]
+    check_spec("t", t, 1, "[B]")
+    if t.shape[0] != batch:
+        raise WireError(f"'t' must be [B] with B = {batch}; got shape {list(t.shape)}")
+    if batch == 0:
         raise WireError("the batch is empty (0 states)")
+    if max_batch is not None and batch > max_batch:
+        raise TooLarge(f"{batch} states exceed the server's max batch of {max_batch}; send fewer")
+    return batch, read_prompts(header.metadata, batch, "states")
+
+
+def decode_states(
+    body: bytes, latent_shape: tuple[int, ...], max_batch: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """The states, times and prompts of a request for a teacher working on `latent_shape`, or a
+    WireError naming what is wrong (a TooLarge beyond `max_batch` states)."""
+    header = read_header(body, EXPECTS)
+    _, prompts = check_states_header(header, latent_shape, max_batch)
+    tensors = load_checked(body, header)
+    states, t = tensors["states"], tensors["t"]
+    check_finite("states", states)
+    check_finite("t", t.reshape(-1, 1))
     if bool(((t < 0) | (t > 1)).any()):
         raise WireError("'t' must lie in [0, 1] (1 is pure noise)")
-    prompts = read_prompts(meta, len(states), "states")
     return states.float(), t.float(), prompts
 
 

@@ -10,7 +10,7 @@ diffusion side (`HELDOUT_PROMPTS`), so neither side trains on them.
 
 from __future__ import annotations
 
-import re
+import string
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from .tiny_world import (
     ALL_SCENES,
     ATTRIBUTE_OPTIONS,
     HELDOUT_PROMPTS,
+    SCENE_BY_PROMPT,
     WHEN_PHRASES,
     Scene,
     render_scene,
@@ -63,9 +64,13 @@ def answer_options(kind: str) -> tuple[str, ...]:
     return ATTRIBUTE_OPTIONS[kind]
 
 
+_KEPT = frozenset(string.ascii_lowercase + string.digits)
+
+
 def normalise_answer(text: str) -> str:
-    """Lower case, single spaces, no punctuation: what exact match compares."""
-    return " ".join(re.sub(r"[^a-z0-9 ]+", " ", text.lower()).split())
+    """Lower case, single spaces, no punctuation: what exact match compares (a-z and 0-9 kept, every
+    other character a space)."""
+    return " ".join("".join(c if c in _KEPT else " " for c in text.lower()).split())
 
 
 def exact_match(answer: str, question: Question) -> float:
@@ -117,14 +122,15 @@ def question_prompt(question: Question) -> str:
 
 
 def parse_question(prompt: str) -> Question:
-    """The question a data-stream prompt names; anything else is refused with the expected form."""
-    from .tiny_world import parse_prompt
-
+    """The question a data-stream prompt names; anything else is refused with the expected form.
+    The scene must be a tiny-world prompt as the world writes it (surrounding whitespace aside): a
+    look-up, in time linear in the prompt's length."""
     kind, sep, scene_text = prompt.partition(" | ")
-    scene = parse_prompt(scene_text) if sep else None
-    if kind not in QUESTION_KINDS or scene is None or scene.prompt != scene_text.strip():
+    scene = SCENE_BY_PROMPT.get(scene_text.strip()) if sep else None
+    if kind not in QUESTION_KINDS or scene is None:
+        shown = prompt if len(prompt) <= 200 else f"{prompt[:200]}... ({len(prompt)} characters)"
         raise ValueError(
-            f"{prompt!r} is not a tiny AVQA prompt: expected '<kind> | <tiny-world prompt>' with kind one of "
+            f"{shown!r} is not a tiny AVQA prompt: expected '<kind> | <tiny-world prompt>' with kind one of "
             f"{', '.join(QUESTION_KINDS)}, e.g. 'color | a red circle with a high tone at the start'"
         )
     return Question(scene, kind)

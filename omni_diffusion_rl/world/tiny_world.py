@@ -63,18 +63,57 @@ _HELDOUT = set(random.Random(1234).sample(range(len(ALL_SCENES)), 16))
 TRAIN_PROMPTS = [s.prompt for i, s in enumerate(ALL_SCENES) if i not in _HELDOUT]
 HELDOUT_PROMPTS = [s.prompt for i, s in enumerate(ALL_SCENES) if i in _HELDOUT]
 
-_PROMPT_RE = re.compile(
-    rf"\b(?P<color>{'|'.join(COLORS)})\b.*\b(?P<shape>{'|'.join(SHAPES)})\b"
-    rf".*\b(?P<pitch>{'|'.join(PITCH_BINS)}) tone\b.*\b(?P<when>start|end)\b"
-)
+SCENE_BY_PROMPT = {s.prompt: s for s in ALL_SCENES}
+_WORD = re.compile(r"\w+")  # one character class, no alternation or nesting: a linear tokenizer
+_KIND_OF_WORD = {
+    **dict.fromkeys(COLORS, "color"),
+    **dict.fromkeys(SHAPES, "shape"),
+    **dict.fromkeys(PITCH_BINS, "pitch"),
+    "start": "when",
+    "end": "when",
+}
 
 
 def parse_prompt(prompt: str) -> Scene | None:
-    """The scene a prompt asks for, or None if it is not a tiny-world prompt."""
-    m = _PROMPT_RE.search(prompt.lower())
-    if m is None:
+    """The scene a prompt asks for, or None if it is not a tiny-world prompt.
+
+    On one line of the lower-cased prompt, these words in this order, with anything between them: a
+    colour, a shape, a pitch followed by one space and "tone", and "start" or "end" (whole words:
+    runs of word characters). Where a line names several, the first colour and the last of the others
+    that still leave the rest in order are taken. Time linear in the prompt's length (the regex this
+    replaces backtracked, cubically; tests/test_server_limits.py shows both accept the same).
+    """
+    for line in prompt.lower().split("\n"):
+        scene = _scene_of_line(line)
+        if scene is not None:
+            return scene
+    return None
+
+
+def _scene_of_line(line: str) -> Scene | None:
+    """The scene one line names: its last "start"/"end", the last "<pitch> tone" before it, the last
+    shape before that and the first colour before the shape."""
+    words = [(m.group(), m.start(), m.end()) for m in _WORD.finditer(line)]
+    kinds = [_KIND_OF_WORD.get(w) for w, _, _ in words]
+    when = _last(kinds, "when", len(words))
+    if when is None:
         return None
-    return Scene(m["color"], m["shape"], m["pitch"], "early" if m["when"] == "start" else "late")
+
+    def toned(i: int) -> bool:  # "<pitch> tone", one space between
+        return words[i + 1][0] == "tone" and words[i + 1][1] == words[i][2] + 1 and line[words[i][2]] == " "
+
+    pitch = next((i for i in range(when - 2, -1, -1) if kinds[i] == "pitch" and toned(i)), None)
+    shape = None if pitch is None else _last(kinds, "shape", pitch)
+    color = None if shape is None else next((i for i in range(shape) if kinds[i] == "color"), None)
+    if color is None or shape is None or pitch is None:
+        return None
+    timing = "early" if words[when][0] == "start" else "late"
+    return Scene(words[color][0], words[shape][0], words[pitch][0], timing)
+
+
+def _last(kinds: list[str | None], kind: str, before: int) -> int | None:
+    """The index of the last word of `kind` before index `before`, if any."""
+    return next((i for i in range(before - 1, -1, -1) if kinds[i] == kind), None)
 
 
 def active_video_frames(when: str) -> list[int]:
