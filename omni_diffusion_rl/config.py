@@ -705,11 +705,6 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             "is not what a sharded run does: with train.sharding=fsdp choose execution.mode=colocated, "
             "separate or hybrid (`odrl simulate --measure` predicts them)"
         )
-    if cfg.train.cpu_offload and cfg.train.sharding != "fsdp":
-        raise ConfigError(
-            "train.cpu_offload=true offloads the shards of a sharded model: set train.sharding=fsdp too "
-            "(or train.cpu_offload=false)"
-        )
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is needed")
     for name, weight in cfg.reward.weights.items():

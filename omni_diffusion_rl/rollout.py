@@ -21,6 +21,7 @@ from .models.policy import Condition, FlowPolicy, cat_conditions, index_conditio
 from .named_batch import BatchSchema, NamedBatch
 from .reward import ScoreResult, WeightedReward
 from .sampling import policy_time_grid, sample_ode
+from .sharding import compute_device
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6, "answers": 7}
 
@@ -204,7 +205,7 @@ def generate(
     group_size = len(noise) // len(prompts)
     if group_size * len(prompts) != len(noise):
         raise ValueError(f"{len(noise)} noise samples do not split into groups for {len(prompts)} prompts")
-    device = next(policy.transformer.parameters()).device
+    device = compute_device(policy.transformer)
     cond = repeat_condition(policy.encode_prompts(prompts), group_size)
     cond = {k: v.to(device) for k, v in cond.items()}
     noise = noise.to(device)

@@ -54,7 +54,22 @@ class ShardingChoice:
 def sharding_choice(cfg: ExperimentConfig, env: dict[str, str] | None = None) -> ShardingChoice:
     """train.sharding / train.cpu_offload, or accelerate launch's FSDP config (ACCELERATE_USE_FSDP,
     FSDP_VERSION, FSDP_OFFLOAD_PARAMS), which turns sharding on; FSDP version 1 is refused."""
-    env = dict(os.environ if env is None else env)
+    choice = _choice(cfg, dict(os.environ if env is None else env))
+    if not choice.enabled and cfg.train.cpu_offload:
+        raise ShardingError(
+            "train.cpu_offload=true offloads the shards of a sharded model: set train.sharding=fsdp too "
+            "(or train.cpu_offload=false)"
+        )
+    if choice.enabled and cfg.execution.mode == "auto":
+        raise ShardingError(
+            f"execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "
+            f"is not what a sharded run does ({choice.source}): choose execution.mode=colocated, separate "
+            "or hybrid (`odrl simulate --measure` predicts them)"
+        )
+    return choice
+
+
+def _choice(cfg: ExperimentConfig, env: dict[str, str]) -> ShardingChoice:
     if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):
         version = env.get("FSDP_VERSION", "1")
         if version != "2":
@@ -110,22 +125,54 @@ def check_shardable(model: nn.Module, family: str) -> list[nn.Module]:
     return units
 
 
-def process_group_mesh(group: Any, device: torch.device) -> DeviceMesh:
-    """A 1-D device mesh over `group` (None: every process) on the device type of `device`."""
+def process_group_mesh(group: Any, device: torch.device, cpu_offload: bool = False) -> DeviceMesh:
+    """A 1-D device mesh over `group` (None: every process) on the device type of `device`. With
+    cpu_offload on CUDA the mesh gets a group of its own with a gloo backend for the CPU too: the
+    offloaded shards' gradients are clipped, and the shards gathered whole, on the CPU."""
+    if device.type == "cuda" and cpu_offload:
+        group = dist.new_group(_ranks(group), backend="cpu:gloo,cuda:nccl", use_local_synchronization=True)
     if group is None:
         return init_device_mesh(device.type, (dist.get_world_size(),))
     return DeviceMesh.from_group(group, device.type)
 
 
+def _ranks(group: Any) -> list[int]:
+    """The global ranks of `group` (None: every process)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def shard_module(model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, cpu_offload: bool) -> None:
-    """fully_shard each unit, then the model (what the units leave: embeddings, norms, output)."""
+    """fully_shard each unit, then the model (what the units leave: embeddings, norms, output).
+
+    Every group, the root's too, splits its weights again after each forward: FSDP would keep the
+    root's gathered until a backward, which sampling, evaluation and a teacher never run, and a
+    weight loaded, copied or soft-updated while gathered would be lost at the next reshard."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     precision = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    for module in [*units, model]:
+        fully_shard(
+            module, mesh=mesh, mp_policy=precision, offload_policy=offload, reshard_after_forward=True
+        )
+    model.__dict__[COMPUTE_DEVICE] = mesh_device(mesh)
+
+
+COMPUTE_DEVICE = "_odrl_compute_device"
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh computes on in this process (its current CUDA device, or the CPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def compute_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: a sharded module's mesh device (its shards may live in host memory
+    with cpu_offload), else its parameters' device."""
+    recorded = module.__dict__.get(COMPUTE_DEVICE)
+    return recorded if recorded is not None else next(module.parameters()).device
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -157,10 +204,16 @@ def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     process), so it is the very dict an unsharded run saves."""
     state = optimizer.state_dict()
     state["state"] = {
-        index: {k: full_tensor(v).detach().cpu() if isinstance(v, DTensor) else v for k, v in entry.items()}
-        for index, entry in state["state"].items()
+        index: {k: _whole_copy(v) for k, v in entry.items()} for index, entry in state["state"].items()
     }
     return state
+
+
+def _whole_copy(value: Any) -> Any:
+    """A tensor gathered whole (a shard) or copied (so the dict shares nothing with the optimizer)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().cpu()
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -217,7 +270,8 @@ class Sharder:
 
     def policy(self, transformer: nn.Module) -> None:
         units = check_shardable(transformer, self.family)
-        shard_module(transformer, units, process_group_mesh(self.group, self.device), self.choice.cpu_offload)
+        mesh = process_group_mesh(self.group, self.device, self.choice.cpu_offload)
+        shard_module(transformer, units, mesh, self.choice.cpu_offload)
 
     def teacher(self, transformer: nn.Module, family: str) -> None:
         """Shard a frozen teacher's transformer (forward only) over the training processes."""
@@ -225,9 +279,8 @@ class Sharder:
         if not self.active:
             return
         if self._teacher_mesh is None:
-            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-            ranks = ranks if ranks is not None else list(range(dist.get_world_size()))
-            group = dist.new_group(ranks, use_local_synchronization=True)
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" and self.choice.cpu_offload else None
+            group = dist.new_group(_ranks(self.group), backend=backend, use_local_synchronization=True)
             self._teacher_mesh = DeviceMesh.from_group(group, self.device.type)
         shard_module(transformer, units, self._teacher_mesh, self.choice.cpu_offload)
 

@@ -18,6 +18,7 @@ import torch
 
 from .config import DISTILL_STATES, ConfigError, ExperimentConfig
 from .rollout import Rollout, step_generator
+from .sharding import compute_device
 from .teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
 
 STATE_KINDS = DISTILL_STATES
@@ -94,7 +95,7 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
     prompts = ["a red circle", "a low tone"]
 
     def student_velocity(x: torch.Tensor, t: torch.Tensor, texts: list[str]) -> torch.Tensor:
-        device = next(policy.transformer.parameters()).device  # type: ignore[attr-defined]
+        device = compute_device(policy.transformer)  # type: ignore[attr-defined]
         cond = {k: v.to(device) for k, v in policy.encode_prompts(texts).items()}  # type: ignore[attr-defined]
         return policy.velocity(x.to(device), t.to(device), cond)  # type: ignore[attr-defined]
 
@@ -145,20 +146,30 @@ class TeacherTargets:
             states = noised_states(rollout, self.seed)
             extras = {STATES: states}
         times = rollout.grid[:-1].to(states.device)
-        # time-major: a batch shares one time, as the student trains
-        columns = [self._velocity(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
+        # time-major: a batch shares one time, as the student trains; every answer is checked once
+        # all are in, so that a sharded teacher runs the same forwards on every process even when
+        # one process's answers are bad (its error then comes after the others' last gather)
+        answers = [self._answers(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
+        columns = [torch.cat([checked_targets(v, piece) for v, piece in column]) for column in answers]
         self.seconds += time.perf_counter() - started
         self.calls += 1
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
 
-    def _velocity(self, x: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        """The teacher's checked velocity at states x [N, ...] (one time t), in batches of max_batch."""
-        parts = []
+    def _answers(
+        self, x: torch.Tensor, t: torch.Tensor, prompts: list[str]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The teacher's raw velocity for states x [N, ...] (one time t), in batches of max_batch,
+        each with its states."""
+        out = []
         for start in range(0, len(x), self.max_batch):
             piece = x[start : start + self.max_batch]
-            v = self.teacher.velocity(piece, t.expand(len(piece)), prompts[start : start + len(piece)])
-            parts.append(checked_targets(v, piece))
-        return torch.cat(parts)
+            out.append(
+                (
+                    self.teacher.velocity(piece, t.expand(len(piece)), prompts[start : start + len(piece)]),
+                    piece,
+                )
+            )
+        return out
 
     def metrics(self) -> dict[str, float]:
         """Teacher seconds since the last call, and the teacher's own counters (replicas, retries)."""

@@ -34,7 +34,7 @@ class FlowPolicyTeacher:
         options: dict[str, Any] | None = None,
     ) -> None:
         from omni_diffusion_rl.inference import load_policy
-        from omni_diffusion_rl.models import build_policy
+        from omni_diffusion_rl.models import build_policy, left_in_place
 
         _check_options(cfg_scale, device, options)
         if checkpoint is not None:
@@ -49,11 +49,12 @@ class FlowPolicyTeacher:
                 k: v for k, v in dataclasses.asdict(model).items() if k in ("family", "pretrained", "options")
             }
         move = getattr(self.policy, "to", None)
-        if callable(move):
-            move(device)
-        self.policy.transformer.to(device).requires_grad_(False).eval()
+        if callable(move):  # the transformer goes to the device on first use, unless shard() splits it
+            with left_in_place(self.policy.transformer):
+                move(device)
+        self.policy.transformer.requires_grad_(False).eval()
         self.device, self.cfg_scale = torch.device(device), float(cfg_scale)
-        self._sharded = False  # shard() splits the transformer over the training processes
+        self._placed = False  # the transformer: on self.device (first use), or split by shard()
         if self.cfg_scale != 1.0:
             try:
                 self.policy.encode_prompts([""])
@@ -73,18 +74,27 @@ class FlowPolicyTeacher:
         return self._info
 
     def shard(self, sharder: Any) -> None:
-        """Split the frozen transformer over the training processes (sharding.Sharder), forward only;
-        the teacher must run on the trainers' kind of device."""
+        """Split the frozen transformer over the training processes (sharding.Sharder), forward only,
+        straight from host memory: each process's part goes to its own device, which the teacher
+        then runs on (the trainers' kind of device is required)."""
+        if not sharder.active or self._placed:
+            return
         if self.device.type != sharder.device.type:
             raise ConfigError(
                 f"teacher 'policy' runs on {self.device} but the training processes shard on "
                 f"{sharder.device.type}: set teacher.options.device={sharder.device.type}"
             )
         sharder.teacher(self.policy.transformer, self.family)
-        self._sharded = True
+        fixed_calls = getattr(self.policy, "use_sharded_transformer", None)
+        if callable(fixed_calls):  # the same transformer calls on every process (MiniMax-H3)
+            fixed_calls()
+        self.device, self._placed = sharder.device, True
 
     @torch.no_grad()
     def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if not self._placed:
+            self.policy.transformer.to(self.device)
+            self._placed = True
         x_t, t = x_t.to(self.device), t.to(self.device)
         cond = {k: v.to(self.device) for k, v in self.policy.encode_prompts(list(prompts)).items()}
         v = self.policy.velocity(x_t, t, cond).float()
@@ -92,8 +102,6 @@ class FlowPolicyTeacher:
             empty = {k: v.to(self.device) for k, v in self.policy.encode_prompts([""] * len(prompts)).items()}
             v_empty = self.policy.velocity(x_t, t, empty).float()
             v = v_empty + self.cfg_scale * (v - v_empty)
-        if self._sharded:  # FSDP keeps a root's weights gathered after forward for a backward that
-            self.policy.transformer.reshard()  # never comes to a teacher: split them again
         return v.cpu()
 
 

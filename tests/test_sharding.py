@@ -53,13 +53,21 @@ def test_a_family_without_blocks_is_refused_by_name() -> None:
 
 
 def test_offload_without_sharding_and_auto_with_sharding_are_refused() -> None:
+    offload = load_config(None, ["train.cpu_offload=true"])
     with pytest.raises(
-        ConfigError, match="train.cpu_offload=true offloads the shards .* set train.sharding=fsdp"
+        ShardingError, match="train.cpu_offload=true offloads the shards .* set train.sharding"
     ):
-        load_config(None, ["train.cpu_offload=true"])
+        sharding_choice(offload, {})
+    fsdp2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    assert sharding_choice(offload, fsdp2).cpu_offload, "accelerate's FSDP config shards: offload applies"
     with pytest.raises(ConfigError, match="execution.mode=auto measures .* with train.sharding=fsdp choose"):
         load_config(None, ["train.sharding=fsdp", "execution.mode=auto"])
-    load_config(None, ["train.sharding=fsdp", "train.cpu_offload=true"])
+    auto = load_config(None, ["execution.mode=auto"])
+    with pytest.raises(ShardingError, match="execution.mode=auto measures .*accelerate launch's FSDP config"):
+        sharding_choice(auto, fsdp2)
+    assert sharding_choice(
+        load_config(None, ["train.sharding=fsdp", "train.cpu_offload=true"]), {}
+    ).cpu_offload
 
 
 def test_accelerates_fsdp_config_turns_sharding_on_and_says_so() -> None:
@@ -169,20 +177,35 @@ def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None
         cond = whole.encode_prompts(["a red circle", "a blue square", "a low tone"])
         with torch.no_grad():
             velocity_gap = float((sharded.velocity(x, t, cond) - whole.velocity(x, t, cond)).abs().max())
+        # one AdamW step on both (every process the same batch: FSDP's mean is the whole model's gradient)
         params = lora.trainable_parameters(sharded.transformer)
+        whole_params = lora.trainable_parameters(whole.transformer)
         optimizer = torch.optim.AdamW(params, lr=1e-2)
+        whole_optimizer = torch.optim.AdamW(whole_params, lr=1e-2)
         sharded.velocity(x, t, cond).square().mean().backward()
+        whole.velocity(x, t, cond).square().mean().backward()
+        norms = [float(full_tensor(torch.nn.utils.clip_grad_norm_(ps, 1e9))) for ps in (params, whole_params)]
+        before_step = lora.adapter_state_dict(sharded.transformer, lora.TRAINED)
         optimizer.step()
+        whole_optimizer.step()
+        stepped = lora.adapter_state_dict(sharded.transformer, lora.TRAINED)
+        step_gap = max(
+            float((stepped[k] - v).abs().max())
+            for k, v in lora.adapter_state_dict(whole.transformer, lora.TRAINED).items()
+        )
+        # the optimizer state saved whole, loaded into a fresh optimizer over the shards, steps alike
         state = whole_optimizer_state(optimizer)
         fresh = torch.optim.AdamW(params, lr=1e-2)
         load_whole_optimizer_state(fresh, state)
-        again = whole_optimizer_state(fresh)
-        state_roundtrip = all(
-            torch.equal(state["state"][i][k], again["state"][i][k])
-            for i in state["state"]
-            for k in state["state"][i]
-        )
+        moments_split = all(type(fresh.state[p]["exp_avg"]).__name__ == "DTensor" for p in params)
         moments_whole = all(state["state"][i]["exp_avg"].shape == params[i].shape for i in state["state"])
+        optimizer.step()
+        after_original = lora.adapter_state_dict(sharded.transformer, lora.TRAINED)
+        lora.load_adapter_state_dict(sharded.transformer, lora.TRAINED, stepped)
+        fresh.step()
+        after_fresh = lora.adapter_state_dict(sharded.transformer, lora.TRAINED)
+        resumed_alike = all(torch.equal(after_original[k], after_fresh[k]) for k in after_fresh)
+        moved = any(not torch.equal(before_step[k], stepped[k]) for k in stepped)
         from teachers.flow_policy import FlowPolicyTeacher
 
         whole_teacher, teacher = FlowPolicyTeacher(), FlowPolicyTeacher()
@@ -201,9 +224,12 @@ def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None
             "whole_base_bytes": local_bytes(whole_base),
             "same_adapter": same_adapter,
             "velocity_gap": velocity_gap,
-            "state_roundtrip": state_roundtrip,
+            "norms": norms,
+            "step_gap": step_gap,
+            "moved": moved,
+            "moments_split": moments_split,
             "moments_whole": moments_whole,
-            "norm_type": type(full_tensor(torch.nn.utils.clip_grad_norm_(params, 1.0))).__name__,
+            "resumed_alike": resumed_alike,
         }
         Path(f"{out}.{rank}").write_text(json.dumps(result))
     finally:
@@ -225,7 +251,61 @@ def test_sharded_pieces_on_two_processes_equal_the_whole_model(model_dir: Path, 
         assert got["base_bytes"] == pytest.approx(got["whole_base_bytes"] / 2, rel=0.1)
         assert got["same_adapter"], "loading whole tensors into shards and gathering them back is exact"
         assert got["velocity_gap"] < 1e-6
-        assert got["state_roundtrip"] and got["moments_whole"]
-        assert got["norm_type"] == "Tensor"
+        assert got["norms"][0] == pytest.approx(got["norms"][1], rel=1e-5), "the norm over every shard"
+        assert got["moved"] and got["step_gap"] < 1e-6, "a sharded AdamW step is the whole model's"
+        assert got["moments_whole"] and got["moments_split"], "saved whole, loaded as shards"
+        assert got["resumed_alike"], "the reloaded optimizer steps as the original does"
         assert got["teacher_whole"] == [], "the teacher's weights are split, after a forward too"
         assert got["teacher_gap"] < 1e-5
+
+
+def test_a_failed_sample_that_holds_nan_weighs_zero_without_turning_the_gradient_nan(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Sharded, a dropped sample still runs its passes (weight 0): a NaN in it (a failed sample)
+    must not make 0 x NaN; the gradient equals the unsharded one, which leaves the sample out."""
+    from omni_diffusion_rl.models.policy import repeat_condition
+    from omni_diffusion_rl.rollout import Rollout
+    from omni_diffusion_rl.sampling import policy_time_grid
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import fast_overrides
+
+    trainer = Trainer(load_config(None, [*fast_overrides(model_dir, tmp_path, 1), "algorithm.kl_coef=0.1"]))
+    policy, learner = trainer.policy, trainer.learner
+    with torch.no_grad():  # lora_B starts at 0: open the adapters so that the KL term matters too
+        for p in learner.params:
+            p.normal_(0.0, 0.05)
+    x0 = torch.randn(4, *policy.latent_shape, generator=torch.Generator().manual_seed(3))
+    x0[1] = float("nan")
+    cond = repeat_condition(policy.encode_prompts(["a red circle", "a blue square"]), 2)
+    grid = policy_time_grid(policy, 3, 1.0)
+    rollout = Rollout(
+        ["a red circle"] * 2 + ["a blue square"] * 2, torch.tensor([0, 0, 1, 1]), x0, cond, grid
+    )
+    keep, r = torch.tensor([True, False, True, True]), torch.tensor([0.2, 0.9, 0.6, 0.4])
+    gradients = {}
+    for sharded in (False, True):
+        learner.sharded = sharded
+        rows = trained_rows(keep, 4, sharded)
+        learner.begin_update(rows.trained, rows.passes(4))
+        trainer.algorithm.nft_gradients(rollout, r, 0, rows)
+        gradients[sharded] = [p.grad.clone() for p in learner.params]
+    learner.sharded = False
+    for left_out, weighted in zip(gradients[False], gradients[True], strict=True):
+        assert torch.isfinite(weighted).all()
+        torch.testing.assert_close(weighted, left_out, rtol=1e-4, atol=1e-7)
+
+
+def test_one_training_process_keeps_an_in_process_teacher_whole() -> None:
+    """train.sharding=fsdp with one training process: nothing to split, the teacher works as is."""
+    from teachers.flow_policy import FlowPolicyTeacher
+
+    cfg = load_config(None, ["train.sharding=fsdp", "algorithm.name=distill"])
+    sharder, _ = make_sharder(cfg, 1, None, torch.device("cpu"), trains_answers=False)
+    teacher = FlowPolicyTeacher()
+    teacher.shard(sharder)
+    x = torch.randn(2, *teacher.info().latent_shape)
+    v = teacher.velocity(x, torch.tensor([0.3, 0.7]), ["a red circle", "a low tone"])
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    assert not any(type(p).__name__ == "DTensor" for p in teacher.policy.transformer.parameters())

@@ -216,10 +216,16 @@ def _family_overrides(family: str, folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("family", ["ltx2", "minimax_h3"])
 def test_ltx2_and_h3_train_sharded_as_whole(family: str, tmp_path: Path) -> None:
+    """With held-out evaluation split unevenly (3 samples: 2 and 1 per process; H3 calls its
+    transformer once per sample when sharded, so the smaller batch is padded) and a preview."""
     overrides = _family_overrides(family, tmp_path)
-    _train([*overrides, f"train.output_dir={tmp_path / 'whole'}"])
-    _train([*overrides, f"train.output_dir={tmp_path / 'sharded'}", SHARDED], processes=2)
+    overrides += ["train.eval_at_start_and_end=true", "data.eval_samples=3", "train.preview_every=3"]
+    whole = _train([*overrides, f"train.output_dir={tmp_path / 'whole'}"])
+    sharded = _train([*overrides, f"train.output_dir={tmp_path / 'sharded'}", SHARDED], processes=2)
     _assert_same_run(tmp_path / "whole", tmp_path / "sharded")
+    for key in ("heldout_reward_before", "heldout_reward_after"):
+        assert sharded[key] == pytest.approx(whole[key], abs=1e-5), key
+    assert list((tmp_path / "sharded" / "previews").glob("step_00003/*"))
 
 
 @pytest.mark.parametrize("mode", ["separate", "hybrid"])

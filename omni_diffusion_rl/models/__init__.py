@@ -67,7 +67,7 @@ def build_nft_policy(
         )
     move = getattr(policy, "to", None)
     if callable(move):  # every module it holds (VAEs, text encoder, ...), not only the transformer
-        with contextlib.nullcontext() if shard is None else _left_in_place(policy.transformer):
+        with contextlib.nullcontext() if shard is None else left_in_place(policy.transformer):
             move(device)
     if shard is None:
         policy.transformer.to(device)
@@ -98,7 +98,7 @@ def build_nft_policy(
 
 
 @contextlib.contextmanager
-def _left_in_place(module: nn.Module) -> Iterator[None]:
+def left_in_place(module: nn.Module) -> Iterator[None]:
     """`module.to(...)` (called by a policy's own `to`, directly or through a pipeline) leaves the
     module where it is for the duration: sharding places it afterwards, a part per process."""
     module._apply = lambda fn, recurse=True: module  # type: ignore[method-assign]

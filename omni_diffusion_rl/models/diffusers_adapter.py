@@ -24,6 +24,7 @@ from torch import nn
 
 from ..media import MediaBatch
 from ..sampling import check_flow_match_config, flow_match_time_grid
+from ..sharding import compute_device
 from .policy import Condition
 
 HIDDEN_KEY = "encoder_hidden_states"
@@ -107,8 +108,8 @@ def _load(loader: Any, source: str, what: str, kwargs: dict[str, Any]) -> Any:
 
 
 def _module_device_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]:
-    param = next(module.parameters())
-    return param.device, param.dtype
+    """Where a module computes (sharding.compute_device: a sharded one's mesh device) and its dtype."""
+    return compute_device(module), next(module.parameters()).dtype
 
 
 # --------------------------------------------------------------------------------------------------

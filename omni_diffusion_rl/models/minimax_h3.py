@@ -42,6 +42,7 @@ from torch import nn
 
 from ..media import MediaBatch
 from ..precision import base_weights_autocast
+from ..sharding import compute_device
 from .policy import Condition
 from .vae_memory import configure_vae_memory, stored_dtype
 
@@ -150,7 +151,7 @@ class MiniMaxH3Policy:
     def encode_prompts(self, prompts: list[str]) -> Condition:
         """Each prompt's conditioner hidden state, zero-padded to max_sequence_length, and its length
         (each distinct prompt encoded once; the last PROMPT_CACHE are kept)."""
-        device = next(self.transformer.parameters()).device
+        device = compute_device(self.transformer)
         width = int(self.transformer.config.text_dim)
         text = torch.zeros(len(prompts), self.max_sequence_length, width, device=device)
         lengths = torch.zeros(len(prompts), dtype=torch.long, device=device)

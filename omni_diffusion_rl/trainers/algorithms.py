@@ -210,7 +210,9 @@ class DiffusionNFT(Algorithm):
         for t_all, _, x_all in inputs if len(rollout) else []:
             for part in parts:  # the same gradient as one pass: each part's mean weighted by its share
                 share = (part.stop - part.start) / len(rollout)
-                t, x_t, cond = t_all[part], x_all[part], index_condition(rollout.cond, part)
+                t, cond = t_all[part], index_condition(rollout.cond, part)
+                w = None if weight is None else weight[part]
+                x_t, x0 = finite_if_dropped(x_all[part], w), finite_if_dropped(rollout.x0[part], w)
                 with torch.no_grad(), learner.autocast():
                     with lora.using_adapter(transformer, lora.OLD):
                         v_old = policy.velocity(x_t, t, cond).float()
@@ -224,14 +226,14 @@ class DiffusionNFT(Algorithm):
                     v_theta.float(),
                     v_old,
                     x_t,
-                    rollout.x0[part],
+                    x0,
                     t,
                     r[part],
                     a.beta,
                     a.adv_clip_max,
                     v_ref,
                     a.kl_coef,
-                    None if weight is None else weight[part],
+                    w,
                 )
                 scaled = loss if scale == 1.0 else loss * scale
                 learner.backward(scaled * share / len(inputs))
@@ -281,9 +283,13 @@ class OnPolicyDistillation(DiffusionNFT):
         from ..teacher_targets import TeacherTargets, make_checked_teacher
 
         teacher = make_checked_teacher(cfg, policy, sharder)
-        return TeacherTargets(
-            teacher, cfg.algorithm.distill_states, cfg.train.seed, overlap=cfg.teacher.overlap
-        )
+        # A teacher sharded on GPUs answers on the main thread: its all-gathers and the policy's, on
+        # two NCCL communicators from two threads, could interleave in another order on each
+        # process, which NCCL does not allow (gloo on CPU does).
+        in_process = not cfg.teacher.urls
+        nccl_shards = in_process and sharder is not None and sharder.active and sharder.device.type == "cuda"
+        overlap = cfg.teacher.overlap and not nccl_shards
+        return TeacherTargets(teacher, cfg.algorithm.distill_states, cfg.train.seed, overlap=overlap)
 
     def metric_names(self) -> list[str]:
         names = ["loss/distill", "loss/total"]
@@ -348,11 +354,12 @@ class OnPolicyDistillation(DiffusionNFT):
             if missing:
                 lacks = ", ".join(missing)
                 raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
-            states, targets = extras[STATES].to(device), extras[TEACHER_V].to(device)
+            row_weight = None if sample_weight is None else sample_weight[part].to(device)
+            states = finite_if_dropped(extras[STATES].to(device), row_weight)
+            targets = finite_if_dropped(extras[TEACHER_V].to(device), row_weight)
             rows = torch.arange(len(states), device=device)
             cond = index_condition(rollout.cond, part)
             share = (part.stop - part.start) / len(rollout)
-            row_weight = None if sample_weight is None else sample_weight[part].to(device)
             for j in range(num_train):
                 index = order[part, j]
                 with learner.autocast():
@@ -400,10 +407,12 @@ class RewardRankedFineTuning(Algorithm):
                 t, noise, x_t = t[dev], noise[dev], x_t[dev]
             for part in parts:
                 share = (part.stop - part.start) / len(chosen)
+                w = None if weight is None else weight[part]
+                x_part = finite_if_dropped(x_t[part], w)
                 with learner.autocast():
-                    v_theta = learner.policy.velocity(x_t[part], t[part], index_condition(chosen.cond, part))
-                part_weight = None if weight is None else weight[part]
-                loss = flow_matching_loss(v_theta.float(), noise[part], chosen.x0[part], part_weight)
+                    v_theta = learner.policy.velocity(x_part, t[part], index_condition(chosen.cond, part))
+                noise_part, x0_part = finite_if_dropped(noise[part], w), finite_if_dropped(chosen.x0[part], w)
+                loss = flow_matching_loss(v_theta.float(), noise_part, x0_part, w)
                 learner.backward(loss * share / len(inputs))
                 total += float(loss.detach()) * share / len(inputs)
         out = learner.weighted_mean_over_ranks(
@@ -441,6 +450,16 @@ def trained_rows(keep: torch.Tensor | None, count: int, sharded: bool) -> Traine
         return TrainedRows(keep.nonzero().flatten(), None, trained)
     weight = keep.float() * (count / trained) if trained else torch.zeros(count)
     return TrainedRows(None, weight, trained)
+
+
+def finite_if_dropped(values: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """`values` [B, ...] with the rows of weight 0 replaced by zeros (weight None: unchanged): a
+    dropped sample still runs its passes when sharded, and a failed one may hold NaN, which times
+    its weight 0 would still be NaN."""
+    if weight is None:
+        return values
+    kept = (weight > 0).view(-1, *([1] * (values.ndim - 1))).to(values.device)
+    return torch.where(kept, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def micro_batches(count: int, size: int) -> list[slice]:

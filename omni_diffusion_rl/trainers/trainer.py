@@ -439,12 +439,14 @@ class Trainer:
             sample_prompts = heldout_prompts(prompts, n)
             noise = heldout_noise(n, self.policy.latent_shape)
             batches = self._eval_batches(mine, sample_prompts)
-            for index in batches:
+            sizes = self._lockstep_eval_sizes(prompts, sample_prompts)  # sharded: every process's
+            for j, index in enumerate(batches):
+                size = sizes[j] if sizes else len(index)
                 parts.append(
-                    self._score_heldout_batch([sample_prompts[i] for i in index], noise[index], reasons)
+                    self._score_heldout_batch([sample_prompts[i] for i in index], noise[index], reasons, size)
                 )
-            for _ in range(self._lockstep_eval_batches(prompts, sample_prompts) - len(batches)):
-                self._generate_trained(sample_prompts[:1], noise[:1])  # sharded: the others' passes
+            for size in sizes[len(batches) :]:  # batches another process has and this one has not
+                self._generate_trained(sample_prompts[:1] * size, noise[:1].expand(size, *noise.shape[1:]))
         except Exception as e:
             error = e
         self._agree_on_failure(error, "evaluating the held-out set")  # the others would wait to gather
@@ -475,16 +477,20 @@ class Trainer:
         out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
         return out
 
-    def _lockstep_eval_batches(self, prompts: list[str], sample_prompts: list[str]) -> int:
-        """Sharded: the most held-out batches any process generates (each runs as many generations,
-        discarding the extra ones, since FSDP gathers every block in lockstep); else 0."""
+    def _lockstep_eval_sizes(self, prompts: list[str], sample_prompts: list[str]) -> list[int]:
+        """Sharded: the size of each held-out batch, the largest any process has at that place (each
+        process generates batches of these sizes, padding its own and discarding the padding, since
+        FSDP gathers every block in lockstep and a policy may call its transformer once per sample);
+        unsharded: []."""
         if not self.sharded:
-            return 0
+            return []
         n = self.cfg.data.eval_samples
-        return max(
-            len(self._eval_batches(samples_of_rank(prompts, n, rank, self.world_size), sample_prompts))
+        every = [
+            self._eval_batches(samples_of_rank(prompts, n, rank, self.world_size), sample_prompts)
             for rank in range(self.world_size)
-        )
+        ]
+        most = max(len(batches) for batches in every)
+        return [max(len(b[j]) if j < len(b) else 0 for b in every) for j in range(most)]
 
     def _eval_batches(self, mine: list[int], sample_prompts: list[str]) -> list[list[int]]:
         """This process's held-out samples in batches of whole prompt groups, each no larger than a
@@ -500,9 +506,16 @@ class Trainer:
             batches[-1] += group
         return batches
 
-    def _score_heldout_batch(self, prompts: list[str], noise: torch.Tensor, reasons: list[str]) -> dict:
-        rollout = self._generate_trained(prompts, noise)
-        return score_heldout(self.policy.decode(rollout.x0), prompts, self.reward, self.metrics, reasons)
+    def _score_heldout_batch(
+        self, prompts: list[str], noise: torch.Tensor, reasons: list[str], size: int | None = None
+    ) -> dict:
+        """Generate and score one held-out batch; `size` > len(prompts): padded with copies of the
+        first sample, which are generated (sharded lockstep) and not scored."""
+        pad = (size or len(prompts)) - len(prompts)
+        padded = noise if pad == 0 else torch.cat([noise, noise[:1].expand(pad, *noise.shape[1:])])
+        rollout = self._generate_trained(prompts + prompts[:1] * pad, padded)
+        x0 = rollout.x0[: len(prompts)]
+        return score_heldout(self.policy.decode(x0), prompts, self.reward, self.metrics, reasons)
 
     def _generate_trained(self, prompts: list[str], noise: torch.Tensor) -> Rollout:
         """One sample per noise row with the trained weights at the eval sampling steps (evaluation
