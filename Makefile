@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast bench bench-modes bench-learning bench-recheck lint pretrain notebook clean
+.PHONY: setup demo test test-fast bench bench-modes bench-learning bench-recheck lint pretrain notebook docs clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,12 @@ pretrain: setup
 notebook: setup
 	$(BIN)/python -c "import nbclient, nbformat, ipykernel" 2>/dev/null || $(BIN)/pip install -q -e ".[notebook]"
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m omni_diffusion_rl.notebook_runner
+
+# The documentation site (mkdocs.yml: docs/ into build/site/), strict: a broken link or anchor, or a
+# page missing from the nav, fails it. mkdocs comes with the test extra; an older .venv gets it here.
+docs: setup
+	$(BIN)/python -c "import mkdocs, material" 2>/dev/null || $(BIN)/pip install -q -e ".[test,imagebind]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf runs $(VENV)

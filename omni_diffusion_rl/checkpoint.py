@@ -6,7 +6,7 @@ state_codec; nothing is pickled) and a JSON trainer state (state.json). It is wr
 temporary name and renamed into place only when complete; `manifest.json` (written last) records
 each file's size and sha256, so a truncated or edited checkpoint is refused with a clear error.
 
-A checkpoint is untrusted input (the trust boundary, README "Checkpoints and resume"): loading
+A checkpoint is untrusted input (the trust boundary, docs/checkpoints.md): loading
 never runs code from it; every JSON file is read with a size and a nesting bound before it is
 parsed; and the fields a command uses are checked for type and range here (`checkpoint_model`,
 `checkpoint_sampling`, `resume_fields`, `check_training_objects`, `check_execution_state`), each

@@ -2,7 +2,7 @@
 rollout adapter in peft's layout) is the policy's rollout model, checked by loading it back with
 transformers and peft; vLLM missing is named with its install; vLLM's completions become Answers with
 truncation flagged and an aborted request an error. `test_vllm_*` run only where vLLM is installed
-(not in CI: see the README's vLLM section for how it was checked)."""
+(not in CI: see the GSPO section of docs/algorithms.md for how it was checked)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,19 @@
-"""Every command the README shows runs as written, in the environment `make setup` makes.
+"""Every command the README and the documentation show runs as written, in the environment `make
+setup` makes.
 
-The README's shell blocks are run in order, one command at a time, in a scratch copy of the
-repository with the setup's venv activated (its bin/ first on PATH), as a user following the README
-would after its first command. A ```python block whose first line is `# NAME.py` is written to that
-file first (the README's plug-in example). Every command runs until it ends, and passes when it
+The shell blocks of README.md and then of the documentation's pages, in the order of mkdocs.yml's
+nav, are run one command at a time in one scratch copy of the working tree (its tracked files and
+the untracked ones git does not ignore) with the setup's venv activated (its bin/ first on PATH), as
+a user following the README and then the pages would after the README's first command: a page's
+commands may use what the README's and earlier pages' commands made (the demo's run, a run a config
+example trained). A ```python block whose first line is `# NAME.py` is written to that file first
+(the rewards page's plug-in example). Every command runs until it ends, and passes when it
 exits 0 with nothing that looks like an error in its output. No wall clock decides: commands whose
 work is long as written (training runs, evaluations, cost measurement) get small overrides appended
 (BOUNDED: fewer steps and samples, the same code paths), and SAFETY_S only stops a command that hangs.
 A command that ends with `&` (a server) keeps running for the rest of its block, once it answers
-/health, and is stopped at the block's end.
+/health, and is stopped at the block's end. A command shown in several places is written as a shell
+block in one of them only (inline code elsewhere), so it runs once.
 
 Skipped, each with its reason: `make test` (CI runs it; this test is part of it) and commands that
 need what this machine does not have (GPUs, model weights under /models).
@@ -28,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import REPO
+from .test_docs import nav_pages
 
 pytestmark = pytest.mark.slow
 
@@ -125,8 +131,14 @@ def wait_for_health(proc: subprocess.Popen[bytes], command: str) -> str:
 
 
 def scratch_copy(dest: Path) -> Path:
-    """The repository's tracked files under `dest`, with the setup's .venv linked in."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    """The working tree's files (tracked, and untracked ones git does not ignore) under `dest`, with
+    the setup's .venv linked in."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
     for name in files.decode().split("\0"):
         if name and (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -205,11 +217,26 @@ def prepare_checkpoints(command: str, scratch: Path, env: dict[str, str]) -> lis
     return made
 
 
-def run_readme(readme: Path, scratch: Path) -> list[dict[str, object]]:
-    """Run every command; one record per command (ran / skipped, outcome, seconds, output tail)."""
-    env, results = activated_env(), []
+def documents(scratch: Path) -> list[Path]:
+    """README.md, then the documentation's pages in the order of mkdocs.yml's nav."""
+    return [scratch / "README.md", *(scratch / "docs" / page for page in nav_pages(scratch / "mkdocs.yml"))]
+
+
+def run_documents(files: list[Path], scratch: Path) -> list[dict[str, object]]:
+    """Run every command of every file, in order; one record per command (ran / skipped, outcome,
+    seconds, output tail)."""
+    results: list[dict[str, object]] = []
     logs = scratch / ".readme_logs"
     logs.mkdir()
+    for file in files:
+        results += run_readme(file, scratch, logs)
+    return results
+
+
+def run_readme(readme: Path, scratch: Path, logs: Path) -> list[dict[str, object]]:
+    """Run every command of one markdown file; one record per command."""
+    env, results = activated_env(), []
+    where = str(readme.relative_to(scratch))
     for language, body, first_line in readme_blocks(readme.read_text(encoding="utf-8")):
         if language == "python":
             name = re.match(r"#\s*(\S+\.py)\s*\n", body)
@@ -221,14 +248,14 @@ def run_readme(readme: Path, scratch: Path) -> list[dict[str, object]]:
         background: list[subprocess.Popen[bytes]] = []
         try:
             for command in shell_commands(body, first_line):
-                record: dict[str, object] = {"line": command.line, "command": command.text}
+                record: dict[str, object] = {"file": where, "line": command.line, "command": command.text}
                 results.append(record)
                 reason = skip_reason(command.text)
                 if reason:
                     record.update(outcome="skipped", why=reason)
                     continue
                 record["prepared"] = prepare_checkpoints(command.text, scratch, env)
-                log = logs / f"line_{command.line}.log"
+                log = logs / f"{where.replace('/', '_')}_line_{command.line}.log"
                 began = time.monotonic()
                 ran = bounded(command.text)
                 record["ran"] = ran
@@ -264,16 +291,17 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
     if not (REPO / ".venv" / "bin" / "odrl").exists():
         pytest.fail("no .venv: run the README's setup (make setup) first")
     scratch = scratch_copy(tmp_path / "repo")
-    results = run_readme(scratch / "README.md", scratch)
+    results = run_documents(documents(scratch), scratch)
     print()
     for r in results:
         prepared = f" (after a one-step run into {', '.join(r['prepared'])})" if r.get("prepared") else ""
         what = r.get("ran", r["command"])
-        print(f"README line {r['line']}: {r['outcome']} ({r.get('seconds', '-')} s) {what}{prepared}")
+        print(f"{r['file']} line {r['line']}: {r['outcome']} ({r.get('seconds', '-')} s) {what}{prepared}")
     ran = [r for r in results if r["outcome"] != "skipped"]
-    assert len(ran) >= 8, "the README's commands were not found"
+    assert any(r["file"] == "README.md" for r in ran), "the README's commands were not found"
+    assert len(ran) >= 8, "the documentation's commands were not found"
     bad = [r for r in ran if failed(r)]
-    assert not bad, "\n\n".join(f"README line {r['line']}: {r.get('ran')}\n{r['output']}" for r in bad)
+    assert not bad, "\n\n".join(f"{r['file']} line {r['line']}: {r.get('ran')}\n{r['output']}" for r in bad)
 
 
 def test_the_command_parser_joins_continuations_and_drops_comments() -> None:
