@@ -15,11 +15,9 @@ client is made (ServerURLError) rather than failing later with a 404 or 405.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import json
 import os
 import time
-import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -28,7 +26,8 @@ import aiohttp
 import torch
 
 from ..media import MediaBatch
-from ..reward import RewardError, RewardOutput, background_loop, run_on_background_loop
+from ..reward import RewardError, RewardOutput, run_on_background_loop
+from .http_client import KEEPALIVE_S, SESSIONS
 from .wire import CONTENT_TYPE, encode_media, scores_from_json
 
 T = TypeVar("T")
@@ -49,23 +48,6 @@ class RequestRejected(ValueError):
 RETRYABLE_STATUS = (408, 429)  # besides 5xx: a timeout or rate limit on the way, worth another try
 HEADER_ROOM = 64 * 1024  # safetensors header besides the prompts (tensor offsets, fps, sample rate)
 MAX_HEADER_BYTES = 1 << 20  # the server's limit on the safetensors header, which carries the prompts
-# Idle connections are dropped before the server's keepalive_timeout_s (15 s by default) closes them,
-# so a request never goes out on a connection the server is closing at that moment.
-KEEPALIVE_S = 10.0
-_SESSIONS: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_sessions() -> None:
-    """Close connections left open at exit (a client not closed after an error)."""
-    sessions = [s for s in _SESSIONS if not s.closed]
-    loop = background_loop()
-    if sessions and loop.is_running():
-
-        async def close_all() -> None:
-            await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=5)
 
 
 class RemoteReward:
@@ -191,7 +173,7 @@ class RemoteReward:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(headers=headers, connector=connector)
-            _SESSIONS.add(self._session)
+            SESSIONS.add(self._session)
         return self._session
 
     async def _get_json(self, path: str) -> dict[str, Any]:

@@ -32,7 +32,8 @@ import torch
 
 from ..reward import run_on_background_loop
 from ..teacher import TeacherInfo, TeacherMismatch
-from .client import _SESSIONS, KEEPALIVE_S, ServerURLError, server_base_url
+from .client import ServerURLError, server_base_url
+from .http_client import KEEPALIVE_S, SESSIONS
 from .teacher_wire import decode_velocity, encode_states
 from .wire import CONTENT_TYPE
 
@@ -391,7 +392,7 @@ class RemoteTeacher:
             trace = aiohttp.TraceConfig()
             trace.on_connection_create_end.append(_mark_new_connection)
             self._session = aiohttp.ClientSession(headers=headers, connector=connector, trace_configs=[trace])
-            _SESSIONS.add(self._session)  # closed at exit if the caller does not
+            SESSIONS.add(self._session)  # closed at exit if the caller does not
         return self._session
 
 
