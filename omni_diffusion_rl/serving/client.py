@@ -6,6 +6,7 @@ the server did not answer (down, timed out, 408/429/5xx) is retried with exponen
 the last retry a RewardServerError names the server, the attempts and the last error. Another 4xx
 about the batch itself (e.g. NaN audio) is not retried here: it is raised as RequestRejected, and
 the weighted reward's failure rules (retry, score each sample alone, drop with the reason) apply.
+An answer larger than MAX_ANSWER_BYTES (http_client.py) is a RewardServerError, not read to its end.
 
 The url is the server's address only, scheme://host:port (as `odrl serve-reward` prints it): the
 client adds /info and /score/NAME itself, so a url with a path, query or fragment is refused when the
@@ -16,19 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import aiohttp
 import torch
 
 from ..media import MediaBatch
 from ..reward import RewardError, RewardOutput, run_on_background_loop
-from .http_client import KEEPALIVE_S, SESSIONS
-from .wire import CONTENT_TYPE, encode_media, scores_from_json
+from .http_client import AnswerTooLarge, GaveUp, HttpClient, bearer_token, with_retries
+from .wire import encode_media, scores_from_json
 
 T = TypeVar("T")
 
@@ -89,7 +87,7 @@ class RemoteReward:
         self.url = server_base_url(url)
         self.name = name
         self.wanted = list(wanted) or ([name] if name else [])
-        self.token = token if token is not None else os.environ.get("ODRL_REWARD_TOKEN") or None
+        self.token = bearer_token(token, "ODRL_REWARD_TOKEN")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -98,7 +96,7 @@ class RemoteReward:
         self.max_samples_per_request = max_samples_per_request
         self.dtype = dtype
         self._info: dict[str, Any] | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._http = HttpClient(self.token)
 
     # ------------------------------------------------------------------ sync API (the Reward contract)
     def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
@@ -110,9 +108,7 @@ class RemoteReward:
 
     def close(self) -> None:
         """Close this client's connections (it reconnects if used again)."""
-        session, self._session = self._session, None
-        if session is not None and not session.closed:
-            self._run(session.close())
+        self._http.close()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return run_on_background_loop(coro)
@@ -168,23 +164,11 @@ class RemoteReward:
             limits.append(int(info["max_batch"]))
         return max(1, min(limits))
 
-    async def _session_here(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
-            SESSIONS.add(self._session)
-        return self._session
-
     async def _get_json(self, path: str) -> dict[str, Any]:
         async def attempt() -> dict[str, Any]:
-            session = await self._session_here()
-            async with session.get(
-                self.url + path, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-            ) as resp:
-                body = await resp.read()
-                self._raise_for_status(resp.status, body)
-                return _json(body)
+            answer = await self._http.get(self.url + path, self.timeout_s)
+            self._raise_for_status(answer.status, answer.body)
+            return _json(answer.body)
 
         return await self._with_retries(attempt, f"GET {path}")
 
@@ -192,16 +176,9 @@ class RemoteReward:
         body = encode_media(media, prompts, self.dtype)
 
         async def attempt() -> RewardOutput:
-            session = await self._session_here()
-            async with session.post(
-                f"{self.url}/score/{self.name}",
-                data=body,
-                headers={"Content-Type": CONTENT_TYPE},
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            ) as resp:
-                answer = await resp.read()
-                self._raise_for_status(resp.status, answer)
-            data = _json(answer)
+            answer = await self._http.post(f"{self.url}/score/{self.name}", body, self.timeout_s)
+            self._raise_for_status(answer.status, answer.body)
+            data = _json(answer.body)
             try:
                 what = f"reward '{self.name}' at {self.url}"
                 scores = scores_from_json(data.get("scores"), len(media), what)
@@ -228,28 +205,28 @@ class RemoteReward:
             raise RequestRejected(f"{where} answered {status}: {message}")
         raise _Retryable(f"HTTP {status}: {message}")
 
-    async def _with_retries(self, attempt: Any, what: str) -> Any:
-        start = time.monotonic()
-        last = ""
-        for k in range(self.retries + 1):
-            try:
-                return await attempt()
-            except (RewardServerError, RequestRejected):
-                raise
-            except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-                last = f"no answer within timeout_s={self.timeout_s:g} s"
-            except (aiohttp.ClientError, ConnectionError, _Retryable) as e:
-                last = f"{type(e).__name__}: {e}"
-            if k < self.retries:
-                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2**k))
-        command = " ".join(["odrl serve-reward", *(self.wanted or ["NAME ..."])])
-        attempts = f"{self.retries + 1} time{'s' if self.retries else ''}"
-        raise RewardServerError(
-            f"reward server {self.url}{self._for()}: {what} failed {attempts} over "
-            f"{time.monotonic() - start:.1f} s; last error: {last}. Is `{command}` running there? Start "
-            "it, or point reward.url at where it runs (reward.request_retries and reward.timeout_s set "
-            "the patience)"
-        )
+    async def _with_retries(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+        """attempt()'s result, retried as the class says; a RewardServerError once it gives up."""
+        try:
+            return await with_retries(
+                attempt,
+                self.retries,
+                self.backoff_s,
+                self.max_backoff_s,
+                f"no answer within timeout_s={self.timeout_s:g} s",
+                retry_on=(_Retryable,),
+            )
+        except AnswerTooLarge as e:
+            raise RewardServerError(f"reward server {self.url}{self._for()}: {what} {e}") from e
+        except GaveUp as e:
+            command = " ".join(["odrl serve-reward", *(self.wanted or ["NAME ..."])])
+            attempts = f"{e.attempts} time{'s' if self.retries else ''}"
+            raise RewardServerError(
+                f"reward server {self.url}{self._for()}: {what} failed {attempts} over "
+                f"{e.seconds:.1f} s; last error: {e.last}. Is `{command}` running there? Start "
+                "it, or point reward.url at where it runs (reward.request_retries and reward.timeout_s set "
+                "the patience)"
+            ) from None
 
     def _for(self) -> str:
         """' (for reward 'a')' / ' (for rewards 'a', 'b')' / '' : who wanted this server, for errors."""

@@ -4,8 +4,8 @@
 A velocity call is cut into requests of at most `request_samples` states, sent concurrently. Each
 request goes to the healthy replica with the fewest samples outstanding (so a slow replica, whose
 requests stay outstanding longer, gets fewer; at most `window` requests wait at a replica, the
-rest here), waits at most `timeout_s`, and on a timeout,
-connection error or 5xx is retried on another replica, up to `retries` times. A replica that failed
+rest here), waits at most `timeout_s`, and on a timeout, connection error, 5xx or an answer larger
+than its velocities is retried on another replica, up to `retries` times. A replica that failed
 leaves the rotation and comes back once it is proven again (checked every `health_every_s`): its
 /info must describe the teacher every replica described at start (fingerprint, latent shape, layout,
 convention), so a replica restarted with another teacher stays out, with a logged sentence. An
@@ -21,25 +21,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
+import math
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
-import aiohttp
 import torch
 
 from ..reward import run_on_background_loop
 from ..teacher import TeacherInfo, TeacherMismatch
 from .client import ServerURLError, server_base_url
-from .http_client import KEEPALIVE_S, SESSIONS
+from .http_client import TIMEOUTS, TRANSPORT_ERRORS, AnswerTooLarge, HttpClient, backoff, bearer_token
 from .teacher_wire import decode_velocity, encode_states
-from .wire import CONTENT_TYPE
 
 HEALTH_TIMEOUT_S = 2.0
 WAIT_S = 0.002  # between looks for a free replica slot
 BACKOFF_S, MAX_BACKOFF_S = 0.2, 5.0  # before attempt k + 1: BACKOFF_S * 2^k, at most MAX_BACKOFF_S
+ANSWER_ROOM = 64 * 1024  # a velocity answer's safetensors header, besides its float32 values
 TOKEN_ENV = "ODRL_TEACHER_TOKEN"
 logger = logging.getLogger(__name__)
 
@@ -143,8 +141,8 @@ class RemoteTeacher:
         self.name, self.timeout_s, self.retries = name, timeout_s, retries
         self.request_samples, self.health_every_s = request_samples, health_every_s
         self.token_env = token_env
-        self.token = token if token is not None else os.environ.get(token_env) or None
-        self._session: aiohttp.ClientSession | None = None
+        self.token = bearer_token(token, token_env)
+        self._http = HttpClient(self.token, connections=0)
         try:
             self._info = run_on_background_loop(self._agreed_info())
         except BaseException:
@@ -164,9 +162,7 @@ class RemoteTeacher:
         return self.pool.stats()
 
     def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None and not session.closed:
-            run_on_background_loop(session.close())
+        self._http.close()
 
     # ------------------------------------------------------------------ async
     async def velocity_async(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -190,7 +186,7 @@ class RemoteTeacher:
         for attempt in range(self.retries + 1):
             if attempt:
                 self.pool.retries += 1
-                await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempt - 1)))
+            await backoff(attempt, BACKOFF_S, MAX_BACKOFF_S)
             replica = await self._next_replica(tried)
             if replica is None:
                 raise TeacherUnavailable(
@@ -204,7 +200,7 @@ class RemoteTeacher:
             started = time.perf_counter()
             try:
                 v = await self._post(replica, body, tuple(x.shape))
-            except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+            except TIMEOUTS:
                 self.pool.fail(replica, f"no answer within teacher.timeout_s={self.timeout_s:g} s")
                 continue
             except _Busy:  # the replica is fine, only busy or stopping: try again, elsewhere if possible
@@ -212,7 +208,7 @@ class RemoteTeacher:
             except _Unproven as e:  # a new connection reached a server that is not the run's teacher
                 self._keep_out(replica, e.problem, e.refused)
                 continue
-            except (aiohttp.ClientError, ConnectionError, _ServerFault) as e:
+            except (*TRANSPORT_ERRORS, _ServerFault, AnswerTooLarge) as e:
                 self.pool.fail(replica, f"{type(e).__name__}: {e}")
                 continue
             finally:
@@ -251,30 +247,22 @@ class RemoteTeacher:
     async def _post(self, replica: Replica, body: bytes, shape: tuple[int, ...]) -> torch.Tensor:
         """The replica's answer to one request; over a new connection, only once the replica is
         proven to serve the run's teacher (else _Unproven)."""
-        session = await self._session_here()
-        connection = SimpleNamespace(new=False)  # set by the session's trace when it connects anew
-        async with session.post(
-            f"{replica.url}/velocity/{self.name}",
-            data=body,
-            headers={"Content-Type": CONTENT_TYPE},
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            trace_request_ctx=connection,
-        ) as resp:
-            answer = await resp.read()
-            if resp.status in (429, 503):
-                raise _Busy(f"HTTP {resp.status}")
-            if resp.status >= 500 or resp.status == 408:
-                raise _ServerFault(f"HTTP {resp.status}: {answer[:300].decode(errors='replace')}")
-            if resp.status != 200:
-                hint = f" ({self._token_hint()})" if resp.status in (401, 403) else ""
-                text = answer[:300].decode(errors="replace")
-                raise TeacherRequestRejected(
-                    f"teacher server {replica.url} answered {resp.status}: {text}{hint}"
-                )
-        if connection.new:
+        url, limit = f"{replica.url}/velocity/{self.name}", math.prod(shape) * 4 + ANSWER_ROOM
+        answer = await self._http.post(url, body, self.timeout_s, max_bytes=limit)
+        if answer.status in (429, 503):
+            raise _Busy(f"HTTP {answer.status}")
+        if answer.status >= 500 or answer.status == 408:
+            raise _ServerFault(f"HTTP {answer.status}: {answer.body[:300].decode(errors='replace')}")
+        if answer.status != 200:
+            hint = f" ({self._token_hint()})" if answer.status in (401, 403) else ""
+            text = answer.body[:300].decode(errors="replace")
+            raise TeacherRequestRejected(
+                f"teacher server {replica.url} answered {answer.status}: {text}{hint}"
+            )
+        if answer.new_connection:
             await self._prove(replica, self.timeout_s)
         try:
-            return decode_velocity(answer, shape)
+            return decode_velocity(answer.body, shape)
         except ValueError as e:
             raise _ServerFault(str(e)) from e
 
@@ -336,15 +324,15 @@ class RemoteTeacher:
 
     async def _served_info(self, replica: Replica, timeout_s: float) -> TeacherInfo:
         """How `replica`'s /info describes teacher `name`, or _InfoProblem saying why it cannot."""
-        session = await self._session_here()
         try:
-            async with session.get(
-                f"{replica.url}/info", timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                status, body = resp.status, await resp.read()
-        except (aiohttp.ClientError, ConnectionError, TimeoutError, asyncio.TimeoutError) as e:
+            answer = await self._http.get(f"{replica.url}/info", timeout_s)
+        except (*TRANSPORT_ERRORS, *TIMEOUTS) as e:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             raise _InfoProblem(TeacherUnavailable, f"does not answer /info ({reason})") from e
+        except AnswerTooLarge as e:
+            message = f"{e} at /info: is it an `odrl serve-teacher` server?"
+            raise _InfoProblem(TeacherServerMismatch, message) from e
+        status, body = answer.status, answer.body
         if status in (401, 403):
             raise _InfoProblem(TeacherRequestRejected, f"refused /info ({status}): {self._token_hint()}")
         try:
@@ -384,22 +372,6 @@ class RemoteTeacher:
                 "with (or teacher.token_env to the variable that holds it)"
             )
         return f"the token sent (from {self.token_env}) is not the teacher server's: set the server's token"
-
-    async def _session_here(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=0)
-            trace = aiohttp.TraceConfig()
-            trace.on_connection_create_end.append(_mark_new_connection)
-            self._session = aiohttp.ClientSession(headers=headers, connector=connector, trace_configs=[trace])
-            SESSIONS.add(self._session)  # closed at exit if the caller does not
-        return self._session
-
-
-async def _mark_new_connection(_session: Any, context: Any, _params: Any) -> None:
-    """A request opened a new connection: its answer is used once the replica is proven again."""
-    if isinstance(context.trace_request_ctx, SimpleNamespace):
-        context.trace_request_ctx.new = True
 
 
 def _teacher_url(url: str) -> str:
