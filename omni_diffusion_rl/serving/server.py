@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -425,110 +425,134 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": message, "kind": kind}, status=status)
 
 
-def build_app(
-    rewards: dict[str, Reward], settings: ServeSettings, teachers: dict[str, Any] | None = None
-) -> web.Application:
-    """The aiohttp application serving `rewards` (name -> reward object) at /score/{name} and
-    `teachers` (name -> teacher, omni_diffusion_rl/teacher.py) at /velocity/{name}."""
-    settings.check()
-    max_bytes = int(settings.max_request_mb * 2**20)
-    batchers = {
-        name: RewardBatcher(name, reward, settings.max_batch, settings.max_wait_ms)
-        for name, reward in rewards.items()
-    }
-    teacher_batchers = {
-        name: TeacherBatcher(name, teacher, settings.max_batch, settings.max_wait_ms, settings.service_ms)
-        for name, teacher in (teachers or {}).items()
-    }
-    every_batcher: list[Batcher] = [*batchers.values(), *teacher_batchers.values()]
-    limits = {name: input_limits(reward) for name, reward in rewards.items()}
-    latents = {name: tuple(b.teacher.info().latent_shape) for name, b in teacher_batchers.items()}
-    in_flight = 0  # requests whose body has been read, until answered
-    reading = 0  # requests whose body is arriving
-    arriving = 0  # their declared bytes (a chunked body counts as max_request_mb)
-    max_arriving = int(settings.max_uploads_mb * 2**20)
+class _Service:
+    """One server's state: its batchers and limits, and the requests being received and answered.
+    Its handlers make the routes of `build_app`."""
 
-    @web.middleware
-    async def authorise(request: web.Request, handler: Any) -> web.StreamResponse:
-        if settings.token and request.path != "/health":
-            problem = _authorisation_problem(request.headers.get("Authorization"), settings.token)
-            if problem is not None:
-                message = f"this server needs 'Authorization: Bearer <token>'; got {problem}"
-                return await _refuse(request, _error(401, message, "unauthorised"))
-        return await handler(request)
+    def __init__(
+        self, rewards: dict[str, Reward], settings: ServeSettings, teachers: dict[str, Any] | None
+    ) -> None:
+        self.settings = settings
+        self.max_bytes = int(settings.max_request_mb * 2**20)
+        self.max_arriving = int(settings.max_uploads_mb * 2**20)
+        self.batchers = {
+            name: RewardBatcher(name, reward, settings.max_batch, settings.max_wait_ms)
+            for name, reward in rewards.items()
+        }
+        self.teacher_batchers = {
+            name: TeacherBatcher(name, teacher, settings.max_batch, settings.max_wait_ms, settings.service_ms)
+            for name, teacher in (teachers or {}).items()
+        }
+        self.every_batcher: list[Batcher] = [*self.batchers.values(), *self.teacher_batchers.values()]
+        self.limits = {name: input_limits(reward) for name, reward in rewards.items()}
+        self.latents = {
+            name: tuple(b.teacher.info().latent_shape) for name, b in self.teacher_batchers.items()
+        }
+        self.in_flight = 0  # requests whose body has been read, until answered
+        self.reading = 0  # requests whose body is arriving
+        self.arriving = 0  # their declared bytes (a chunked body counts as max_request_mb)
 
-    async def health(_: web.Request) -> web.Response:
+    # ------------------------------------------------------------------ routes
+    async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def info(_: web.Request) -> web.Response:
+    async def info(self, _: web.Request) -> web.Response:
+        settings = self.settings
         return web.json_response(
             {
                 "api_version": API_VERSION,
-                "rewards": sorted(batchers),
-                "teachers": {name: b.teacher.info().to_dict() for name, b in teacher_batchers.items()},
+                "rewards": sorted(self.batchers),
+                "teachers": {name: b.teacher.info().to_dict() for name, b in self.teacher_batchers.items()},
                 "max_batch": settings.max_batch,
                 "max_wait_ms": settings.max_wait_ms,
-                "max_request_bytes": max_bytes,
+                "max_request_bytes": self.max_bytes,
                 "max_header_bytes": MAX_HEADER_BYTES,
                 "max_prompt_chars": MAX_PROMPT_CHARS,
                 "max_text_chars": MAX_TEXT_CHARS,
-                "input_limits": {name: lim.per_request(settings.max_batch) for name, lim in limits.items()},
+                "input_limits": {
+                    name: lim.per_request(settings.max_batch) for name, lim in self.limits.items()
+                },
                 "max_in_flight": settings.max_in_flight,
-                "in_flight": in_flight,
-                "reading": reading,
-                "arriving_mb": round(arriving / 2**20, 3),
-                "stats": {b.name: b.stats.as_dict() for b in every_batcher},
+                "in_flight": self.in_flight,
+                "reading": self.reading,
+                "arriving_mb": round(self.arriving / 2**20, 3),
+                "stats": {b.name: b.stats.as_dict() for b in self.every_batcher},
             }
         )
 
-    def busy() -> web.Response | None:
-        if in_flight < settings.max_in_flight:
-            return None
-        return _error(503, f"busy: {in_flight} requests in flight; retry later", "busy")
+    async def score(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(
+            request, self.batchers, "reward", self.media_precheck, self.media_decode, self.score_media
+        )
 
-    async def receive(request: web.Request, precheck: Callable[[bytes], None]) -> bytes | web.Response:
+    async def velocity(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(
+            request,
+            self.teacher_batchers,
+            "teacher",
+            self.states_precheck,
+            self.states_decode,
+            self.velocity_of,
+        )
+
+    # ------------------------------------------------------------------ receiving a request
+    def busy(self) -> web.Response | None:
+        if self.in_flight < self.settings.max_in_flight:
+            return None
+        return _error(503, f"busy: {self.in_flight} requests in flight; retry later", "busy")
+
+    async def receive(self, request: web.Request, precheck: Callable[[bytes], None]) -> bytes | web.Response:
         """The request's body once it has arrived, or the answer refusing it (busy, too large, slow,
         or a header that `precheck` refuses: then the rest of the body is not received)."""
-        nonlocal reading, arriving
-        if request.content_length is not None and request.content_length > max_bytes:
-            return await _refuse(request, _too_large(request.content_length, max_bytes))
-        refusal = busy()  # before the upload too: no point receiving a body that would get 503
+        if request.content_length is not None and request.content_length > self.max_bytes:
+            return await _refuse(request, _too_large(request.content_length, self.max_bytes))
+        refusal = self.busy()  # before the upload too: no point receiving a body that would get 503
         if refusal is not None:
             return await _refuse(request, refusal)
         # Only a request whose body has arrived counts as in flight: uploads that stall cannot crowd
         # out the others, and each one is cut off after read_timeout_s. What may be arriving at once
         # is bounded by max_uploads_mb, so uploads cannot exhaust memory.
-        declared = max_bytes if request.content_length is None else request.content_length
-        if arriving + declared > max_arriving:
+        declared = self.max_bytes if request.content_length is None else request.content_length
+        if self.arriving + declared > self.max_arriving:
             message = (
-                f"busy: {arriving / 2**20:.1f} MB of request bodies are arriving (max_uploads_mb="
-                f"{settings.max_uploads_mb:g}); retry later"
+                f"busy: {self.arriving / 2**20:.1f} MB of request bodies are arriving (max_uploads_mb="
+                f"{self.settings.max_uploads_mb:g}); retry later"
             )
             return await _answer_and_close(request, _error(503, message, "busy"))
-        reading += 1
-        arriving += declared
+        self.reading += 1
+        self.arriving += declared
         refusal = None
         try:
-            body = await asyncio.wait_for(
-                _read_checked(request, precheck, max_bytes), settings.read_timeout_s
-            )
-        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
-            size = "chunked" if request.content_length is None else f"{request.content_length} bytes"
-            message = (
-                f"the request body ({size}) did not arrive within read_timeout_s={settings.read_timeout_s:g} "
-                "s of its headers; closing the connection"
-            )
-            return await _answer_and_close(request, _error(408, message, "timeout"))
+            body = await self.read_in_time(request, precheck)
         except WireError as e:  # refused by its header (or a chunked body over max_bytes)
             refusal = _wire_error(e)
         finally:
-            reading -= 1
-            arriving -= declared
+            self.reading -= 1
+            self.arriving -= declared
         if refusal is not None:  # what is left of the body is dropped, not held: no longer arriving
             return await _refuse(request, refusal)
-        return busy() or body
+        if isinstance(body, web.Response):  # too slow: answered, and its connection closed
+            return body
+        return self.busy() or body
+
+    async def read_in_time(
+        self, request: web.Request, precheck: Callable[[bytes], None]
+    ) -> bytes | web.Response:
+        """The body, once `precheck` passed its header; a body not in within read_timeout_s gets 408,
+        and its connection is closed."""
+        timeout_s = self.settings.read_timeout_s
+        try:
+            return await asyncio.wait_for(_read_checked(request, precheck, self.max_bytes), timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+            size = "chunked" if request.content_length is None else f"{request.content_length} bytes"
+            message = (
+                f"the request body ({size}) did not arrive within read_timeout_s={timeout_s:g} "
+                "s of its headers; closing the connection"
+            )
+            return await _answer_and_close(request, _error(408, message, "timeout"))
 
     async def handle(
+        self,
         request: web.Request,
         known: dict[str, Any],
         what: str,
@@ -538,7 +562,6 @@ def build_app(
     ) -> web.StreamResponse:
         """Receive a request for model `name` (its header checked by `precheck` first), decode it
         and have `answer` answer it; parsing and checks run on worker threads, off the event loop."""
-        nonlocal in_flight
         name = request.match_info["name"]
         if name not in known:
             message = f"this server does not serve {what} '{name}'; it serves {sorted(known)}"
@@ -546,10 +569,10 @@ def build_app(
         refusal = _content_type_refusal(request)
         if refusal is not None:
             return await _refuse(request, refusal)
-        body = await receive(request, functools.partial(precheck, name))
+        body = await self.receive(request, functools.partial(precheck, name))
         if isinstance(body, web.StreamResponse):
             return body
-        in_flight += 1
+        self.in_flight += 1
         try:
             try:  # parsing and checks touch every value of up to max_request_mb: off the event loop
                 decoded = await asyncio.get_running_loop().run_in_executor(None, decode, name, body)
@@ -558,29 +581,24 @@ def build_app(
             del body  # the decoded tensors are what the request holds while it waits
             return await answer(name, decoded)
         finally:
-            in_flight -= 1
+            self.in_flight -= 1
 
-    def media_precheck(name: str, prefix: bytes) -> None:
-        check_media_header(read_header(prefix), limits[name], settings.max_batch, name)
+    def media_precheck(self, name: str, prefix: bytes) -> None:
+        check_media_header(read_header(prefix), self.limits[name], self.settings.max_batch, name)
 
-    def media_decode(name: str, body: bytes) -> Any:
-        return decode_media(body, limits[name], settings.max_batch, name)
+    def media_decode(self, name: str, body: bytes) -> Any:
+        return decode_media(body, self.limits[name], self.settings.max_batch, name)
 
-    def states_precheck(name: str, prefix: bytes) -> None:
-        check_states_header(read_header(prefix, STATES_EXPECTS), latents[name], settings.max_batch)
+    def states_precheck(self, name: str, prefix: bytes) -> None:
+        check_states_header(read_header(prefix, STATES_EXPECTS), self.latents[name], self.settings.max_batch)
 
-    def states_decode(name: str, body: bytes) -> Any:
-        return decode_states(body, latents[name], settings.max_batch)
+    def states_decode(self, name: str, body: bytes) -> Any:
+        return decode_states(body, self.latents[name], self.settings.max_batch)
 
-    async def score(request: web.Request) -> web.StreamResponse:
-        return await handle(request, batchers, "reward", media_precheck, media_decode, score_media)
-
-    async def velocity(request: web.Request) -> web.StreamResponse:
-        return await handle(request, teacher_batchers, "teacher", states_precheck, states_decode, velocity_of)
-
-    async def score_media(name: str, decoded: tuple[MediaBatch, list[str]]) -> web.Response:
+    # ------------------------------------------------------------------ answering it
+    async def score_media(self, name: str, decoded: tuple[MediaBatch, list[str]]) -> web.Response:
         try:
-            out = await batchers[name].score(*decoded)
+            out = await self.batchers[name].score(*decoded)
         except ServerStopping as e:
             return _error(503, str(e), "stopping")
         except RewardError as e:
@@ -596,9 +614,11 @@ def build_app(
             }
         )
 
-    async def velocity_of(name: str, decoded: tuple[torch.Tensor, torch.Tensor, list[str]]) -> web.Response:
+    async def velocity_of(
+        self, name: str, decoded: tuple[torch.Tensor, torch.Tensor, list[str]]
+    ) -> web.Response:
         try:
-            v = await teacher_batchers[name].velocity(*decoded)
+            v = await self.teacher_batchers[name].velocity(*decoded)
         except ServerStopping as e:
             return _error(503, str(e), "stopping")
         except TeacherError as e:  # a teacher that fails is an error for the client, never a silent target
@@ -609,31 +629,54 @@ def build_app(
             return _error(500, f"teacher '{name}' failed: {type(e).__name__}: {e}", "teacher_failed")
         return web.Response(body=encode_velocity(v), content_type=CONTENT_TYPE)
 
-    app = web.Application(middlewares=[authorise], client_max_size=max_bytes)
-    app.router.add_get("/health", health)
-    app.router.add_get("/info", info)
-    app.router.add_post("/score/{name}", score)
-    app.router.add_post("/velocity/{name}", velocity)
-
-    async def drain(_: web.Application) -> None:
+    # ------------------------------------------------------------------ start and stop
+    async def drain(self, _: web.Application) -> None:
         """On shutdown (the listening socket already closed): requests being answered get
         shutdown_timeout_s; the ones still waiting then get 503."""
-        deadline = time.monotonic() + settings.shutdown_timeout_s
-        while in_flight and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        for b in every_batcher:
+        for b in self.every_batcher:
             b.abandon()
 
-    app.on_shutdown.append(drain)
-
-    async def lifecycle(_: web.Application) -> Any:
-        for b in every_batcher:
+    async def lifecycle(self, _: web.Application) -> AsyncIterator[None]:
+        for b in self.every_batcher:
             b.start()
         yield
-        for b in every_batcher:
+        for b in self.every_batcher:
             await b.stop()
 
-    app.cleanup_ctx.append(lifecycle)
+
+def _authorise(token: str | None) -> Any:
+    """The middleware asking every request but /health for 'Authorization: Bearer <token>' (when
+    a token is set)."""
+
+    @web.middleware
+    async def authorise(request: web.Request, handler: Any) -> web.StreamResponse:
+        if token and request.path != "/health":
+            problem = _authorisation_problem(request.headers.get("Authorization"), token)
+            if problem is not None:
+                message = f"this server needs 'Authorization: Bearer <token>'; got {problem}"
+                return await _refuse(request, _error(401, message, "unauthorised"))
+        return await handler(request)
+
+    return authorise
+
+
+def build_app(
+    rewards: dict[str, Reward], settings: ServeSettings, teachers: dict[str, Any] | None = None
+) -> web.Application:
+    """The aiohttp application serving `rewards` (name -> reward object) at /score/{name} and
+    `teachers` (name -> teacher, omni_diffusion_rl/teacher.py) at /velocity/{name}."""
+    settings.check()
+    service = _Service(rewards, settings, teachers)
+    app = web.Application(middlewares=[_authorise(settings.token)], client_max_size=service.max_bytes)
+    app.router.add_get("/health", service.health)
+    app.router.add_get("/info", service.info)
+    app.router.add_post("/score/{name}", service.score)
+    app.router.add_post("/velocity/{name}", service.velocity)
+    app.on_shutdown.append(service.drain)
+    app.cleanup_ctx.append(service.lifecycle)
     return app
 
 
