@@ -23,6 +23,8 @@ from .lifeline import exit_with_parent
 if TYPE_CHECKING:
     from .serving.server import ServeSettings
 
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
 EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(describe())
 
 
@@ -629,9 +631,27 @@ def add_server_arguments(parser: argparse.ArgumentParser, token_env: str, port: 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `odrl` command line: one subcommand per `_add_*` function, in the order `--help` lists them."""
     parser = argparse.ArgumentParser(prog="odrl", description="Post-train diffusion generators with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_train,
+        _add_sample,
+        _add_eval,
+        _add_probe_rewards,
+        _add_pretrain,
+        _add_serve_reward,
+        _add_serve_teacher,
+        _add_export,
+        _add_simulate,
+        _add_bench,
+    ):
+        add(sub)
+    return parser
 
+
+def _add_train(sub: Subcommands) -> None:
+    """`odrl train`: post-training, on one machine or several."""
     train = sub.add_parser(
         "train",
         help="post-train a policy with DiffusionNFT (colocated; use accelerate launch for several processes)",
@@ -655,39 +675,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes to train with (on each machine, with --nnodes): starts `accelerate launch` itself "
         "(GPUs if CUDA is visible, else CPU)",
     )
-    train.add_argument(
+    _add_machine_options(train)
+    train.set_defaults(func=cmd_train)
+
+
+def _add_machine_options(parser: argparse.ArgumentParser) -> None:
+    """`odrl train` on several machines: each machine's place and how they meet."""
+    parser.add_argument(
         "--nnodes",
         type=_positive_int,
         default=1,
         help="machines to train on: run the same command on each, with its own --node-rank "
         "(docs/multi-machine.md)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--node-rank",
         type=int,
         default=None,
         help="with --nnodes: this machine's place, 0 on the machine at --master-addr, 1 .. N-1 on the others",
     )
-    train.add_argument(
+    parser.add_argument(
         "--master-addr",
         default="127.0.0.1",
         help="with --nnodes: the address of machine 0 that every machine reaches (default %(default)s)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--master-port",
         type=int,
         default=None,
         help="with --nnodes (required): a free TCP port on machine 0, the same on every machine",
     )
-    train.add_argument(
+    parser.add_argument(
         "--join-timeout",
         type=float,
         default=300.0,
         help="with --nnodes: seconds to wait for every machine (and each of its processes) to start; "
         "then stop with an error (default %(default)s)",
     )
-    train.set_defaults(func=cmd_train)
 
+
+def _add_sample(sub: Subcommands) -> None:
+    """`odrl sample`: media from a checkpoint or a base model."""
     sample = sub.add_parser(
         "sample", help="generate media from a checkpoint or a base model and save previews"
     )
@@ -701,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--output", type=Path, default=Path("runs/samples"))
     sample.set_defaults(func=cmd_sample)
 
+
+def _add_eval(sub: Subcommands) -> None:
+    """`odrl eval`: held-out evaluation of targets side by side."""
     evaluate = sub.add_parser(
         "eval",
         help="held-out evaluation of checkpoints, base models or the world's own clips, side by side",
@@ -725,6 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--output", type=Path, help="also write the results as JSON here")
     evaluate.set_defaults(func=cmd_eval)
 
+
+def _add_probe_rewards(sub: Subcommands) -> None:
+    """`odrl probe-rewards`: the config's rewards on honest and adversarial clips."""
     probe = sub.add_parser(
         "probe-rewards",
         help="score the tiny world's own clips and adversarial ones (flooded frame, tone for the whole "
@@ -737,6 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. reward.weights=...")
     probe.set_defaults(func=cmd_probe_rewards)
 
+
+def _add_pretrain(sub: Subcommands) -> None:
+    """`odrl pretrain`: the tiny base model, its teacher or the tiny omni model."""
     pretrain = sub.add_parser(
         "pretrain",
         help="pre-train the tiny built-in base model (or, --teacher, its teacher) on synthetic clips",
@@ -777,6 +814,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pretrain.set_defaults(func=cmd_pretrain)
 
+
+def _add_serve_reward(sub: Subcommands) -> None:
+    """`odrl serve-reward`: registered rewards over HTTP."""
     serve = sub.add_parser(
         "serve-reward",
         help="serve registered rewards over HTTP (batched), for reward.url",
@@ -794,6 +834,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(serve, "ODRL_REWARD_TOKEN", 8400)
     serve.set_defaults(func=cmd_serve_reward)
 
+
+def _add_serve_teacher(sub: Subcommands) -> None:
+    """`odrl serve-teacher`: a registered teacher over HTTP."""
     teach = sub.add_parser(
         "serve-teacher",
         help="serve a registered teacher over HTTP (batched), for teacher.urls",
@@ -820,10 +863,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(teach, "ODRL_TEACHER_TOKEN", 8500)
     teach.set_defaults(func=cmd_serve_teacher)
 
+
+def _add_export(sub: Subcommands) -> None:
+    """`odrl export`: the trained adapter for other tools."""
     export = sub.add_parser("export", help=EXPORT_HELP)
     add_export_arguments(export)
     export.set_defaults(func=run_export)
 
+
+def _add_simulate(sub: Subcommands) -> None:
+    """`odrl simulate`: the execution modes on a virtual clock."""
     simulate = sub.add_parser(
         "simulate",
         help="predict seconds per trained prompt of colocated / separate / hybrid (virtual clock)",
@@ -859,6 +908,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--output", type=Path, default=Path("runs/simulate/report.json"))
     simulate.set_defaults(func=cmd_simulate)
 
+
+def _add_bench(sub: Subcommands) -> None:
+    """`odrl bench`: the benchmarks."""
     bench = sub.add_parser(
         "bench",
         help="benchmarks: nft-step (NFT vs flow-matching step), reward-server (batching, client overhead), "
@@ -883,40 +935,44 @@ def build_parser() -> argparse.ArgumentParser:
             "sharding",
         ),
     )
-    bench.add_argument(
+    _add_bench_options(bench)
+    bench.set_defaults(func=cmd_bench)
+
+
+def _add_bench_options(parser: argparse.ArgumentParser) -> None:
+    """The options of `odrl bench`; each help says which benchmarks read it."""
+    parser.add_argument(
         "--measure",
         action="store_true",
         help="memory: also measure tiny_av, LTX-2 and H3 (tiny random-init) at 1, 2 and 4 processes, "
         "sharded and not (a few minutes; writes <output>_measured.json)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--config",
         default="recipes/configs/tiny_t2av_nft.yaml",
         help="modes, learning, recheck, sharding: training config",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--steps",
         type=_positive_int,
         help="modes, learning, recheck: optimizer steps per run (default: modes 8, learning 20, recheck 16)",
     )
-    bench.add_argument("overrides", nargs="*", help="modes, learning, recheck: section.key=value overrides")
-    bench.add_argument(
+    parser.add_argument("overrides", nargs="*", help="modes, learning, recheck: section.key=value overrides")
+    parser.add_argument(
         "--modes",
         type=_names,
         default=("colocated", "separate", "hybrid"),
         help="learning: comma-separated execution modes (colocated is the reference); ALGORITHM:MODE "
         "runs another algorithm, e.g. colocated,raft:colocated",
     )
-    bench.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
-    bench.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
-    bench.add_argument(
+    parser.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
+    parser.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
+    parser.add_argument(
         "--repeats",
         type=_positive_int,
         help="rounds (default: nft-step, reward-server 5; recheck 2)",
     )
-    bench.add_argument("--batch-size", type=_positive_int, default=32)
-    bench.set_defaults(func=cmd_bench)
-    return parser
+    parser.add_argument("--batch-size", type=_positive_int, default=32)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
