@@ -7,6 +7,7 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -17,8 +18,6 @@ from typing import Any
 
 import yaml
 
-from .algorithms.advantages import ADV_MODES
-from .algorithms.soft_update import DECAY_SCHEDULES
 from .async_layout import buffer_capacity, check_async_layout
 
 
@@ -197,99 +196,16 @@ class SamplingConfig:
     )
 
 
-@dataclass
-class NFTConfig:
-    """DiffusionNFT's options (algorithm.name=nft), flat in the algorithm section."""
-
-    beta: float = _spec(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
-    adv_clip_max: float = _spec(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
-    adv_mode: str = _spec("continuous", "how clipped advantages become r", choices=ADV_MODES)
-    per_group_std: bool = _spec(False, "normalise by each group's std instead of the batch std")
-    kl_coef: float = _spec(
-        0.5,
-        "weight of mean ||v_theta - v_ref||^2 (keeps the picture's quality and variety; 0 skips the "
-        "reference forward)",
-        ge=0,
-    )
-    decay_schedule: str = _spec("linear_to_0_5", "soft update of `old`", choices=DECAY_SCHEDULES)
+option = _spec
+"""A field of an algorithm's options dataclass: default, one-line doc and checks (gt, ge, le, choices)."""
 
 
 @dataclass
-class RAFTConfig:
-    """RAFT's options (algorithm.name=raft), flat in the algorithm section."""
-
-    raft_keep: int = _spec(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
-
-
-DISTILL_STATES = ("visited", "noised")
-DISTILL_WEIGHTINGS = ("uniform", "step")
-
-
-@dataclass
-class DistillConfig:
-    """On-policy distillation's options (algorithm.name=distill), flat in the algorithm section."""
-
-    distill_states: str = _spec(
-        "visited",
-        "where the teacher gives targets: visited (the states the student's sampler passed) | noised "
-        "(the student's x0 forward-noised to each grid time)",
-        choices=DISTILL_STATES,
-    )
-    distill_weighting: str = _spec(
-        "uniform",
-        "weight per state: uniform | step (dt_k^2, the transition-mean form, scaled to mean 1 over the grid)",
-        choices=DISTILL_WEIGHTINGS,
-    )
-    nft_coef: float = _spec(
-        0.0,
-        "add this times the DiffusionNFT loss (reward and teacher in one run); 0: distillation alone",
-        ge=0,
-    )
-
-
-GSPO_RATIO_LEVELS = ("sequence", "token")
-ANSWER_BACKENDS = ("hf", "vllm")
-
-
-@dataclass
-class GSPOConfig:
-    """GSPO's options (algorithm.name=gspo, the autoregressive path), flat in the algorithm section."""
-
-    clip_eps_low: float = _spec(3e-4, "gspo: the ratio is clipped to [1 - eps_low, 1 + eps_high]", gt=0, lt=1)
-    clip_eps_high: float = _spec(4e-4, "gspo: upper clip (defaults from the GSPO paper)", gt=0)
-    ratio_level: str = _spec(
-        "sequence",
-        "gspo: sequence (GSPO: one length-normalised ratio per answer) | token (GRPO's per-token ratio)",
-        choices=GSPO_RATIO_LEVELS,
-    )
-    max_new_tokens: int = _spec(16, "gspo: answer tokens at most (the end token included)", ge=1)
-    min_new_tokens: int = _spec(
-        0, "gspo: the end token is forbidden before this many (forced-long answers)", ge=0
-    )
-    temperature: float = _spec(1.0, "gspo: sampling temperature of the rollout answers", gt=0)
-    adv_std: str = _spec(
-        "population",
-        "gspo: the std a group's advantages divide by: population (ddof 0) | sample (Bessel's "
-        "correction, as trl's GRPOTrainer: advantages smaller by sqrt((G-1)/G), 0.935 at G=8)",
-        choices=("population", "sample"),
-    )
-    rollout_backend: str = _spec(
-        "hf",
-        "gspo: what samples the rollout answers: hf (transformers, KV cache) | vllm (vLLM >= 0.11, "
-        "installed separately; the rollout adapter served as a LoRA request per policy version)",
-        choices=ANSWER_BACKENDS,
-    )
-    vllm_gpu_memory: float = _spec(
-        0.3, "gspo, rollout_backend=vllm: the share of GPU memory vLLM's engine may take", gt=0, le=1
-    )
-    vllm_enforce_eager: bool = _spec(False, "gspo, rollout_backend=vllm: no CUDA graphs (faster start)")
-
-
-@dataclass
-class AlgorithmConfig(NFTConfig, RAFTConfig, DistillConfig, GSPOConfig):
-    """The algorithm section: which algorithm, what every algorithm shares, each built-in one's own
-    options (NFTConfig, RAFTConfig: one dataclass per algorithm, its keys flat here, e.g.
-    algorithm.beta, algorithm.raft_keep) and a registered algorithm's options (algorithm.options)."""
+class AlgorithmConfig:
+    """The algorithm section: which algorithm and what every algorithm reads. The chosen algorithm's
+    own options sit flat beside them (algorithm.beta, algorithm.raft_keep): the section is built as
+    `AlgorithmConfig` joined with that algorithm's options dataclass (its `options_type`), see
+    `algorithm_section`. An algorithm that declares no options dataclass reads `algorithm.options`."""
 
     name: str = _spec(
         "nft",
@@ -298,7 +214,9 @@ class AlgorithmConfig(NFTConfig, RAFTConfig, DistillConfig, GSPOConfig):
         "model, model.family=tiny_omni) | a registered algorithm",
     )
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
-    options: dict[str, Any] = _spec({}, "a registered algorithm's own options (key -> value), read by it")
+    options: dict[str, Any] = _spec(
+        {}, "the options (key -> value) of a registered algorithm that declares no options dataclass"
+    )
 
 
 @dataclass
@@ -496,7 +414,7 @@ class ExecutionConfig:
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = field(default_factory=lambda: default_algorithm_section())
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -685,20 +603,112 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
     """The config these sections give, fully checked."""
     _check_depth(data)
-    cfg = _build(ExperimentConfig, data, "")
+    others = {k: v for k, v in data.items() if k != "algorithm"} if isinstance(data, dict) else data
+    cfg = _build(ExperimentConfig, others, "")
+    import_plugins(cfg.reward.plugins)  # they may register the algorithm
+    cfg.algorithm = algorithm_section(cfg, data.get("algorithm", {}))
     check_consistency(cfg)
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithm section: the shared keys and the chosen algorithm's own options, routed by declaration
+
+
+def algorithm_type(name: str) -> Any:
+    """The registered algorithm class called `name`, or a ConfigError that lists the registered ones."""
+    from .registry import algorithms
+
+    check_registered_name("algorithm.name", name, algorithms)
+    return algorithms.get(name)
+
+
+def _options_type(algorithm: Any) -> type | None:
+    """An algorithm class's options dataclass (None: it reads `algorithm.options`)."""
+    return getattr(algorithm, "options_type", None)
+
+
+def algorithm_section_type(name: str) -> type:
+    """The dataclass of algorithm `name`'s section: AlgorithmConfig joined with its options dataclass."""
+    options = _options_type(algorithm_type(name))
+    return AlgorithmConfig if options is None else _joined_section(options)
+
+
+@functools.cache
+def _joined_section(options: type) -> type:
+    """AlgorithmConfig's fields, then `options`' (one class per options type, so sections compare equal)."""
+    clash = sorted(_field_names(options) & _field_names(AlgorithmConfig))
+    if clash:
+        raise ConfigError(f"{options.__name__} declares {', '.join(clash)}, which every algorithm shares")
+    return dataclasses.make_dataclass(f"{options.__name__}Section", [], bases=(options, AlgorithmConfig))
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def default_algorithm_section() -> AlgorithmConfig:
+    """The algorithm section of a config that gives none: the default algorithm's, at its defaults."""
+    return algorithm_section_type(AlgorithmConfig.name)()
+
+
+def algorithm_section(cfg: ExperimentConfig, data: Any, prefix: str = "algorithm") -> AlgorithmConfig:
+    """The algorithm section `data` gives, checked: the shared keys, then the named algorithm's own
+    options (the keys its options dataclass declares). A key another algorithm declares is dropped
+    when it holds that algorithm's default (old configs and checkpoints wrote every algorithm's
+    keys); any other value of it is checked as that algorithm checks it, then refused."""
+    if not isinstance(data, dict):
+        return _build(AlgorithmConfig, data, prefix)  # raises: not a mapping
+    shared = _field_names(AlgorithmConfig)
+    name = _build(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix).name
+    section = algorithm_section_type(name)
+    built = _build(
+        section, {k: v for k, v in data.items() if not _foreign(cfg, section, name, k, v, prefix)}, prefix
+    )
+    own = [f.name for f in dataclasses.fields(section) if f.name not in shared]
+    if own and built.options:
+        raise ConfigError(
+            f"{prefix}.options={_shown(repr(built.options))}: {name} reads its own keys of the section "
+            f"({', '.join(own)}); {prefix}.options is for an algorithm that declares no options"
+        )
+    return built
+
+
+def _foreign(cfg: ExperimentConfig, section: type, name: str, key: Any, value: Any, prefix: str) -> bool:
+    """True for an option of another algorithm at its default (to drop); a ConfigError for one at
+    any other value; False for a key of `section` or one no algorithm declares (_build judges it)."""
+    if key in _field_names(section):
+        return False
+    owners = declaring_algorithms(key)
+    if not owners:
+        return False
+    owner = algorithm_type(owners[0])
+    theirs = _build(_joined_section(_options_type(owner)), {"name": owners[0], key: value}, prefix)
+    if getattr(theirs, key) == getattr(theirs.__class__(), key):
+        return True
+    owner.check(dataclasses.replace(cfg, algorithm=theirs))  # what that algorithm would say of the value
+    raise ConfigError(
+        f"{prefix}.{key}={_shown(repr(value))} is an option of {' and '.join(owners)}, not of {name}: "
+        f"{prefix}.name={name} would ignore it; set {prefix}.name={' or '.join(owners)} or leave it out"
+    )
+
+
+def declaring_algorithms(key: Any) -> list[str]:
+    """The registered algorithms whose options dataclass declares `key`."""
+    from .registry import algorithms
+
+    return [
+        name
+        for name in algorithms.names()
+        if (options := _options_type(algorithms.get(name))) is not None and key in _field_names(options)
+    ]
 
 
 def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
     if not cfg.train.output_dir.strip():
         raise ConfigError("train.output_dir is empty; give a folder for the run, e.g. runs/my_run")
-    if cfg.algorithm.raft_keep >= cfg.data.group_size:
-        raise ConfigError(
-            f"algorithm.raft_keep={cfg.algorithm.raft_keep} keeps every sample of a group of "
-            f"data.group_size={cfg.data.group_size}: nothing would be ranked; use fewer"
-        )
+    algorithm_type(cfg.algorithm.name).check(cfg)  # the algorithm's own checks (its options vs the rest)
     if cfg.train.sharding == "fsdp" and cfg.execution.mode == "auto":
         raise ConfigError(
             "execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "
@@ -729,7 +739,6 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             )
         except ValueError as e:
             raise ConfigError(f"execution: {e}") from e
-    import_plugins(cfg.reward.plugins)
     check_registered(cfg)
     check_eval_metrics(cfg)
     if cfg.reward.url:
@@ -756,20 +765,21 @@ def check_consistency(cfg: ExperimentConfig) -> None:
 
 
 def check_registered(cfg: ExperimentConfig) -> None:
-    """model.family and algorithm.name name registered ones (built-ins are entry points, so nothing
-    is imported here; reward.plugins files may register more)."""
-    from .registry import algorithms, models, teachers
+    """model.family names a registered one (built-ins are entry points, so nothing is imported here;
+    reward.plugins files may register more; algorithm.name is checked as its section is built)."""
+    from .registry import models
 
-    checks = [("model.family", cfg.model.family, models), ("algorithm.name", cfg.algorithm.name, algorithms)]
-    if cfg.algorithm.name == "distill":
-        checks.append(("teacher.name", cfg.teacher.name, teachers))
-    for key, value, registry in checks:
-        if value not in registry.names():
-            raise ConfigError(
-                f"{key}: unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())} "
-                f"(register your own with @omni_diffusion_rl.registry.{registry.kind}s.register or the "
-                f"entry-point group '{registry.entry_point_group}')"
-            )
+    check_registered_name("model.family", cfg.model.family, models)
+
+
+def check_registered_name(key: str, value: str, registry: Any) -> None:
+    """A ConfigError unless `value` (given as `key`) names one of `registry`'s plug-ins."""
+    if value not in registry.names():
+        raise ConfigError(
+            f"{key}: unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())} "
+            f"(register your own with @omni_diffusion_rl.registry.{registry.kind}s.register or the "
+            f"entry-point group '{registry.entry_point_group}')"
+        )
 
 
 def check_eval_metrics(cfg: ExperimentConfig) -> None:
@@ -853,4 +863,34 @@ def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[str]:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         lines.append(f"{key} ({_type_name(hints[f.name])}, default {default!r}): {f.metadata.get('doc', '')}")
+    if cls is AlgorithmConfig:
+        lines += describe_algorithm_options(prefix)
+    return lines
+
+
+def describe_algorithm_options(prefix: str = "algorithm.") -> list[str]:
+    """Each registered algorithm's own options under its name, one indented line per key (another
+    algorithm's options that it reads too, as distill reads nft's, are named, not repeated)."""
+    from .registry import algorithms
+
+    lines, loaded = [], {}
+    for name in algorithms.names():
+        try:
+            loaded[name] = algorithms.get(name)
+        except Exception as e:  # a broken plug-in must not take --help down with it
+            lines.append(f"{prefix}name={name}: cannot be loaded ({type(e).__name__}: {e})")
+    declared = {name: _options_type(algorithm) for name, algorithm in loaded.items()}
+    for name, options in declared.items():
+        title = f"{prefix}name={name} ({getattr(loaded[name], 'display_name', name)})"
+        if options is None:
+            lines.append(f"{title} reads {prefix}options")
+            continue
+        within = [n for n, o in declared.items() if o not in (None, options) and issubclass(options, o)]
+        also = "".join(f" {n}'s options and" for n in within)
+        lines.append(f"{title} reads{also}:")
+        skip = {key for n in within for key in _field_names(declared[n])}
+        keys = [f.name for f in dataclasses.fields(options)]
+        lines += [
+            f"  {line}" for key, line in zip(keys, describe(options, prefix), strict=True) if key not in skip
+        ]
     return lines

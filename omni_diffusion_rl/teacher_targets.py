@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from .config import DISTILL_STATES, ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig
 from .rollout import Rollout, step_generator
 from .sharding import compute_device
 from .teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
 
-STATE_KINDS = DISTILL_STATES
+STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorithm.distill_states)
 TEACHER_V, STATES = "teacher_v", "states"
 
 

@@ -251,6 +251,15 @@ def test_execution_modes_import_no_algorithm() -> None:
     assert found and not any(found.values()), {m: i for m, i in found.items() if i}
 
 
+def test_the_config_imports_no_algorithm() -> None:
+    """Each algorithm owns its options and their checks (issue 25): config.py builds the algorithm
+    section from what the registered algorithm declares, and imports none of them or their math."""
+    algorithm_modules = (f"{PACKAGE}.trainers", f"{PACKAGE}.algorithms", f"{PACKAGE}.models")
+    imports = import_graph()[f"{PACKAGE}.config"]
+    found = sorted(m for m in imports if any(_matches(a, m) for a in algorithm_modules))
+    assert not found, found
+
+
 def test_the_package_root_imports_nothing_of_the_package() -> None:
     """Importing any module runs omni_diffusion_rl/__init__.py first: whatever it imported would sit
     below every module."""

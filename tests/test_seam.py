@@ -18,7 +18,7 @@ from omni_diffusion_rl.registry import algorithms
 from omni_diffusion_rl.reward import ScoreResult
 from omni_diffusion_rl.rollout import Rollout
 from omni_diffusion_rl.sampling import time_grid
-from omni_diffusion_rl.trainers.algorithms import Algorithm, DiffusionNFT
+from omni_diffusion_rl.trainers.algorithms import Algorithm, DiffusionNFT, UpdateBatch
 from omni_diffusion_rl.trainers.sources import ExperienceSource, LocalSource
 from omni_diffusion_rl.trainers.trainer import Trainer
 
@@ -120,19 +120,18 @@ class RecordingAlgorithm(Algorithm):
     def metric_names(self) -> list[str]:
         return ["loss/total"]
 
-    def update(
-        self,
-        rollout: Rollout,
-        rewards: torch.Tensor,
-        groups: torch.Tensor,
-        keep: torch.Tensor,
-        local: slice,
-        step: int,
-    ) -> dict[str, float]:
+    def update(self, batch: UpdateBatch) -> dict[str, float]:
         RecordingAlgorithm.updates.append(
-            {"rewards": rewards.clone(), "groups": groups.tolist(), "keep": keep.tolist(), "step": step}
+            {
+                "rewards": batch.rewards.clone(),
+                "groups": batch.groups.tolist(),
+                "keep": batch.keep.tolist(),
+                "step": batch.step,
+            }
         )
-        out = self.learner.weighted_mean_over_ranks({"loss/total": 0.0}, float(len(rollout)), ["loss/total"])
+        out = self.learner.weighted_mean_over_ranks(
+            {"loss/total": 0.0}, float(len(batch.rollout)), ["loss/total"]
+        )
         self.learner.apply_gradients(out)
         return out
 

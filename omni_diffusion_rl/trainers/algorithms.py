@@ -1,69 +1,234 @@
 """What the trainer learns with: an `Algorithm` turns a step's scored experience into one update.
 
 The trainer (and every execution mode) owns the experience, its gathering over processes and the
-accounting of dropped samples; an algorithm receives the step's rewards, prompt groups and trainable
-mask, computes its own learning signal, runs the backward passes on this process's samples and calls
-`learner.apply_gradients` once. It also says which weights the rollout side generates with
-(`rollout_weights`), what a weight sync carries (`rollout_state` / `load_rollout_state`) and what a
-checkpoint holds (`checkpoint_tensors` / `load_checkpoint_tensors`). The defaults are the two-adapter
-layout of the LoRA policies (generate with `old`, train `trained`), which both algorithms here use.
+accounting of dropped samples; an algorithm receives it as an `UpdateBatch` (the step's rewards,
+prompt groups and trainable mask over every process, and this process's samples). `Algorithm.update`
+runs the steps every algorithm shares: which samples this process trains on (`TrainedRows`: under
+sharding a dropped sample weighs 0 instead of being left out), gradients zeroed and sharded loss
+scales set, backward passes over share-weighted micro-batches, the metrics' weighted mean over
+processes, one optimizer step, and the soft update of the `old` adapter. An algorithm writes:
 
-Algorithms are registered by name (`algorithm.name`). Adding one: subclass `Algorithm`, implement
-`metric_names` and `update`, register it with `@algorithms.register("name")`, and select it with
-`algorithm.name=name`. RAFT below is the example.
+- `loss(micro)`: the loss of one micro-batch and its metrics (listed by `metric_names`);
+- `plan(batch)`, when it needs more than "train every trainable sample once": which of this
+  process's samples it trains on, what its loss reads of each (its learning signal: r,
+  advantages, noised inputs), how many passes run over them, and metrics logged as they are;
+- hooks for anything special: `old_decay` (the soft update of `old`: DiffusionNFT's schedule),
+  `sweep` (the micro-batches: another order or split), `gradients` (several losses in one step),
+  `summarize` (metrics of the whole update) and `check` (its options against the rest of the config).
+
+It also says which weights the rollout side generates with (`rollout_weights`), what a weight sync
+carries (`rollout_state` / `load_rollout_state`) and what a checkpoint holds (`checkpoint_tensors` /
+`load_checkpoint_tensors`). The defaults are the two-adapter layout of the LoRA policies (generate
+with `old`, train `trained`), which every algorithm here uses.
+
+Each algorithm owns its options: a dataclass (`options_type`) whose keys sit flat in the config's
+algorithm section (algorithm.beta, algorithm.raft_keep; config.algorithm_section routes them by
+declaration). Algorithms are registered by name (`algorithm.name`); RAFT below is the short example.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields, replace
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from ..algorithms.advantages import group_advantages, optimality_probability
+from ..algorithms.advantages import ADV_MODES, optimality_probability
 from ..algorithms.distill import distillation_loss
 from ..algorithms.nft import flow_matching_loss, nft_loss
-from ..algorithms.soft_update import old_adapter_decay
-from ..config import DistillConfig, ExperimentConfig, NFTConfig, RAFTConfig
-from ..models import lora
+from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
+from ..config import ConfigError, ExperimentConfig, check_registered_name, option
 from ..models.policy import index_condition
-from ..registry import algorithms
+from ..registry import algorithms, teachers
 from ..rollout import Rollout, step_generator
+from ..teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
 from .learner import Learner
+from .update_batch import UpdateBatch
+
+
+def _lora() -> ModuleType:
+    """models.lora, imported when first used: it imports peft (seconds), which loading a config or
+    `odrl train --help` (both read every algorithm's options) does not need."""
+    from ..models import lora
+
+    return lora
+
+
+# ---------------------------------------------------------------------------------------------
+# What an update learns from and how its passes see it
+
+
+@dataclass
+class Plan:
+    """What an update trains on this process: `trained` ([n] bool over its samples; None: all),
+    what the loss reads of each sample (`data`: tensors with a row per sample, or lists and tuples
+    of them, selected along with the samples), the passes over them and metrics logged as they are."""
+
+    trained: torch.Tensor | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    passes: int = 1
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainedRows:
+    """Which of a process's samples its passes run over, and what each weighs. Unsharded, dropped
+    samples are left out; sharded, every process runs the same passes over all of its samples
+    (FSDP gathers each block in lockstep) and a dropped one weighs 0, the others N / trained so
+    that the batch mean is the mean over the trained samples."""
+
+    index: torch.Tensor | None  # the rows the passes run over (None: all)
+    weight: torch.Tensor | None  # [rows] each sample's weight in the batch mean (None: 1)
+    trained: int  # the samples trained on
+
+    def passes(self, count: int) -> int:
+        """How many samples the passes run over, of `count`."""
+        return count if self.index is None else len(self.index)
+
+
+def trained_rows(keep: torch.Tensor | None, count: int, sharded: bool) -> TrainedRows:
+    """The rows of `count` samples to run passes over when `keep` [count] (None: all) says which
+    are trained."""
+    if keep is None or bool(keep.all()):
+        return TrainedRows(None, None, count)
+    trained = int(keep.sum())
+    if not sharded:
+        return TrainedRows(keep.nonzero().flatten(), None, trained)
+    weight = keep.float() * (count / trained) if trained else torch.zeros(count)
+    return TrainedRows(None, weight, trained)
+
+
+def _select_rows(value: Any, index: torch.Tensor) -> Any:
+    """Rows `index` of a tensor, or of each tensor in a list or tuple (nested)."""
+    if isinstance(value, torch.Tensor):
+        return value[index.to(value.device)]
+    return type(value)(_select_rows(v, index) for v in value)
+
+
+@dataclass(frozen=True)
+class Work:
+    """An update's samples on this process as its passes see them: `rollout` holds the rows the
+    passes run over (`rows.index` of the plan's, or all of them), `data` the plan's values for
+    those rows, `scale` what the backward pass multiplies the loss by (a loss inside another's)."""
+
+    rollout: Rollout
+    rows: TrainedRows
+    data: dict[str, Any]
+    passes: int = 1
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, rollout: Rollout, plan: Plan, rows: TrainedRows, scale: float = 1.0) -> Work:
+        """The work of `plan` over `rows` of `rollout`."""
+        if rows.index is None:
+            return cls(rollout, rows, plan.data, plan.passes, scale)
+        data = {name: _select_rows(value, rows.index) for name, value in plan.data.items()}
+        return cls(rollout.select(rows.index), rows, data, plan.passes, scale)
+
+    def weight(self, part: slice, device: torch.device) -> torch.Tensor | None:
+        """[part] each sample's weight in the batch mean on `device` (None: 1)."""
+        return None if self.rows.weight is None else self.rows.weight[part].to(device)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward and backward pass: rows `part` of the work's rows, in pass `index` of `passes`.
+    Its loss weighs share / passes of the update's (`share`: its part of the rows); `data` holds
+    what the sweep that made it prepared for the loss (the default sweep: nothing)."""
+
+    work: Work
+    part: slice
+    index: int = 0
+    passes: int = 1
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def share(self) -> float:
+        return (self.part.stop - self.part.start) / len(self.work.rollout)
+
+    def rows(self, name: str) -> Any:
+        """The plan's per-sample `name` for this micro-batch's rows."""
+        return self.work.data[name][self.part]
+
+    def weight(self, device: torch.device) -> torch.Tensor | None:
+        """[part] each sample's weight in the batch mean on `device` (None: 1)."""
+        return self.work.weight(self.part, device)
+
+
+LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def finite_if_dropped(values: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """`values` [B, ...] with the rows of weight 0 replaced by zeros (weight None: unchanged): a
+    dropped sample still runs its passes when sharded, and a failed one may hold NaN, which times
+    its weight 0 would still be NaN."""
+    if weight is None:
+        return values
+    kept = (weight > 0).view(-1, *([1] * (values.ndim - 1))).to(values.device)
+    return torch.where(kept, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def micro_batches(count: int, size: int) -> list[slice]:
+    """`count` samples in consecutive pieces of at most `size` (train.micro_batch_size; 0: one piece)."""
+    size = size or count
+    return [slice(i, min(i + size, count)) for i in range(0, count, max(size, 1))]
+
+
+def split_at(parts: list[slice], bounds: list[int]) -> list[slice]:
+    """`parts` (consecutive slices) cut again at each row in `bounds`."""
+    out = []
+    for part in parts:
+        cuts = [part.start, *(b for b in bounds if part.start < b < part.stop), part.stop]
+        out += [slice(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=False)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The interface and the shared update
 
 
 class Algorithm:
     """One update from a step's experience (see the module docstring)."""
 
     display_name = "training"  # the progress bar's label
-    options_type: type | None = None  # its options dataclass (config.py), read from the algorithm section
+    options_type: type | None = None  # its options dataclass: keys flat in the algorithm section
     trains_answers = False  # True: it trains an answering language model (answer rollouts), not a generator
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
         section = learner.cfg.algorithm
-        self.options: Any = (
-            None
+        self.options: Any = (  # its options dataclass, or the algorithm.options mapping without one
+            section.options
             if self.options_type is None
             else self.options_type(**{f.name: getattr(section, f.name) for f in fields(self.options_type)})
         )
         self._metric_names: list[str] = []
 
+    @classmethod
+    def check(cls, cfg: ExperimentConfig) -> None:
+        """Refuse (ConfigError, naming the keys) options that do not fit the rest of `cfg`; run as
+        the config loads. None by default."""
+
     # ------------------------------------------------------------------ the rollout weights
     @staticmethod
     def rollout_weights(transformer: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
         """A context in which the policy generates with the rollout side's weights."""
+        lora = _lora()
         return lora.using_adapter(transformer, lora.OLD)
 
     @staticmethod
     def rollout_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The tensors a weight sync sends to the rollout processes."""
+        lora = _lora()
         return lora.adapter_state_dict(transformer, lora.OLD)
 
     @staticmethod
     def load_rollout_state(transformer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Load what `rollout_state` sent (on a rollout process)."""
+        lora = _lora()
         lora.load_adapter_state_dict(transformer, lora.OLD, tensors)
 
     @classmethod
@@ -76,15 +241,15 @@ class Algorithm:
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint holds (the optimizer state is the trainer's)."""
-        return lora.nft_adapter_tensors(self.learner.transformer)
+        return _lora().nft_adapter_tensors(self.learner.transformer)
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        lora.load_nft_adapter_tensors(self.learner.transformer, tensors)
+        _lora().load_nft_adapter_tensors(self.learner.transformer, tensors)
 
-    # ------------------------------------------------------------------ learning
+    # ------------------------------------------------------------------ learning: the shared steps
     def metric_names(self) -> list[str]:
-        """The loss metrics `update` logs, averaged over processes by trained samples."""
-        raise NotImplementedError
+        """The loss metrics an update logs, averaged over processes by trained samples."""
+        return ["loss/total"]
 
     def loss_metric_names(self) -> list[str]:
         """metric_names(), computed once."""
@@ -92,18 +257,66 @@ class Algorithm:
             self._metric_names = self.metric_names()
         return self._metric_names
 
-    def update(
-        self,
-        rollout: Rollout,
-        rewards: torch.Tensor,
-        groups: torch.Tensor,
-        keep: torch.Tensor,
-        local: slice,
-        step: int,
-    ) -> dict[str, float]:
-        """One optimizer step. rewards/groups/keep cover the whole step (every process); `local`
-        selects this process's samples, which `rollout` holds."""
+    def update(self, batch: UpdateBatch) -> dict[str, float]:
+        """One optimizer step from `batch`."""
+        return self.run(batch.rollout, batch.step, self.plan(batch))
+
+    def run(self, rollout: Rollout, step: int, plan: Plan) -> dict[str, float]:
+        """The shared steps of update number step + 1: the trained rows, begin_update (zeroed
+        gradients, sharded loss scales), the backward passes, the metrics' weighted mean over
+        processes, the optimizer step, then the soft update of `old`."""
+        learner = self.learner
+        rows = trained_rows(plan.trained, len(rollout), learner.sharded)
+        learner.begin_update(rows.trained, rows.passes(len(rollout)))
+        work = Work.of(rollout, plan, rows)
+        sums = self.summarize(work, self.gradients(work))
+        out = learner.weighted_mean_over_ranks(sums, float(rows.trained), self.loss_metric_names())
+        learner.apply_gradients(out, weight=float(rows.trained))
+        _lora().soft_update_old(learner.transformer, self.old_decay(step))
+        return out | plan.metrics
+
+    def plan(self, batch: UpdateBatch) -> Plan:
+        """What this update trains on (default: this process's trainable samples, one pass)."""
+        return Plan(batch.mine)
+
+    def gradients(self, work: Work) -> dict[str, float]:
+        """Backward passes of the update's losses; their metrics' share-weighted sums."""
+        return self.accumulate(self.sweep(work))
+
+    def sweep(self, work: Work) -> Iterator[MicroBatch]:
+        """The micro-batches of the loss: `work.passes` passes over the work's rows, each in parts of
+        train.micro_batch_size."""
+        parts = micro_batches(len(work.rollout), self.learner.cfg.train.micro_batch_size)
+        for index in range(work.passes):
+            for part in parts:
+                yield MicroBatch(work, part, index, work.passes)
+
+    def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss of one micro-batch (a mean over its samples) and its metrics by name."""
         raise NotImplementedError
+
+    def accumulate(self, micro: Iterable[MicroBatch], loss: LossFn | None = None) -> dict[str, float]:
+        """Backpropagate `loss` (default: self.loss) of each micro-batch times its share of the
+        update (so that the gradient is that of one pass over every row); the metrics' sums, each
+        weighted alike (means over the rows)."""
+        loss = loss or self.loss
+        sums: dict[str, float] = {}
+        for m in micro:
+            value, metrics = loss(m)
+            scaled = value if m.work.scale == 1.0 else value * m.work.scale
+            self.learner.backward(scaled * m.share / m.passes)
+            for name, v in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(v) * m.share / m.passes
+        return sums
+
+    def summarize(self, work: Work, sums: dict[str, float]) -> dict[str, float]:
+        """The update's metrics from the micro-batches' sums, before the mean over processes."""
+        return sums
+
+    def old_decay(self, step: int) -> float:
+        """The decay d of the soft update old <- d old + (1 - d) trained after update number step + 1
+        (default 0: the rollout weights follow the trained adapter, on-policy)."""
+        return 0.0
 
 
 def noised_inputs(
@@ -130,13 +343,34 @@ def noised_inputs(
     return inputs
 
 
+# ---------------------------------------------------------------------------------------------
+# DiffusionNFT
+
+
+@dataclass
+class NFTOptions:
+    """DiffusionNFT's options (algorithm.name=nft), flat in the algorithm section."""
+
+    beta: float = option(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
+    adv_clip_max: float = option(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
+    adv_mode: str = option("continuous", "how clipped advantages become r", choices=ADV_MODES)
+    per_group_std: bool = option(False, "normalise by each group's std instead of the batch std")
+    kl_coef: float = option(
+        0.5,
+        "weight of mean ||v_theta - v_ref||^2 (keeps the picture's quality and variety; 0 skips the "
+        "reference forward)",
+        ge=0,
+    )
+    decay_schedule: str = option("linear_to_0_5", "soft update of `old`", choices=DECAY_SCHEDULES)
+
+
 @algorithms.register("nft")
 class DiffusionNFT(Algorithm):
-    """Negative-aware fine-tuning: r from group advantages, the NFT loss against the `old` adapter,
-    then a soft update of `old` (algorithms/nft.py holds the math)."""
+    """Negative-aware fine-tuning: r from group advantages, the NFT loss against the `old` adapter
+    at the trained timesteps, then a soft update of `old` (algorithms/nft.py holds the math)."""
 
     display_name = "DiffusionNFT"
-    options_type = NFTConfig
+    options_type = NFTOptions
 
     def metric_names(self) -> list[str]:
         a, empty = self.options, torch.zeros(0, 1)
@@ -154,97 +388,98 @@ class DiffusionNFT(Algorithm):
         )
         return sorted(["loss/total", *metrics])
 
-    def update(
-        self,
-        rollout: Rollout,
-        rewards: torch.Tensor,
-        groups: torch.Tensor,
-        keep: torch.Tensor,
-        local: slice,
-        step: int,
-    ) -> dict[str, float]:
+    def optimality(self, batch: UpdateBatch) -> torch.Tensor:
+        """[n] r of this process's samples: their clipped group advantages mapped to [0, 1]."""
         a = self.options
-        adv = torch.zeros(len(rewards))
-        adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
-        r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
-        metrics = self.train_on(rollout, r, step, keep[local])
-        metrics["r/mean"] = float(r[keep[local]].mean()) if keep[local].any() else float("nan")
-        return metrics
+        adv = batch.advantages(per_group_std=a.per_group_std)
+        return optimality_probability(adv[batch.local], a.adv_clip_max, a.adv_mode)
+
+    def plan(self, batch: UpdateBatch) -> Plan:
+        r, mine = self.optimality(batch), batch.mine
+        plan = self.nft_plan(batch.rollout, r, batch.step, mine)
+        plan.metrics["r/mean"] = float(r[mine].mean()) if mine.any() else float("nan")
+        return plan
+
+    def nft_plan(self, rollout: Rollout, r: torch.Tensor, step: int, trained: torch.Tensor | None) -> Plan:
+        """The NFT loss toward `r` [n] on the `trained` samples (None: all), one pass per trained
+        timestep; the noise every sample draws does not depend on which are trained."""
+        inputs = noised_inputs(self.learner.cfg, rollout, step)
+        return Plan(trained, {"r": r, "inputs": inputs}, len(inputs), {"old_decay": self.old_decay(step)})
 
     def train_on(
         self, rollout: Rollout, r: torch.Tensor, step: int, keep: torch.Tensor | None = None
     ) -> dict[str, float]:
-        """Gradient of the NFT loss over a random subset of the sampler's timesteps, then one step.
-
-        keep: [N] bool, the samples to train on (the others were dropped); the noise every sample
-        draws does not depend on which are dropped. A process left with none still joins the
-        gradient average, with weight 0; the caller skips the step when no process has any.
-        """
-        a, learner = self.options, self.learner
-        rows = trained_rows(keep, len(rollout), learner.sharded)
-        learner.begin_update(rows.trained, rows.passes(len(rollout)))
-        sums = self.nft_gradients(rollout, r, step, rows)
-        out = learner.weighted_mean_over_ranks(sums, float(rows.trained), self.loss_metric_names())
-        learner.apply_gradients(out, weight=float(rows.trained))
-        decay = old_adapter_decay(a.decay_schedule, step + 1)  # this was update number step + 1
-        lora.soft_update_old(learner.transformer, decay)
-        out["old_decay"] = decay
-        return out
+        """One update on the NFT loss toward given `r` [n] (keep: [n] bool, the samples to train on)."""
+        return self.run(rollout, step, self.nft_plan(rollout, r, step, keep))
 
     def nft_gradients(
         self, rollout: Rollout, r: torch.Tensor, step: int, rows: TrainedRows, scale: float = 1.0
     ) -> dict[str, float]:
         """Accumulate `scale` times the NFT loss's gradient over the trained `rows`; returns the loss
         metrics (means over the trained samples)."""
-        a, learner = self.options, self.learner
+        work = Work.of(rollout, self.nft_plan(rollout, r, step, None), rows, scale)
+        return self.accumulate(self.sweep(work))
+
+    def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        a, learner, lora = self.options, self.learner, _lora()
         policy, transformer = learner.policy, learner.transformer
-        inputs = noised_inputs(learner.cfg, rollout, step)
-        if rows.index is not None:
-            rollout, r = rollout.select(rows.index), r[rows.index]
-            dev = rows.index.to(rollout.x0.device)
-            inputs = [(t[dev], noise[dev], x_t[dev]) for t, noise, x_t in inputs]
-        r = r.to(rollout.x0.device)
-        weight = None if rows.weight is None else rows.weight.to(rollout.x0.device)
-        sums: dict[str, float] = {}
-        parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
-        for t_all, _, x_all in inputs if len(rollout) else []:
-            for part in parts:  # the same gradient as one pass: each part's mean weighted by its share
-                share = (part.stop - part.start) / len(rollout)
-                t, cond = t_all[part], index_condition(rollout.cond, part)
-                w = None if weight is None else weight[part]
-                x_t, x0 = finite_if_dropped(x_all[part], w), finite_if_dropped(rollout.x0[part], w)
-                with torch.no_grad(), learner.autocast():
-                    with lora.using_adapter(transformer, lora.OLD):
-                        v_old = policy.velocity(x_t, t, cond).float()
-                    v_ref = None
-                    if a.kl_coef > 0:
-                        with lora.adapters_disabled(transformer):
-                            v_ref = policy.velocity(x_t, t, cond).float()
-                with learner.autocast():
-                    v_theta = policy.velocity(x_t, t, cond)
-                loss, metrics = nft_loss(
-                    v_theta.float(),
-                    v_old,
-                    x_t,
-                    x0,
-                    t,
-                    r[part],
-                    a.beta,
-                    a.adv_clip_max,
-                    v_ref,
-                    a.kl_coef,
-                    w,
-                )
-                scaled = loss if scale == 1.0 else loss * scale
-                learner.backward(scaled * share / len(inputs))
-                for name, value in {"loss/total": loss.detach(), **metrics}.items():
-                    sums[name] = sums.get(name, 0.0) + float(value) * share / len(inputs)
-        return sums
+        rollout, part = micro.work.rollout, micro.part
+        device = rollout.x0.device
+        t_all, _, x_all = micro.work.data["inputs"][micro.index]
+        w = micro.weight(device)
+        t, cond = t_all[part], index_condition(rollout.cond, part)
+        x_t, x0 = finite_if_dropped(x_all[part], w), finite_if_dropped(rollout.x0[part], w)
+        with torch.no_grad(), learner.autocast():
+            with lora.using_adapter(transformer, lora.OLD):
+                v_old = policy.velocity(x_t, t, cond).float()
+            v_ref = None
+            if a.kl_coef > 0:
+                with lora.adapters_disabled(transformer):
+                    v_ref = policy.velocity(x_t, t, cond).float()
+        with learner.autocast():
+            v_theta = policy.velocity(x_t, t, cond)
+        r = micro.rows("r").to(device)
+        loss, metrics = nft_loss(
+            v_theta.float(), v_old, x_t, x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef, w
+        )
+        return loss, {"loss/total": loss.detach(), **metrics}
+
+    def old_decay(self, step: int) -> float:
+        return old_adapter_decay(self.options.decay_schedule, step + 1)  # after update number step + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# On-policy distillation
+
+DISTILL_WEIGHTINGS = ("uniform", "step")
 
 
 @dataclass
-class DistillOptions(NFTConfig, DistillConfig):
-    """What on-policy distillation reads: its own options and, for nft_coef > 0, DiffusionNFT's."""
+class DistillOwnOptions:
+    """On-policy distillation's own options."""
+
+    distill_states: str = option(
+        "visited",
+        "where the teacher gives targets: visited (the states the student's sampler passed) | noised "
+        "(the student's x0 forward-noised to each grid time)",
+        choices=STATE_KINDS,
+    )
+    distill_weighting: str = option(
+        "uniform",
+        "weight per state: uniform | step (dt_k^2, the transition-mean form, scaled to mean 1 over the grid)",
+        choices=DISTILL_WEIGHTINGS,
+    )
+    nft_coef: float = option(
+        0.0,
+        "add this times the DiffusionNFT loss (reward and teacher in one run); 0: distillation alone",
+        ge=0,
+    )
+
+
+@dataclass
+class DistillOptions(NFTOptions, DistillOwnOptions):
+    """What on-policy distillation reads (algorithm.name=distill): its own options and, for
+    nft_coef > 0, DiffusionNFT's."""
 
 
 def state_weights(grid: torch.Tensor, weighting: str) -> torch.Tensor:
@@ -279,9 +514,11 @@ class OnPolicyDistillation(DiffusionNFT):
     options_type = DistillOptions
 
     @classmethod
-    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
-        from ..teacher_targets import TeacherTargets, make_checked_teacher
+    def check(cls, cfg: ExperimentConfig) -> None:
+        check_registered_name("teacher.name", cfg.teacher.name, teachers)
 
+    @classmethod
+    def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
         teacher = make_checked_teacher(cfg, policy, sharder)
         # A teacher sharded on GPUs answers on the main thread: its all-gathers and the policy's, on
         # two NCCL communicators from two threads, could interleave in another order on each
@@ -297,78 +534,93 @@ class OnPolicyDistillation(DiffusionNFT):
             names += [f"nft/{n}" for n in super().metric_names()]
         return sorted(names)
 
-    def update(
-        self,
-        rollout: Rollout,
-        rewards: torch.Tensor,
-        groups: torch.Tensor,
-        keep: torch.Tensor,
-        local: slice,
-        step: int,
-    ) -> dict[str, float]:
-        a, learner = self.options, self.learner
-        rows = trained_rows(keep[local], len(rollout), learner.sharded)
-        order = trained_state_order(learner.cfg, rollout, step)  # keyed by group, before drops
-        kept = rollout if rows.index is None else rollout.select(rows.index)
-        order = order if rows.index is None else order[rows.index]
-        learner.begin_update(rows.trained, rows.passes(len(rollout)))
+    def plan(self, batch: UpdateBatch) -> Plan:
+        order = trained_state_order(self.learner.cfg, batch.rollout, batch.step)  # by group, before drops
+        if self.options.nft_coef > 0:
+            plan = self.nft_plan(batch.rollout, self.optimality(batch), batch.step, batch.mine)
+        else:
+            plan = Plan(batch.mine, metrics={"old_decay": self.old_decay(batch.step)})
+        plan.data["order"] = order
+        return plan
+
+    def gradients(self, work: Work) -> dict[str, float]:
         sums: dict[str, float] = {}
-        if a.nft_coef > 0:  # first: it needs no teacher targets, so the teacher gets more time
-            adv = torch.zeros(len(rewards))
-            adv[keep] = group_advantages(rewards[keep], groups[keep], per_group_std=a.per_group_std)
-            r = optimality_probability(adv[local], a.adv_clip_max, a.adv_mode)
-            nft = self.nft_gradients(rollout, r, step, rows, scale=a.nft_coef)
+        if self.options.nft_coef > 0:  # first: it needs no teacher targets, so the teacher gets more time
+            nft = self.accumulate(self.sweep(replace(work, scale=self.options.nft_coef)))
             sums |= {f"nft/{k}": v for k, v in nft.items()}
-        sums |= self.distill_gradients(kept, order, rows.weight)
-        sums["loss/total"] = sums["loss/distill"] + a.nft_coef * sums.get("nft/loss/total", 0.0)
-        out = learner.weighted_mean_over_ranks(sums, float(rows.trained), self.loss_metric_names())
-        learner.apply_gradients(out, weight=float(rows.trained))
-        decay = old_adapter_decay("copy" if a.nft_coef == 0 else a.decay_schedule, step + 1)
-        lora.soft_update_old(learner.transformer, decay)
-        out["old_decay"] = decay
-        return out
+        return sums | self.accumulate(self.distill_sweep(work), self.distill_loss)
 
-    def distill_gradients(
-        self, rollout: Rollout, order: torch.Tensor, sample_weight: torch.Tensor | None = None
-    ) -> dict[str, float]:
-        """Accumulate the velocity-matching loss's gradient at the trained states: the first
-        timestep_fraction of each sample's `order` [N, T], each sample times its `sample_weight`
-        (None: 1). Sample-major, in the order the chunks were made: a chunk whose teacher targets are
-        still pending is waited for when reached."""
-        from ..teacher_targets import STATES, TEACHER_V
+    def summarize(self, work: Work, sums: dict[str, float]) -> dict[str, float]:
+        distill = sums.setdefault("loss/distill", 0.0)
+        sums["loss/total"] = distill + self.options.nft_coef * sums.get("nft/loss/total", 0.0)
+        return sums
 
-        a, learner = self.options, self.learner
+    def old_decay(self, step: int) -> float:
+        return 0.0 if self.options.nft_coef == 0 else super().old_decay(step)
+
+    def distill_sweep(self, work: Work) -> Iterator[MicroBatch]:
+        """The trained states: the first timestep_fraction of each sample's `order`, sample-major in
+        the order the chunks were made (a part whose teacher targets are still pending waits for
+        them when reached), one pass per state."""
+        rollout, cfg = work.rollout, self.learner.cfg
         if not len(rollout):
-            return {"loss/distill": 0.0}
+            return
         device = rollout.x0.device
         grid = rollout.grid.to(device)
-        weights = state_weights(rollout.grid, a.distill_weighting).to(device)
-        order = order.to(device)
-        num_train = max(1, int(order.shape[1] * learner.cfg.algorithm.timestep_fraction))
-        parts = micro_batches(len(rollout), learner.cfg.train.micro_batch_size)
-        parts = split_at(parts, rollout.pending_bounds())
-        total = 0.0
+        weights = state_weights(rollout.grid, self.options.distill_weighting).to(device)
+        order = work.data["order"].to(device)
+        num_train = max(1, int(order.shape[1] * cfg.algorithm.timestep_fraction))
+        parts = split_at(micro_batches(len(rollout), cfg.train.micro_batch_size), rollout.pending_bounds())
         for part in parts:
-            extras = rollout.extras_rows(part)
-            missing = [k for k in (STATES, TEACHER_V) if k not in extras]
-            if missing:
-                lacks = ", ".join(missing)
-                raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
-            row_weight = None if sample_weight is None else sample_weight[part].to(device)
-            states = finite_if_dropped(extras[STATES].to(device), row_weight)
-            targets = finite_if_dropped(extras[TEACHER_V].to(device), row_weight)
+            row_weight = work.weight(part, device)
+            states, targets = teacher_rows(rollout, part, device, row_weight)
             rows = torch.arange(len(states), device=device)
             cond = index_condition(rollout.cond, part)
-            share = (part.stop - part.start) / len(rollout)
             for j in range(num_train):
                 index = order[part, j]
-                with learner.autocast():
-                    v = learner.policy.velocity(states[rows, index], grid[index], cond)
                 weight = weights[index] if row_weight is None else weights[index] * row_weight
-                loss = distillation_loss(v.float(), targets[rows, index], weight)
-                learner.backward(loss * share / num_train)
-                total += float(loss.detach()) * share / num_train
-        return {"loss/distill": total}
+                data = {
+                    "x": states[rows, index],
+                    "t": grid[index],
+                    "cond": cond,
+                    "target": targets[rows, index],
+                }
+                yield MicroBatch(work, part, j, num_train, {**data, "weight": weight})
+
+    def distill_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Velocity matching at one state of each sample of the micro-batch."""
+        d = micro.data
+        with self.learner.autocast():
+            v = self.learner.policy.velocity(d["x"], d["t"], d["cond"])
+        loss = distillation_loss(v.float(), d["target"], d["weight"])
+        return loss, {"loss/distill": loss.detach()}
+
+
+def teacher_rows(
+    rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states [B, T, ...] and teacher velocities of rows `part` (waiting for them while their
+    chunk's targets are pending), zeroed where `weight` is 0."""
+    extras = rollout.extras_rows(part)
+    missing = [k for k in (STATES, TEACHER_V) if k not in extras]
+    if missing:
+        lacks = ", ".join(missing)
+        raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
+    return (
+        finite_if_dropped(extras[STATES].to(device), weight),
+        finite_if_dropped(extras[TEACHER_V].to(device), weight),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# RAFT: the short example
+
+
+@dataclass
+class RAFTOptions:
+    """RAFT's options (algorithm.name=raft), flat in the algorithm section."""
+
+    raft_keep: int = option(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
 
 
 @algorithms.register("raft")
@@ -378,103 +630,40 @@ class RewardRankedFineTuning(Algorithm):
     weights then follow the trained adapter (`old` := trained after every step)."""
 
     display_name = "RAFT"
-    options_type = RAFTConfig
+    options_type = RAFTOptions
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig) -> None:
+        keep, size = cfg.algorithm.raft_keep, cfg.data.group_size
+        if keep >= size:
+            raise ConfigError(
+                f"algorithm.raft_keep={keep} keeps every sample of a group of data.group_size={size}: "
+                "nothing would be ranked; use fewer"
+            )
 
     def metric_names(self) -> list[str]:
         return ["loss/flow_matching", "loss/total"]
 
-    def update(
-        self,
-        rollout: Rollout,
-        rewards: torch.Tensor,
-        groups: torch.Tensor,
-        keep: torch.Tensor,
-        local: slice,
-        step: int,
-    ) -> dict[str, float]:
-        learner = self.learner
-        best = best_of_each_group(rewards, groups, keep, self.options.raft_keep)
-        inputs = noised_inputs(learner.cfg, rollout, step)  # drawn for every sample: independent of the pick
-        rows = trained_rows(best[local], len(rollout), learner.sharded)
-        chosen = rollout if rows.index is None else rollout.select(rows.index)
-        weight = None if rows.weight is None else rows.weight.to(rollout.x0.device)
-        learner.begin_update(rows.trained, rows.passes(len(rollout)))
-        total = 0.0
-        parts = micro_batches(len(chosen), learner.cfg.train.micro_batch_size)
-        for t, noise, x_t in inputs if len(chosen) else []:
-            if rows.index is not None:
-                dev = rows.index.to(rollout.x0.device)
-                t, noise, x_t = t[dev], noise[dev], x_t[dev]
-            for part in parts:
-                share = (part.stop - part.start) / len(chosen)
-                w = None if weight is None else weight[part]
-                x_part = finite_if_dropped(x_t[part], w)
-                with learner.autocast():
-                    v_theta = learner.policy.velocity(x_part, t[part], index_condition(chosen.cond, part))
-                noise_part, x0_part = finite_if_dropped(noise[part], w), finite_if_dropped(chosen.x0[part], w)
-                loss = flow_matching_loss(v_theta.float(), noise_part, x0_part, w)
-                learner.backward(loss * share / len(inputs))
-                total += float(loss.detach()) * share / len(inputs)
-        out = learner.weighted_mean_over_ranks(
-            {"loss/flow_matching": total, "loss/total": total}, float(rows.trained), self.loss_metric_names()
+    def plan(self, batch: UpdateBatch) -> Plan:
+        best = best_of_each_group(batch.rewards, batch.groups, batch.keep, self.options.raft_keep)
+        inputs = noised_inputs(
+            self.learner.cfg, batch.rollout, batch.step
+        )  # for every sample: not the pick's
+        return Plan(
+            best[batch.local], {"inputs": inputs}, len(inputs), {"raft/trained_samples": float(best.sum())}
         )
-        learner.apply_gradients(out, weight=float(rows.trained))
-        lora.soft_update_old(learner.transformer, old_adapter_decay("copy", step + 1))
-        out["raft/trained_samples"] = float(best.sum())
-        return out
 
-
-@dataclass(frozen=True)
-class TrainedRows:
-    """Which of a process's samples its passes run over, and what each weighs. Unsharded, dropped
-    samples are left out; sharded, every process runs the same passes over all of its samples
-    (FSDP gathers each block in lockstep) and a dropped one weighs 0, the others N / trained so
-    that the batch mean is the mean over the trained samples."""
-
-    index: torch.Tensor | None  # the rows the passes run over (None: all)
-    weight: torch.Tensor | None  # [rows] each sample's weight in the batch mean (None: 1)
-    trained: int  # the samples trained on
-
-    def passes(self, count: int) -> int:
-        """How many samples the passes run over, of `count`."""
-        return count if self.index is None else len(self.index)
-
-
-def trained_rows(keep: torch.Tensor | None, count: int, sharded: bool) -> TrainedRows:
-    """The rows of `count` samples to run passes over when `keep` [count] (None: all) says which
-    are trained."""
-    if keep is None or bool(keep.all()):
-        return TrainedRows(None, None, count)
-    trained = int(keep.sum())
-    if not sharded:
-        return TrainedRows(keep.nonzero().flatten(), None, trained)
-    weight = keep.float() * (count / trained) if trained else torch.zeros(count)
-    return TrainedRows(None, weight, trained)
-
-
-def finite_if_dropped(values: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """`values` [B, ...] with the rows of weight 0 replaced by zeros (weight None: unchanged): a
-    dropped sample still runs its passes when sharded, and a failed one may hold NaN, which times
-    its weight 0 would still be NaN."""
-    if weight is None:
-        return values
-    kept = (weight > 0).view(-1, *([1] * (values.ndim - 1))).to(values.device)
-    return torch.where(kept, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def micro_batches(count: int, size: int) -> list[slice]:
-    """`count` samples in consecutive pieces of at most `size` (train.micro_batch_size; 0: one piece)."""
-    size = size or count
-    return [slice(i, min(i + size, count)) for i in range(0, count, max(size, 1))]
-
-
-def split_at(parts: list[slice], bounds: list[int]) -> list[slice]:
-    """`parts` (consecutive slices) cut again at each row in `bounds`."""
-    out = []
-    for part in parts:
-        cuts = [part.start, *(b for b in bounds if part.start < b < part.stop), part.stop]
-        out += [slice(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=False)]
-    return out
+    def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        rollout, part = micro.work.rollout, micro.part
+        t, noise, x_t = (v[part] for v in micro.work.data["inputs"][micro.index])
+        w = micro.weight(rollout.x0.device)
+        with self.learner.autocast():
+            v = self.learner.policy.velocity(
+                finite_if_dropped(x_t, w), t, index_condition(rollout.cond, part)
+            )
+        x0 = finite_if_dropped(rollout.x0[part], w)
+        loss = flow_matching_loss(v.float(), finite_if_dropped(noise, w), x0, w)
+        return loss, {"loss/flow_matching": loss.detach(), "loss/total": loss.detach()}
 
 
 def best_of_each_group(

@@ -9,17 +9,55 @@ the answers may be a few versions old; the ratio against their behaviour log-pro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from ..algorithms.advantages import STD_CORRECTIONS, group_advantages
-from ..algorithms.gspo import policy_loss
-from ..algorithms.soft_update import old_adapter_decay
-from ..config import GSPOConfig
-from ..models import lora
+from ..algorithms.advantages import STD_CORRECTIONS
+from ..algorithms.gspo import RATIO_LEVELS, policy_loss
+from ..answer_backends import ANSWER_BACKENDS
+from ..config import option
 from ..registry import algorithms
-from .algorithms import Algorithm, micro_batches
+from .algorithms import Algorithm, MicroBatch, Plan, UpdateBatch, Work
 
 STAT_NAMES = ("clip_fraction", "ratio_mean", "ratio_max_dev")
+
+
+@dataclass
+class GSPOOptions:
+    """GSPO's options (algorithm.name=gspo, the autoregressive path), flat in the algorithm section."""
+
+    clip_eps_low: float = option(
+        3e-4, "gspo: the ratio is clipped to [1 - eps_low, 1 + eps_high]", gt=0, lt=1
+    )
+    clip_eps_high: float = option(4e-4, "gspo: upper clip (defaults from the GSPO paper)", gt=0)
+    ratio_level: str = option(
+        "sequence",
+        "gspo: sequence (GSPO: one length-normalised ratio per answer) | token (GRPO's per-token ratio)",
+        choices=RATIO_LEVELS,
+    )
+    max_new_tokens: int = option(16, "gspo: answer tokens at most (the end token included)", ge=1)
+    min_new_tokens: int = option(
+        0, "gspo: the end token is forbidden before this many (forced-long answers)", ge=0
+    )
+    temperature: float = option(1.0, "gspo: sampling temperature of the rollout answers", gt=0)
+    adv_std: str = option(
+        "population",
+        "gspo: the std a group's advantages divide by: population (ddof 0) | sample (Bessel's "
+        "correction, as trl's GRPOTrainer: advantages smaller by sqrt((G-1)/G), 0.935 at G=8)",
+        choices=tuple(STD_CORRECTIONS),
+    )
+    rollout_backend: str = option(
+        "hf",
+        "gspo: what samples the rollout answers: hf (transformers, KV cache) | vllm (vLLM >= 0.11, "
+        "installed separately; the rollout adapter served as a LoRA request per policy version)",
+        choices=ANSWER_BACKENDS,
+    )
+    vllm_gpu_memory: float = option(
+        0.3, "gspo, rollout_backend=vllm: the share of GPU memory vLLM's engine may take", gt=0, le=1
+    )
+    vllm_enforce_eager: bool = option(False, "gspo, rollout_backend=vllm: no CUDA graphs (faster start)")
 
 
 @algorithms.register("gspo")
@@ -27,65 +65,56 @@ class GroupSequencePolicyOptimization(Algorithm):
     """GSPO (or GRPO's token ratio, `algorithm.ratio_level=token`) for an answering policy."""
 
     display_name = "GSPO"
-    options_type = GSPOConfig
+    options_type = GSPOOptions
     trains_answers = True
 
     def metric_names(self) -> list[str]:
         answers = ["answers/mean_tokens", "answers/truncated"]  # of the trained answers, in every mode
         return ["loss/gspo", "loss/total", "gspo/logp_gap", *(f"gspo/{n}" for n in STAT_NAMES), *answers]
 
-    def update(
-        self,
-        rollout,  # noqa: ANN001 - a TextRollout (text_rollout.py)
-        rewards: torch.Tensor,
-        groups: torch.Tensor,
-        keep: torch.Tensor,
-        local: slice,
-        step: int,
-    ) -> dict[str, float]:
+    def plan(self, batch: UpdateBatch) -> Plan:
+        advantages = batch.advantages(
+            per_group_std=True, std_correction=STD_CORRECTIONS[self.options.adv_std]
+        )
+        return Plan(batch.mine, {"advantages": advantages[batch.local]})
+
+    def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         a, learner = self.options, self.learner
         model = learner.policy.model
-        advantages = torch.zeros(len(rewards))
-        correction = STD_CORRECTIONS[a.adv_std]
-        advantages[keep] = group_advantages(
-            rewards[keep], groups[keep], per_group_std=True, std_correction=correction
-        )
-        mine = keep[local]
-        index = mine.nonzero().flatten()
-        kept = rollout if bool(mine.all()) else rollout.select(index)
-        adv = advantages[local][index]
         device = next(model.parameters()).device
-        learner.begin_update(len(kept), len(kept))
-        sums = dict.fromkeys(self.loss_metric_names(), 0.0)
-        for part in micro_batches(len(kept), learner.cfg.train.micro_batch_size):
-            share = (part.stop - part.start) / len(kept)
-            sub = kept.select(torch.arange(part.start, part.stop)).to(device)
-            with learner.autocast():
-                prompted = model.prompt(sub.video, sub.audio, sub.question_ids())
-                logp = model.answer_log_probs(
-                    prompted, sub.answers, sub.answer_mask, a.temperature, a.min_new_tokens
-                )
-            mask = sub.answer_mask
-            loss, stats = policy_loss(
-                logp,
-                sub.behaviour_logp,
-                adv[part].to(device),
-                mask,
-                a.clip_eps_low,
-                a.clip_eps_high,
-                a.ratio_level,
+        sub = micro.work.rollout.select(torch.arange(micro.part.start, micro.part.stop)).to(device)
+        with learner.autocast():
+            prompted = model.prompt(sub.video, sub.audio, sub.question_ids())
+            logp = model.answer_log_probs(
+                prompted, sub.answers, sub.answer_mask, a.temperature, a.min_new_tokens
             )
-            learner.backward(loss * share)
-            gap = float((logp.detach() - sub.behaviour_logp)[mask].abs().mean()) if mask.any() else 0.0
-            for name, value in {"loss/gspo": float(loss.detach()), "gspo/logp_gap": gap}.items():
-                sums[name] += value * share
-            for name in STAT_NAMES:
-                sums[f"gspo/{name}"] += stats[name] * share
-        sums["loss/total"] = sums["loss/gspo"]
+        advantages = micro.rows("advantages").to(device)
+        loss, stats = policy_loss(
+            logp,
+            sub.behaviour_logp,
+            advantages,
+            sub.answer_mask,
+            a.clip_eps_low,
+            a.clip_eps_high,
+            a.ratio_level,
+        )
+        metrics = {
+            "loss/gspo": loss.detach(),
+            "loss/total": loss.detach(),
+            "gspo/logp_gap": logp_gap(logp, sub),
+        }
+        return loss, metrics | {f"gspo/{name}": stats[name] for name in STAT_NAMES}
+
+    def summarize(self, work: Work, sums: dict[str, float]) -> dict[str, float]:
+        kept = work.rollout
         if len(kept):  # what the rollout side sampled: measured here, so the async modes log it too
             sums["answers/mean_tokens"] = float(kept.answer_mask.sum(-1).float().mean())
             sums["answers/truncated"] = float(kept.truncated.float().mean())
-        out = learner.weighted_mean_over_ranks(sums, float(len(kept)), self.loss_metric_names())
-        learner.apply_gradients(out, weight=float(len(kept)))
-        lora.soft_update_old(learner.transformer, old_adapter_decay("copy", step + 1))
-        return out
+        return sums
+
+
+def logp_gap(logp: torch.Tensor, answers: Any) -> float:
+    """Mean |log pi_theta - log pi_behaviour| over the answers' tokens (a TextRollout's): how far the
+    trained policy has moved from the one that sampled them."""
+    mask = answers.answer_mask
+    return float((logp.detach() - answers.behaviour_logp)[mask].abs().mean()) if mask.any() else 0.0

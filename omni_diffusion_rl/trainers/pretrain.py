@@ -20,7 +20,7 @@ from ..algorithms.nft import flow_matching_loss
 from ..models.tiny_av import BUILTIN_WEIGHTS, TinyAVPolicy, TinyAVTransformer
 from ..world import tiny_world as world
 
-# Chosen by measurement (README, "The tiny world"): base accuracy well below what post-training
+# Chosen by measurement (docs/tiny-world.md): base accuracy well below what post-training
 # reaches on every attribute, and clean, recognisable clips.
 DEFAULT_LABEL_NOISE = {"color": 0.5, "shape": 0.5, "pitch": 0.5, "when": 0.5}
 TEACHER_RECIPE: dict[str, object] = {

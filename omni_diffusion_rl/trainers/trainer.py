@@ -75,6 +75,7 @@ from .algorithms import algorithm_class, build_algorithm
 from .learner import Learner
 from .phases import LoopStart, ProcessPlace, StepPhases
 from .sources import ExperienceSource, LocalSource
+from .update_batch import UpdateBatch
 
 
 def experience_maker(
@@ -374,7 +375,9 @@ class Trainer:
         local = slice(self.rank * len(rollout), (self.rank + 1) * len(rollout))
         self._record_failures(step, rollout, scored, keep_all[local])
         if keep_all.any():
-            metrics = self.algorithm.update(rollout, all_rewards, all_groups, keep_all, local, step)
+            metrics = self.algorithm.update(
+                UpdateBatch(rollout, all_rewards, all_groups, keep_all, local, step)
+            )
         else:  # every process agrees (keep_all is gathered): nothing to learn from, no update at all
             metrics = {"step_skipped": 1.0}
         t3 = time.perf_counter()

@@ -26,6 +26,7 @@ from safetensors.torch import save as save_tensors
 
 from ...config import ExperimentConfig
 from ...rollout import score
+from ...trainers.update_batch import UpdateBatch
 from .costs import CostModel
 
 
@@ -138,7 +139,8 @@ def _update_fn(trainer: Any, batch: Any) -> Callable[[], Any]:
     """A call that runs the algorithm's update on `batch` (random rewards, every sample trained)."""
     rewards = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(len(batch), dtype=torch.bool)
-    return lambda: trainer.algorithm.update(batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0)
+    whole = UpdateBatch(batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0)
+    return lambda: trainer.algorithm.update(whole)
 
 
 def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solver: str) -> Callable[[], Any]:
