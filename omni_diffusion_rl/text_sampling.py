@@ -23,6 +23,13 @@ class Answers:
         return self.mask.sum(-1)
 
 
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, L] log pi(token_l | everything before it), from the logits [B, L, V] that predicted each
+    token (position l's logits come from the model's output at the position before it)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
 def _cache_name(lm: torch.nn.Module) -> str:
     """transformers 5.2x calls the KV cache argument and output `cache`, earlier ones `past_key_values`."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"

@@ -260,6 +260,18 @@ def test_the_config_imports_no_algorithm() -> None:
     assert not found, found
 
 
+def test_models_import_no_algorithm_and_no_trainer() -> None:
+    """A model computes what it is asked (velocities, log-probs); the losses and the loop that use
+    them sit above it (issue 25)."""
+    above = (f"{PACKAGE}.algorithms", f"{PACKAGE}.trainers")
+    found = {
+        module: sorted(m for m in imports if any(_matches(a, m) for a in above))
+        for module, imports in import_graph().items()
+        if _matches(f"{PACKAGE}.models", module)
+    }
+    assert found and not any(found.values()), {m: i for m, i in found.items() if i}
+
+
 def test_the_package_root_imports_nothing_of_the_package() -> None:
     """Importing any module runs omni_diffusion_rl/__init__.py first: whatever it imported would sit
     below every module."""

@@ -14,13 +14,6 @@ RATIO_LEVELS = ("sequence", "token")
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # the GSPO paper's clip range
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[B, L] log pi(token_l | everything before it), from the logits [B, L, V] that predicted each
-    token (position l's logits come from the model's output at the position before it)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
