@@ -606,7 +606,7 @@ def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
     others = {k: v for k, v in data.items() if k != "algorithm"} if isinstance(data, dict) else data
     cfg = _build(ExperimentConfig, others, "")
     import_plugins(cfg.reward.plugins)  # they may register the algorithm
-    cfg.algorithm = algorithm_section(cfg, data.get("algorithm", {}))
+    cfg.algorithm = algorithm_section(data.get("algorithm", {}))
     check_consistency(cfg)
     return cfg
 
@@ -637,10 +637,43 @@ def algorithm_section_type(name: str) -> type:
 @functools.cache
 def _joined_section(options: type) -> type:
     """AlgorithmConfig's fields, then `options`' (one class per options type, so sections compare equal)."""
+    check_options_type(options)
     clash = sorted(_field_names(options) & _field_names(AlgorithmConfig))
     if clash:
         raise ConfigError(f"{options.__name__} declares {', '.join(clash)}, which every algorithm shares")
-    return dataclasses.make_dataclass(f"{options.__name__}Section", [], bases=(options, AlgorithmConfig))
+    section = dataclasses.make_dataclass(f"{options.__name__}Section", [], bases=(options, AlgorithmConfig))
+    section.__reduce__ = _reduce_section  # type: ignore[attr-defined]  # pickled by name and values
+    return section
+
+
+def check_options_type(options: Any) -> None:
+    """A ConfigError unless `options` is a plain dataclass whose every field has a default (the
+    algorithm section is built from it with any subset of its keys)."""
+    name = getattr(options, "__name__", repr(options))
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise ConfigError(f"an algorithm's options_type must be a dataclass; {name} is not")
+    if options.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise ConfigError(f"an algorithm's options_type must not be frozen: {name} is")
+    missing = [
+        f.name
+        for f in dataclasses.fields(options)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{name}'s fields {', '.join(missing)} have no default; give each option one")
+
+
+def _reduce_section(section: AlgorithmConfig) -> tuple[Any, tuple[str, dict[str, Any]]]:
+    """Pickle an algorithm section as its algorithm's name and its values (its class is made at run
+    time, so it is rebuilt by name)."""
+    return _rebuilt_section, (
+        section.name,
+        {f.name: getattr(section, f.name) for f in dataclasses.fields(section)},
+    )
+
+
+def _rebuilt_section(name: str, values: dict[str, Any]) -> AlgorithmConfig:
+    return algorithm_section_type(name)(**values)
 
 
 def _field_names(cls: type) -> set[str]:
@@ -652,7 +685,7 @@ def default_algorithm_section() -> AlgorithmConfig:
     return algorithm_section_type(AlgorithmConfig.name)()
 
 
-def algorithm_section(cfg: ExperimentConfig, data: Any, prefix: str = "algorithm") -> AlgorithmConfig:
+def algorithm_section(data: Any, prefix: str = "algorithm") -> AlgorithmConfig:
     """The algorithm section `data` gives, checked: the shared keys, then the named algorithm's own
     options (the keys its options dataclass declares). A key another algorithm declares is dropped
     when it holds that algorithm's default (old configs and checkpoints wrote every algorithm's
@@ -663,7 +696,7 @@ def algorithm_section(cfg: ExperimentConfig, data: Any, prefix: str = "algorithm
     name = _build(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix).name
     section = algorithm_section_type(name)
     built = _build(
-        section, {k: v for k, v in data.items() if not _foreign(cfg, section, name, k, v, prefix)}, prefix
+        section, {k: v for k, v in data.items() if not _foreign(section, name, k, v, prefix)}, prefix
     )
     own = [f.name for f in dataclasses.fields(section) if f.name not in shared]
     if own and built.options:
@@ -674,7 +707,7 @@ def algorithm_section(cfg: ExperimentConfig, data: Any, prefix: str = "algorithm
     return built
 
 
-def _foreign(cfg: ExperimentConfig, section: type, name: str, key: Any, value: Any, prefix: str) -> bool:
+def _foreign(section: type, name: str, key: Any, value: Any, prefix: str) -> bool:
     """True for an option of another algorithm at its default (to drop); a ConfigError for one at
     any other value; False for a key of `section` or one no algorithm declares (_build judges it)."""
     if key in _field_names(section):
@@ -686,22 +719,41 @@ def _foreign(cfg: ExperimentConfig, section: type, name: str, key: Any, value: A
     theirs = _build(_joined_section(_options_type(owner)), {"name": owners[0], key: value}, prefix)
     if getattr(theirs, key) == getattr(theirs.__class__(), key):
         return True
-    owner.check(dataclasses.replace(cfg, algorithm=theirs))  # what that algorithm would say of the value
     raise ConfigError(
         f"{prefix}.{key}={_shown(repr(value))} is an option of {' and '.join(owners)}, not of {name}: "
         f"{prefix}.name={name} would ignore it; set {prefix}.name={' or '.join(owners)} or leave it out"
     )
 
 
+def foreign_option_defaults(section: AlgorithmConfig, name: str) -> dict[str, Any]:
+    """The keys of `section` that algorithm `name` does not read but another declares, each at its
+    default: overrides that let a config written for one algorithm run another (their keys at the
+    default are dropped as the section is built)."""
+    own = _field_names(algorithm_section_type(name))
+    defaults = dataclasses.asdict(type(section)())
+    return {
+        key: defaults[key]
+        for key, value in dataclasses.asdict(section).items()
+        if key not in own and value != defaults[key]
+    }
+
+
 def declaring_algorithms(key: Any) -> list[str]:
-    """The registered algorithms whose options dataclass declares `key`."""
+    """The registered algorithms whose options dataclass declares `key` (one that cannot be loaded
+    or declares a malformed options class is skipped: it is not the one this config chose)."""
     from .registry import algorithms
 
-    return [
-        name
-        for name in algorithms.names()
-        if (options := _options_type(algorithms.get(name))) is not None and key in _field_names(options)
-    ]
+    owners = []
+    for name in algorithms.names():
+        try:
+            options = _options_type(algorithms.get(name))
+            if options is not None:
+                check_options_type(options)
+        except Exception:  # noqa: BLE001 - another plug-in's failure is not this config's error
+            continue
+        if options is not None and key in _field_names(options):
+            owners.append(name)
+    return owners
 
 
 def check_consistency(cfg: ExperimentConfig) -> None:
@@ -877,7 +929,11 @@ def describe_algorithm_options(prefix: str = "algorithm.") -> list[str]:
     for name in algorithms.names():
         try:
             loaded[name] = algorithms.get(name)
+            options = _options_type(loaded[name])
+            if options is not None:
+                check_options_type(options)
         except Exception as e:  # a broken plug-in must not take --help down with it
+            loaded.pop(name, None)
             lines.append(f"{prefix}name={name}: cannot be loaded ({type(e).__name__}: {e})")
     declared = {name: _options_type(algorithm) for name, algorithm in loaded.items()}
     for name, options in declared.items():

@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,10 +27,12 @@ from omni_diffusion_rl.config import (
     ExperimentConfig,
     config_from_dict,
     describe,
+    foreign_option_defaults,
     load_config,
 )
 from omni_diffusion_rl.models import lora
 from omni_diffusion_rl.registry import algorithms
+from omni_diffusion_rl.trainers.algorithms import Algorithm
 from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
@@ -241,3 +244,68 @@ def test_default_sections_are_one_class_per_algorithm() -> None:
     """Sections compare equal across loads (one joined class per options dataclass)."""
     raft = ["algorithm.name=raft"]
     assert load_config() == ExperimentConfig() and load_config(None, raft) == load_config(None, raft)
+
+
+# ------------------------------------------------------------------ review findings
+
+
+@pytest.mark.parametrize("name", sorted(OWN_CHANGES))
+def test_a_config_pickles_and_comes_back_equal(name: str) -> None:
+    """The sections' classes are made at run time; a config still pickles (rebuilt by name)."""
+    cfg = config_from_dict(
+        {"algorithm": {"name": name, **OWN_CHANGES[name]}, **(ANSWERING if name == "gspo" else {})}
+    )
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_another_algorithms_option_is_refused_by_name_not_by_its_owners_checks() -> None:
+    with pytest.raises(ConfigError, match="raft_keep=100 is an option of raft, not of nft"):
+        load_config(None, ["algorithm.raft_keep=100"])
+
+
+@dataclass(frozen=True)
+class FrozenOptions:
+    frozen_x: float = 1.0
+
+
+@dataclass
+class RequiredOptions:
+    required_x: float
+
+
+class NotADataclass:
+    plain_x = 1.0
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (FrozenOptions, "must not be frozen"),
+        (RequiredOptions, "required_x have no default"),
+        (NotADataclass, "must be a dataclass"),
+    ],
+)
+def test_a_malformed_plugin_options_class_is_named_and_breaks_nothing_else(
+    options: type, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    algorithms.names()
+    monkeypatch.setattr(algorithms, "_factories", dict(algorithms._factories))  # noqa: SLF001
+    algorithms.register("malformed")(type("Malformed", (Algorithm,), {"options_type": options}))
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, ["algorithm.name=malformed"])
+    assert load_config(None, ["algorithm.name=raft", "algorithm.beta=1.0"]).algorithm.name == "raft"
+    assert any(line.startswith("algorithm.name=malformed: cannot be loaded") for line in describe())
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted((REPO / "recipes" / "configs").glob("*_nft.yaml")), ids=lambda p: p.stem
+)
+def test_a_recipe_runs_another_algorithm_once_its_own_options_are_reset(recipe: Path) -> None:
+    """What `odrl bench learning --modes colocated,raft:colocated` does with an NFT recipe."""
+    cfg = load_config(recipe)
+    resets = foreign_option_defaults(cfg.algorithm, "raft")
+    overrides = ["algorithm.name=raft", *(f"algorithm.{k}={json.dumps(v)}" for k, v in resets.items())]
+    assert load_config(recipe, overrides).algorithm.name == "raft"
+    if cfg.algorithm.beta != 1.0:
+        with pytest.raises(ConfigError, match="is an option of distill and nft, not of raft"):
+            load_config(recipe, ["algorithm.name=raft"])

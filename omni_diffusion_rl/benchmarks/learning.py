@@ -19,13 +19,14 @@ Unknown modes fail with the run's own error. Prints a table, writes JSON and a d
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import load_config
+from ..config import foreign_option_defaults, load_config
 from .common import DEFAULT_CONFIG, QUIET, launch_training, publish
 
 REFERENCE = "colocated"
@@ -119,7 +120,12 @@ def run_learning_bench(
             run_dir = output.parent / f"learning_{mode.replace(':', '_')}_seed{seed}"
             args = [*overrides, *quiet, f"train.output_dir={run_dir}", f"train.steps={steps}"]
             args += [f"execution.mode={run_mode}", f"train.seed={seed}"]
-            args += [f"algorithm.name={algorithm}"] if algorithm else []
+            if algorithm:  # the config's options of its own algorithm are reset, not refused
+                resets = foreign_option_defaults(cfg.algorithm, algorithm)
+                args += [
+                    f"algorithm.name={algorithm}",
+                    *(f"algorithm.{k}={json.dumps(v)}" for k, v in resets.items()),
+                ]
             summary = launch_training(config, args, port)
             runs.append(_run_record(mode, seed, summary, prompts, bound))
             lends = runs[-1]["hybrid_lends"]
