@@ -12,7 +12,8 @@ import torch
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.reward import RewardError
-from omni_diffusion_rl.trainers.trainer import Trainer, trainable_samples
+from omni_diffusion_rl.trainers.accounting import trainable_samples
+from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 
 from . import plugin_rewards  # noqa: F401 - registers test_fails_on_red

@@ -44,7 +44,7 @@ class ListSource(ExperienceSource):
         self.started += 1
 
     def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
-        policy = self.trainer.policy
+        policy = self.context.experience.policy
         prompts = ["a red circle", "a red circle", "a blue square", "a blue square"]
         x0 = torch.randn((4, *policy.latent_shape), generator=torch.Generator().manual_seed(step))
         rollout = Rollout(

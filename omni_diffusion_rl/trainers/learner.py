@@ -17,8 +17,12 @@ import torch.distributed as dist
 
 from ..config import ExperimentConfig
 from ..distributed import all_gather_cat, all_reduce_sum
+from ..models import build_nft_policy, lora
 from ..models.policy import FlowPolicy
-from ..sharding import full_tensor
+from ..precision import autocast_factory, resolve_mixed_precision
+from ..registry import algorithms
+from ..reward import RewardError
+from ..sharding import Sharder, check_shardable, full_tensor, make_sharder
 
 
 @dataclass
@@ -40,25 +44,6 @@ class Learner:
     sharded: bool = False
     loss_scale: float = 1.0  # what `backward` multiplies each loss by (set by begin_update when sharded)
 
-    @classmethod
-    def in_group(
-        cls,
-        cfg: ExperimentConfig,
-        policy: FlowPolicy,
-        params: list[torch.nn.Parameter],
-        optimizer: torch.optim.Optimizer,
-        accelerator: Any = None,
-        group: Any = None,
-        device: torch.device | None = None,
-    ) -> Learner:
-        """A learner over `group` (its rank and size), else the accelerator's processes, else alone."""
-        if group is not None:
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        else:
-            rank = accelerator.process_index if accelerator else 0
-            world_size = accelerator.num_processes if accelerator else 1
-        return cls(cfg, policy, params, optimizer, rank, world_size, group, device or torch.device("cpu"))
-
     @property
     def transformer(self) -> torch.nn.Module:
         return self.policy.transformer
@@ -66,6 +51,28 @@ class Learner:
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """`t` of every process, concatenated in rank order."""
         return all_gather_cat(t, self.group, self.device) if self.world_size > 1 else t
+
+    def agree_on_failure(self, error: BaseException | None, what: str) -> None:
+        """Raise on every process when one failed (the others would wait for it in a collective)."""
+        failed = error is not None
+        if self.world_size > 1:
+            flag = all_reduce_sum(torch.tensor([1.0 if failed else 0.0]), self.group, self.device)
+            failed = bool(flag.item() > 0)
+        if error is not None:
+            raise error
+        if failed:
+            raise RewardError(f"another process failed while {what}; its error is in its own output")
+
+    def gather_named(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each named per-sample tensor gathered over processes; a name some process lacks is NaN there."""
+        names = sorted(parts)
+        if self.world_size > 1:
+            everyone: list[list[str]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(everyone, names, group=self.group)
+            names = sorted({n for ns in everyone for n in ns})
+        size = len(next(iter(parts.values()))) if parts else 0
+        nan = torch.full((size,), float("nan"))
+        return {n: self.gather(parts.get(n, nan)) for n in names}
 
     def weighted_mean_over_ranks(
         self, metrics: dict[str, float], weight: float, names: list[str]
@@ -130,3 +137,32 @@ class Learner:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
             metrics["grad_norm"] = float(full_tensor(norm))  # sharded: the norm over every shard
         self.optimizer.step()
+
+
+def rank_and_size(accelerator: Any = None, group: Any = None) -> tuple[int, int]:
+    """This process's rank and the number of processes that train together: those of `group`, else
+    the accelerator's processes, else this process alone."""
+    if group is not None:
+        return dist.get_rank(group), dist.get_world_size(group)
+    if accelerator is not None:
+        return accelerator.process_index, accelerator.num_processes
+    return 0, 1
+
+
+def build_learner(
+    cfg: ExperimentConfig, device: torch.device, rank: int, world_size: int, group: Any = None
+) -> tuple[Learner, Sharder | None, str]:
+    """The policy (sharded over the training processes with train.sharding=fsdp), its trained LoRA
+    parameters, their AdamW optimizer and the run's precision, as a learner; the sharder and a line
+    that says which sharding is in force."""
+    trains_answers = algorithms.get(cfg.algorithm.name).trains_answers
+    sharder, sharding = make_sharder(cfg, world_size, group, device, trains_answers)
+    sharded = sharder is not None and sharder.active
+    policy = build_nft_policy(cfg.model, device, sharder.policy if sharded else None)
+    if sharder is not None and not sharded:  # one process: whole weights, checked alike
+        check_shardable(policy.transformer, cfg.model.family)
+    params = lora.trainable_parameters(policy.transformer)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    autocast = autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device)
+    learner = Learner(cfg, policy, params, optimizer, rank, world_size, group, device, autocast, sharded)
+    return learner, sharder, sharding

@@ -8,20 +8,39 @@ keeps its state in checkpoints (`state_dict` / `load_state_dict`) and reports in
 `LocalSource` (colocated) generates the step's prompt groups on this process; the execution modes
 add their own (execution/separate.py: the replay buffer fed by rollout processes, with lending, and
 the share a trainer leader sends the other trainer processes). A source never looks inside the
-algorithm: it sees experience, samples and their fate.
+algorithm or the trainer: it is handed a `SourceContext` (the experience maker, the step clock and
+the few facts and calls it needs) and sees experience, samples and their fate.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..config import ExperimentConfig
 from ..reward import ScoreResult
-from ..rollout import Rollout
+from ..rollout import ExperienceMaker, Rollout
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What a source may use of the trainer it feeds, and nothing more."""
+
+    cfg: ExperimentConfig
+    experience: ExperienceMaker  # makes and scores prompt groups with the rollout weights
+    device: torch.device  # where the trainer's batches go
+    world_size: int  # the trainer processes that train together
+    sharded: bool  # whether they shard the policy (a weight sync is then a collective)
+    step_clock: Callable[[], int]  # the optimizer steps taken so far
+    prompts_for_step: Callable[[int], tuple[list[str], list[int]]]  # this process's prompts, group ids
+    rollout_state: Callable[[], dict[str, torch.Tensor]]  # what a weight sync sends to rollout
+
+    @property
+    def step(self) -> int:
+        return self.step_clock()
 
 
 class ExperienceSource:
@@ -31,9 +50,9 @@ class ExperienceSource:
     generated_at = 0.0  # perf_counter when the last batch finished generating (or arrived)
     rollout_group_s: float | None = None  # async: rollout's mean seconds per group during the last step
 
-    def attach(self, trainer: Trainer) -> None:
-        """Called once by the trainer it feeds (its experience maker, step and process group)."""
-        self.trainer = trainer
+    def attach(self, context: SourceContext) -> None:
+        """Called once by the trainer it feeds."""
+        self.context = context
 
     def start(self) -> None:
         """Before the first step (after a resume has loaded the state)."""
@@ -66,11 +85,11 @@ class LocalSource(ExperienceSource):
     rollout weights (chunked and scored in the background with sampling.rollout_chunks > 1)."""
 
     def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
-        trainer = self.trainer
-        prompts, group_ids = trainer.prompts_for_step(step)
-        made = trainer.experience.make_step(step, prompts, group_ids)
-        self.generated_at = trainer.experience.generated_at
+        context = self.context
+        prompts, group_ids = context.prompts_for_step(step)
+        made = context.experience.make_step(step, prompts, group_ids)
+        self.generated_at = context.experience.generated_at
         return made
 
     def after_step(self, ok: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
-        return self.trainer.experience.metrics()
+        return self.context.experience.metrics()
