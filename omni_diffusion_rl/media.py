@@ -323,6 +323,24 @@ def _json_scores(
     return scores
 
 
+def _write_sample(
+    folder: str, i: int, media: MediaBatch, reference: torch.Tensor | None, written: dict[str, str]
+) -> dict[str, object]:
+    """Sample i's files (its gif, wav and reference gif, as the batch has them), added to `written`;
+    its index entry's file names."""
+    entry: dict[str, object] = {}
+    files = [
+        ("gif", f"sample_{i:02d}.gif", media.video, lambda path, x: save_gif(path, x, media.fps)),
+        ("wav", f"sample_{i:02d}.wav", media.audio, lambda path, x: save_wav(path, x, media.sample_rate)),
+        ("reference_gif", f"reference_{i:02d}.gif", reference, lambda path, x: save_gif(path, x, media.fps)),
+    ]
+    for key, name, batch, save in files:
+        if batch is not None:
+            written[name] = save(os.path.join(folder, name), batch[i])
+            entry[key] = name
+    return entry
+
+
 def save_previews(
     out_dir: str | os.PathLike[str],
     media: MediaBatch,
@@ -373,29 +391,17 @@ def save_previews(
         path = os.path.join(folder, sheet_name)
         written[sheet_name] = atomic_write(path, lambda handle: sheet.save(handle, format="PNG"))
 
-    samples = []
-    for i in range(count):
-        entry: dict[str, object] = {
+    samples = [
+        {
             "index": i,
             "prompt": prompts[i],
             "rewards": {name: values[i] for name, values in scores.items()},
             "metrics": {name: values[i] for name, values in measured.items()},
+            **({"failed": failures[i]} if i in failures else {}),
+            **_write_sample(folder, i, media, reference, written),
         }
-        if i in failures:
-            entry["failed"] = failures[i]
-        if media.video is not None:
-            name = f"sample_{i:02d}.gif"
-            written[name] = save_gif(os.path.join(folder, name), media.video[i], media.fps)
-            entry["gif"] = name
-        if media.audio is not None:
-            name = f"sample_{i:02d}.wav"
-            written[name] = save_wav(os.path.join(folder, name), media.audio[i], media.sample_rate)
-            entry["wav"] = name
-        if reference is not None:
-            name = f"reference_{i:02d}.gif"
-            written[name] = save_gif(os.path.join(folder, name), reference[i], media.fps)
-            entry["reference_gif"] = name
-        samples.append(entry)
+        for i in range(count)
+    ]
 
     index = {
         "num_samples": count,

@@ -134,6 +134,28 @@ def run_learning_bench(
                 f"{summary['heldout_reward_after']:.4f}" + (f" ({lends} lends)" if lends is not None else ""),
                 flush=True,
             )
+    per_mode = compare_modes(modes, runs)
+    result = {
+        "processes": 2,
+        "steps_per_run": steps,
+        "prompts_per_run": prompts,
+        "seeds": seeds,
+        "modes": modes,
+        "max_staleness": bound,
+        "rule": RULE,
+        "runs": runs,
+        "per_mode": per_mode,
+        "all_within_noise": all(row["within_noise"] for row in per_mode.values()),
+        "staleness_within_bound": all(r["staleness_within_bound"] for r in runs),
+    }
+    size = (1.6 * len(result["per_mode"]) + 2.0, 3.4)
+    publish(result, output, format_table(result), _draw, size)
+    return result
+
+
+def compare_modes(modes: list[str], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode: its seeds' held-out rewards after training, their mean and std, and the verdict
+    against colocated by the noise rule (RULE)."""
     per_mode: dict[str, Any] = {}
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
@@ -154,22 +176,7 @@ def run_learning_bench(
         row["diff_to_colocated"] = row["mean"] - ref["mean"]
         row["noise_band"] = noise_band(row["std"], row["n"], ref["std"], ref["n"])
         row["within_noise"] = within_noise(*stats)
-    result = {
-        "processes": 2,
-        "steps_per_run": steps,
-        "prompts_per_run": prompts,
-        "seeds": seeds,
-        "modes": modes,
-        "max_staleness": bound,
-        "rule": RULE,
-        "runs": runs,
-        "per_mode": per_mode,
-        "all_within_noise": all(row["within_noise"] for row in per_mode.values()),
-        "staleness_within_bound": all(r["staleness_within_bound"] for r in runs),
-    }
-    size = (1.6 * len(result["per_mode"]) + 2.0, 3.4)
-    publish(result, output, format_table(result), _draw, size)
-    return result
+    return per_mode
 
 
 def format_table(result: dict[str, Any]) -> str:

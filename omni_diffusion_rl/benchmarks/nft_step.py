@@ -125,6 +125,22 @@ def format_table(medians: dict[str, float], mins: dict[str, float], ratios: dict
     return "\n".join(lines)
 
 
+def _trainable_policy(
+    model_path: str | None,
+) -> tuple[Any, str, list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The bench's policy (and where it came from) with the two NFT adapters, their parameters and
+    an AdamW optimizer at the default settings."""
+    policy, source = build_bench_policy(model_path)
+    transformer = policy.transformer
+    transformer.requires_grad_(False)
+    lora.add_nft_adapters(transformer, LORA_RANK, LORA_ALPHA, DEFAULT_LORA_TARGETS)
+    params = lora.trainable_parameters(transformer)
+    optim_cfg = ExperimentConfig().optim
+    optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+    transformer.train()
+    return policy, source, params, optimizer
+
+
 def run_nft_step_bench(
     output: Path, repeats: int = 5, batch_size: int = 32, timesteps: int = 6, model_path: str | None = None
 ) -> dict[str, Any]:
@@ -134,14 +150,7 @@ def run_nft_step_bench(
             f"repeats, batch_size and timesteps must be >= 1; got {repeats}, {batch_size}, {timesteps}"
         )
     machine = machine_info()  # before the run: the load average then is the other processes' load
-    policy, source = build_bench_policy(model_path)
-    transformer = policy.transformer
-    transformer.requires_grad_(False)
-    lora.add_nft_adapters(transformer, LORA_RANK, LORA_ALPHA, DEFAULT_LORA_TARGETS)
-    params = lora.trainable_parameters(transformer)
-    optim_cfg = ExperimentConfig().optim
-    optimizer = torch.optim.AdamW(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
-    transformer.train()
+    policy, source, params, optimizer = _trainable_policy(model_path)
     rollout = make_rollout(policy, batch_size, timesteps)
     r = torch.rand(batch_size, generator=torch.Generator().manual_seed(SEED + 1))
 

@@ -64,6 +64,25 @@ async def _throughput(
     return clients * requests_per_client / (time.perf_counter() - start)
 
 
+def _overhead(local: Any, served: RemoteReward, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of one 16-clip batch scored in process and through the server, interleaved, after
+    checking that both give the same scores."""
+    from rewards.tiny_models import CLAP_CORPUS
+
+    batch, prompts = _clips(16, 2), [CLAP_CORPUS[i % len(CLAP_CORPUS)] for i in range(16)]
+    assert torch.allclose(local.score(batch, prompts), served.score(batch, prompts).scores, atol=1e-5)
+    in_process, over_http = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        local.score(batch, prompts)
+        t1 = time.perf_counter()
+        served.score(batch, prompts)
+        t2 = time.perf_counter()
+        in_process.append(t1 - t0)
+        over_http.append(t2 - t1)
+    return in_process, over_http
+
+
 def run_reward_server_bench(
     output: Path,
     rounds: int = 5,
@@ -97,18 +116,7 @@ def run_reward_server_bench(
             rates = [fast._run(both_arms()) for _ in range(rounds)]  # noqa: SLF001 - the client's loop
             mean_batch = fast.info()["stats"]["clap"]["mean_batch"]
 
-            local = ClapReward(checkpoint=checkpoint)
-            batch, prompts = _clips(16, 2), [CLAP_CORPUS[i % len(CLAP_CORPUS)] for i in range(16)]
-            assert torch.allclose(local.score(batch, prompts), fast.score(batch, prompts).scores, atol=1e-5)
-            in_process, served = [], []
-            for _ in range(overhead_repeats):
-                t0 = time.perf_counter()
-                local.score(batch, prompts)
-                t1 = time.perf_counter()
-                fast.score(batch, prompts)
-                t2 = time.perf_counter()
-                in_process.append(t1 - t0)
-                served.append(t2 - t1)
+            in_process, served = _overhead(ClapReward(checkpoint=checkpoint), fast, overhead_repeats)
             fast.close()
             slow.close()
         finally:

@@ -34,6 +34,7 @@ from ..rollout import Rollout, cat_results
 from ..trainers.sources import ExperienceSource, SourceContext
 from ..trainers.trainer import Trainer
 from . import scheduler, transport
+from .leader_accounts import LeaderAccounts
 from .lending import Lender
 from .receiving import GroupReceiver
 from .rollout_worker import RolloutWorker
@@ -142,8 +143,9 @@ class ShareSource(ExperienceSource):
 class BufferSource(ExperienceSource):
     """The trainer leader's batches: from the replay buffer that the rollout processes fill (hybrid:
     and the trainers, lent), each other trainer process sent its share. Its jobs are parts of their
-    own: receiving (receiving.py), lending (lending.py), weight syncs (weight_sync.py) and the
-    stream's counters (stream.py); here the buffer is taken from, shared out and accounted for."""
+    own: receiving (receiving.py), lending (lending.py), weight syncs (weight_sync.py), accounting
+    (leader_accounts.py) and the stream's counters (stream.py); here the buffer is taken from and
+    each step's groups are shared out."""
 
     def __init__(
         self,
@@ -164,12 +166,6 @@ class BufferSource(ExperienceSource):
         self.data_group, self.weights_group = data_group, weights_group
         self.rollout_ranks = rollout_ranks
         self.version = 0
-        self.loop_start: float | None = None  # the first step's start (start-up and evaluation excluded)
-        self.waiting_s = self.sync_s = 0.0  # the trainer's idle seconds: waiting for data, syncing
-        self.depths: list[int] = []
-        self.rollout_idle_at_start: dict[str, float] | None = None
-        self.trained_before = 0  # a resumed run reports its own share (the checkpoint restores totals)
-        self.last_step_end = time.perf_counter()
 
     def attach(self, context: SourceContext) -> None:
         super().attach(context)
@@ -183,6 +179,9 @@ class BufferSource(ExperienceSource):
         )
         self.lender = Lender(self.cfg, context, self.share_group, self.buffer, self.ready, self.stream)
         self.weights = WeightSender(self.cfg, self.weights_group, self.rollout_ranks, context.rollout_state)
+        self.accounts = LeaderAccounts(
+            self.cfg, self.buffer, self.ready, self.stream, self.receiver, self.lender
+        )
 
     # the trainer's step and processes
     @property
@@ -194,13 +193,8 @@ class BufferSource(ExperienceSource):
         return self.context.world_size
 
     @property
-    def idle(self) -> dict[str, float]:
-        """The trainer leader's idle seconds by reason."""
-        return {
-            "waiting_for_data": self.waiting_s,
-            "weight_sync": self.sync_s,
-            "switching": self.lender.switch_s,
-        }
+    def rollout_group_s(self) -> float | None:  # type: ignore[override]
+        return self.accounts.rollout_group_s
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -222,7 +216,7 @@ class BufferSource(ExperienceSource):
             self.buffer.load_state_dict(saved["buffer"])
         self.stream.resume(self.step, self.cfg.data.prompts_per_step, saved)
         self.version = self.step
-        self.trained_before = self.buffer.stats.trained
+        self.accounts.trained_before = self.buffer.stats.trained
         self.lender.made_before, self.lender.trained_before = self.stream.lent_made, self.stream.lent_trained
 
     # ------------------------------------------------------------------ taking a step's groups
@@ -289,11 +283,8 @@ class BufferSource(ExperienceSource):
     def _wait_for_step(self) -> list[Group[tuple[Rollout, ScoreResult]]]:
         """All of the step's groups, once the buffer has them (under data_timeout_s)."""
         start = time.perf_counter()
-        if self.loop_start is None:
-            self.loop_start = start
+        self.accounts.waiting_started(start)
         self.lending_in_this_wait = 0.0
-        if self.rollout_idle_at_start is None:
-            self.rollout_idle_at_start = self.receiver.idle()
         while True:
             with self.ready:
                 batch = self._take(start)
@@ -309,13 +300,15 @@ class BufferSource(ExperienceSource):
             if batch is not None:
                 break
             if lend:  # the receiver keeps filling meanwhile
-                self.lending_in_this_wait += self.lender.lend_one_group(self.version, self.loop_start)
+                self.lending_in_this_wait += self.lender.lend_one_group(
+                    self.version, self.accounts.loop_start
+                )
                 continue
             with self.ready:
                 if len(self.buffer) < self.cfg.data.prompts_per_step and not self.receiver.error:
                     self.ready.wait(timeout=min(1.0, self.cfg.execution.data_timeout_s))
-        self.waiting_s += time.perf_counter() - start - self.lending_in_this_wait
-        self.depths.append(len(self.buffer))
+        self.accounts.waiting_s += time.perf_counter() - start - self.lending_in_this_wait
+        self.accounts.depths.append(len(self.buffer))
         return batch
 
     def _send_shares(self, batch: list[Group[tuple[Rollout, ScoreResult]]]) -> list[Group[Any]]:
@@ -334,54 +327,18 @@ class BufferSource(ExperienceSource):
         """Settle the step's groups in the buffer (trained, or dropped by reason), sync the rollout
         weights every sync_every steps; the buffer, staleness, idle and lending metrics."""
         self.lender.last_train_s = time.perf_counter() - self.generated_at
-        self._settle(step_ok, step_keep)
+        self.accounts.settle(self.batch, self.version, step_ok, step_keep)
         self.version += 1
         if scheduler.should_sync(self.version, self.cfg.execution.sync_every):
             start = time.perf_counter()
             self.weights.send(self.version, self.stream, stop=False)
-            self.sync_s += time.perf_counter() - start
-        self.last_step_end = time.perf_counter()
-        return self._step_metrics()
-
-    def _settle(self, step_ok: torch.Tensor, step_keep: torch.Tensor) -> None:
-        """Each of the step's groups: its trained samples, and those the trainer dropped, by reason."""
-        with self.ready:
-            start = 0
-            for group in self.batch:
-                rows = slice(start, start + group.size)
-                start = rows.stop
-                ok, keep = step_ok[rows], step_keep[rows]
-                dropped = {"reward_failed": int((~ok).sum()), "group_too_small": int((ok & ~keep).sum())}
-                self.buffer.settle(group, self.version, int(keep.sum()), dropped)
-                self.stream.trained(group.group_id)
-
-    def _step_metrics(self) -> dict[str, float]:
-        lags = self.buffer.stats.staleness
-        group_seconds = self.receiver.take_group_seconds()
-        metrics: dict[str, float] = {}
-        self.rollout_group_s = sum(group_seconds) / len(group_seconds) if group_seconds else None
-        if self.rollout_group_s is not None:
-            metrics["rollout/seconds_per_group"] = self.rollout_group_s
-        rollout_idle = self.receiver.idle()
-        metrics.update(
-            {
-                "buffer/depth": float(self.depths[-1]),
-                "staleness/max": float(max(lags) if lags else 0),
-                "samples/dropped/stale": float(self.buffer.stats.dropped.get("stale", 0)),
-                **{f"idle/trainer_{k}_s": v for k, v in self.idle.items()},
-                **{f"idle/rollout_{k}_s": v for k, v in rollout_idle.items() if k != "generating"},
-                **{f"rollout/{k}": v for k, v in self.receiver.experience_totals().items()},
-            }
-        )
-        if self.lend:
-            metrics["hybrid/lent_groups"] = float(self.stream.lent_made)
-            metrics["hybrid/lending_s"] = self.lender.lending_s
-        return metrics
+            self.accounts.sync_s += time.perf_counter() - start
+        return self.accounts.step_metrics()
 
     # ------------------------------------------------------------------ the run
     def start(self) -> None:
         """Rollout starts from the trainer's rollout weights and stream position (after a resume)."""
-        self.last_step_end = time.perf_counter()
+        self.accounts.last_step_end = time.perf_counter()
         self.weights.send(self.version, self.stream, stop=False, start=True)
         self.receiver.start()
 
@@ -395,37 +352,7 @@ class BufferSource(ExperienceSource):
         with self.ready:
             self.buffer.drop_waiting("run_ended")
             stats = self.buffer.report()
-        return {"execution": self._summary(stats)}
-
-    def _summary(self, buffer_stats: dict[str, Any]) -> dict[str, Any]:
-        loop_s = self.last_step_end - (self.loop_start or self.last_step_end)
-        trained_prompts = (self.buffer.stats.trained - self.trained_before) / self.cfg.data.group_size
-        rollout_s = loop_s * len(self.rollout_ranks)
-        at_start = self.rollout_idle_at_start or {}
-        rollout_idle = {k: v - at_start.get(k, 0.0) for k, v in self.receiver.idle().items()}
-        idle = self.idle
-        out = {
-            "mode": self.cfg.execution.mode,
-            "trainer_replicas": self.world_size,
-            "rollout_replicas": len(self.rollout_ranks),
-            "seconds_per_trained_prompt": round(loop_s / max(1, trained_prompts), 4),
-            "buffer": buffer_stats,
-            "idle_s": {k: round(v, 3) for k, v in idle.items()},
-            "idle_fraction": {
-                "trainer": {k: round(v / loop_s, 4) for k, v in idle.items()} if loop_s else {},
-                "rollout": {k: round(v / rollout_s, 4) for k, v in rollout_idle.items() if k != "generating"}
-                if rollout_s
-                else {},
-            },
-            "rollout_generating_fraction": round(rollout_idle["generating"] / rollout_s, 4)
-            if rollout_s
-            else 0.0,
-            "rollout_seconds_since_loop_start": {k: round(v, 3) for k, v in rollout_idle.items()},
-            "max_buffer_depth": max(self.depths, default=0),
-        }
-        if self.lend:
-            out["hybrid"] = self.lender.summary()
-        return out
+        return {"execution": self.accounts.summary(stats, self.world_size)}
 
     def _stop_rollout(self, quietly: bool) -> None:
         """Tell every rollout process to stop and wait for their last groups."""

@@ -5,7 +5,8 @@ metrics and the run summary.
 Parts: an `ExperienceMaker` (policy + reward + prompt stream + seeds: rollout.py), a `Learner` (the
 policy, its optimizer and the processes it trains with: learner.py), an `Algorithm` (what to learn:
 algorithms.py) and an `ExperienceSource` (where batches come from: sources.py; colocated generates
-them here, the async modes take them from a replay buffer: execution/separate.py).
+them here, the async modes take them from a replay buffer: execution/separate.py); the held-out
+set (heldout.py), the checkpoints (run_checkpoints.py) and the sample accounting (accounting.py).
 
 Runs as one process or several under `accelerate launch`; gradients of the trained weights are
 averaged across processes, and advantages are computed on the rewards of the whole batch. All
@@ -118,18 +119,31 @@ def close_experience(experience: ExperienceMaker) -> None:
             part.close()
 
 
-def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> ExperienceMaker:
-    """The policy, reward and prompt stream of a process that only makes experience (a rollout
-    process): no optimizer, no eval metrics."""
+def start_process(cfg: ExperimentConfig, processes: int = 1) -> None:
+    """Check that each of the `processes` training together gets whole prompt groups; set torch's
+    determinism and seed as the config says."""
+    if cfg.data.prompts_per_step % processes:
+        raise ConfigError(
+            f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the "
+            f"{processes} processes so that each generates whole prompt groups"
+        )
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.train.seed)
+
+
+def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> ExperienceMaker:
+    """The policy, reward and prompt stream of a process that only makes experience (a rollout
+    process): no optimizer, no eval metrics."""
+    start_process(cfg)
     prompts = load_prompts(cfg.data.prompts)
     reward = reward_from_config(cfg.reward)
     return experience_maker(cfg, build_nft_policy(cfg.model, device), reward, prompts, device)
 
 
 class Trainer:
+    """One training process's run: the loop, and the parts it owns (see the module docstring)."""
+
     def __init__(
         self,
         cfg: ExperimentConfig,
@@ -147,14 +161,7 @@ class Trainer:
         self.group = group  # None: the accelerator's processes (all of them), or this process alone
         self.rank, self.world_size = rank_and_size(accelerator, group)
         self.is_main = self.rank == 0
-        if cfg.data.prompts_per_step % self.world_size:
-            raise ConfigError(
-                f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the "
-                f"{self.world_size} processes so that each generates whole prompt groups"
-            )
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
-        torch.manual_seed(cfg.train.seed)
+        start_process(cfg, self.world_size)
         self.train_prompts = load_prompts(cfg.data.prompts)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts)
         self.reward = reward_from_config(cfg.reward)
@@ -213,10 +220,6 @@ class Trainer:
         self.step_times = (0.0, 0.0, 0.0)  # the last step's generation, reward wait and training seconds
 
     # ------------------------------------------------------------------ checkpoints
-    def model_fingerprint(self) -> str:
-        """What a checkpoint must match: the model and its adapters (not the training knobs)."""
-        return self.checkpoints.fingerprint()
-
     def save(self) -> Path | None:
         """A checkpoint of this step (run_checkpoints.py); its path on the main process."""
         started = time.perf_counter()
