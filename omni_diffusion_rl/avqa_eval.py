@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import torch
 
+from .experience.rollout import step_generator
 from .models.tiny_omni import TinyOmniModel
-from .rollout import step_generator
 from .text_sampling import sample_answers
 from .tiny_clip import synthesize_audio
 from .world.avqa import Question, exact_match, questions, render_clips

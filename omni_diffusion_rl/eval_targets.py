@@ -31,10 +31,10 @@ from .config import (
     read_config_file,
 )
 from .evaluation import MediaMaker, build_metrics, evaluate_heldout
+from .experience.rollout import generate
 from .media import MediaBatch
 from .prompts import load_prompts
 from .reward_factory import reward_from_config
-from .rollout import generate
 
 WORLD = "world"
 BASE = ("base", "builtin")

@@ -24,11 +24,11 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .config import ConfigError, ModelConfig, SamplingConfig
+from .experience.rollout import generate
 from .media import MediaBatch
 from .models import build_nft_policy, build_policy, lora
 from .models.fingerprint import fingerprint_matches
 from .models.policy import FlowPolicy
-from .rollout import generate
 
 MAX_LATENT_ELEMENTS = 1 << 28
 """Latent elements of one sample a checkpoint's model may need (1 GiB in fp32): LTX-2 and MiniMax-H3

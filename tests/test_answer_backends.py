@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni_diffusion_rl.answer_backends import (
+from omni_diffusion_rl.config import ConfigError, ModelConfig, load_config
+from omni_diffusion_rl.experience.answer_backends import (
     answers_from_vllm,
     export_base_lm,
     peft_adapter_tensors,
     vllm_lora_rank,
     write_peft_adapter,
 )
-from omni_diffusion_rl.config import ConfigError, ModelConfig, load_config
 from omni_diffusion_rl.models import build_nft_policy, lora
 from omni_diffusion_rl.preflight import MISSING, preflight
 from omni_diffusion_rl.trainers.trainer import Trainer
@@ -145,7 +145,7 @@ def test_vllm_answers_are_on_policy_and_follow_each_adapter_version(model_dir: P
 def test_vllm_log_probs_follow_each_published_adapter(model_dir: Path) -> None:
     """vLLM's behaviour log-probs equal the policy's own under the adapter served at that call, for
     two different adapters in turn (a stale adapter would fail the second comparison)."""
-    from omni_diffusion_rl.answer_backends import VllmAnswers, VllmOptions
+    from omni_diffusion_rl.experience.answer_backends import VllmAnswers, VllmOptions
     from omni_diffusion_rl.prompts import load_prompts
     from omni_diffusion_rl.tiny_clip import synthesize_audio
     from omni_diffusion_rl.world.avqa import parse_question, render_clips

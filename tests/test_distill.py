@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.experience.rollout import Rollout
+from omni_diffusion_rl.experience.teacher_targets import STATES, TEACHER_V, TeacherTargets, noised_states
 from omni_diffusion_rl.registry import teachers
-from omni_diffusion_rl.rollout import Rollout
 from omni_diffusion_rl.teacher import TeacherMismatch
-from omni_diffusion_rl.teacher_targets import STATES, TEACHER_V, TeacherTargets, noised_states
 from omni_diffusion_rl.trainers.algorithms import state_weights
 from omni_diffusion_rl.trainers.trainer import Trainer
 from teachers.flow_policy import FlowPolicyTeacher
@@ -236,7 +236,7 @@ def test_pending_extras_wait_only_for_the_rows_asked() -> None:
     made; a selection of rows (drops) keeps that, and settling gives every row its own values."""
     from concurrent.futures import Future
 
-    from omni_diffusion_rl.rollout import PendingExtras
+    from omni_diffusion_rl.experience.rollout import PendingExtras
 
     values = torch.arange(10.0).view(10, 1) * torch.ones(10, 3)
     first, second = Future(), Future()
@@ -254,7 +254,7 @@ def test_pending_extras_wait_only_for_the_rows_asked() -> None:
 def test_a_pending_rollout_settles_before_it_is_joined_or_sent() -> None:
     from concurrent.futures import Future
 
-    from omni_diffusion_rl.rollout import PendingExtras
+    from omni_diffusion_rl.experience.rollout import PendingExtras
 
     done: Future[dict[str, torch.Tensor]] = Future()
     done.set_result({TEACHER_V: torch.ones(2, 3)})

@@ -53,13 +53,10 @@ LAYERS: list[list[str]] = [
     [f"{PACKAGE}.preflight"],
     # generating and scoring batches, evaluation
     [
-        f"{PACKAGE}.rollout",
+        f"{PACKAGE}.experience",
         f"{PACKAGE}.evaluation",
         f"{PACKAGE}.inference",
         f"{PACKAGE}.eval_targets",
-        f"{PACKAGE}.teacher_targets",
-        f"{PACKAGE}.text_rollout",
-        f"{PACKAGE}.answer_backends",
         f"{PACKAGE}.avqa_eval",
     ],
     # training, the execution modes and their replay buffer, and the tools built on trained runs

@@ -13,10 +13,10 @@ import torch
 import yaml
 
 from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.experience.rollout import generate
 from omni_diffusion_rl.models import build_nft_policy, lora
 from omni_diffusion_rl.models.ltx2 import LTX2Policy
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.rollout import generate
 from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .av_rewards import AV_LEVEL_PLUGIN, AudioVideoLevel, clap_and_imagebind, needs_imagebind

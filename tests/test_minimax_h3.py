@@ -16,9 +16,9 @@ import yaml
 
 from omni_diffusion_rl.checkpoint import CheckpointError
 from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.experience.rollout import generate
 from omni_diffusion_rl.models import build_nft_policy, lora
 from omni_diffusion_rl.models.minimax_h3 import TEXT, TEXT_LENGTH, MiniMaxH3Policy
-from omni_diffusion_rl.rollout import generate
 from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .av_rewards import AudioVideoLevel, clap_and_imagebind, needs_imagebind

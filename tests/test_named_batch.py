@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from omni_diffusion_rl.execution import transport
+from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.named_batch import BatchSchemaError, NamedBatch
 from omni_diffusion_rl.reward import ScoreResult
-from omni_diffusion_rl.rollout import Rollout
 
 
 def _rollout(n: int = 4) -> Rollout:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from omni_diffusion_rl.experience.rollout import generate
 from omni_diffusion_rl.models.diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy, TinyAVTransformer
-from omni_diffusion_rl.rollout import generate
 from omni_diffusion_rl.sampling import (
     FLOW_MATCH_UNSUPPORTED_OPTIONS,
     SOLVERS,

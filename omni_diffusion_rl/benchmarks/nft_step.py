@@ -27,9 +27,9 @@ import torch
 
 from ..algorithms.nft import flow_matching_loss
 from ..config import DataConfig, ExperimentConfig
+from ..experience.rollout import Rollout
 from ..models import lora
 from ..models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
-from ..rollout import Rollout
 from ..sampling import time_grid
 from ..trainers.algorithms import DiffusionNFT, noised_inputs
 from ..trainers.learner import Learner

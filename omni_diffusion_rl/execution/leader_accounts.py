@@ -12,8 +12,8 @@ import torch
 
 from ..buffer import Group, ReplayBuffer
 from ..config import ExperimentConfig
+from ..experience.rollout import Rollout
 from ..reward import ScoreResult
-from ..rollout import Rollout
 from .lending import Lender
 from .receiving import GroupReceiver
 from .stream import StreamPosition

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..buffer import Group, ReplayBuffer
 from ..config import ExperimentConfig
+from ..experience.rollout import Rollout
 from ..reward import ScoreResult
-from ..rollout import Rollout
 from ..trainers.sources import SourceContext
 from . import scheduler, transport
 from .stream import StreamPosition

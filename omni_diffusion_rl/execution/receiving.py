@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from ..buffer import Group, ReplayBuffer
+from ..experience.rollout import Rollout
 from ..reward import ScoreResult
-from ..rollout import Rollout
 from . import transport
 from .stream import StreamPosition
 

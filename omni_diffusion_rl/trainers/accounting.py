@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..experience.rollout import Rollout
 from ..reward import ScoreResult
-from ..rollout import Rollout
 
 SMALL_GROUP = "its prompt group has fewer than 2 scored samples"
 

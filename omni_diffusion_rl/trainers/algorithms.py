@@ -41,10 +41,10 @@ from ..algorithms.distill import distillation_loss
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from ..config import ConfigError, ExperimentConfig, check_registered_name, option
+from ..experience.rollout import Rollout, step_generator
+from ..experience.teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
 from ..models.policy import index_condition
 from ..registry import algorithms, teachers
-from ..rollout import Rollout, step_generator
-from ..teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
 from .learner import Learner
 from .update_batch import UpdateBatch
 

@@ -16,8 +16,8 @@ import torch
 
 from ..algorithms.advantages import STD_CORRECTIONS
 from ..algorithms.gspo import RATIO_LEVELS, policy_loss
-from ..answer_backends import ANSWER_BACKENDS
 from ..config import option
+from ..experience.answer_backends import ANSWER_BACKENDS
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, Plan, UpdateBatch, Work
 

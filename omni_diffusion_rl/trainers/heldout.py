@@ -21,9 +21,9 @@ from ..evaluation import (
     score_heldout,
     summarize,
 )
+from ..experience.rollout import Rollout, generate, step_generator
 from ..media import save_previews
 from ..reward import WeightedReward
-from ..rollout import Rollout, generate, step_generator
 from ..world import tiny_world
 from .learner import Learner
 

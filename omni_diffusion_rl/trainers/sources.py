@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ..config import ExperimentConfig
+from ..experience.rollout import ExperienceMaker, Rollout
 from ..reward import ScoreResult
-from ..rollout import ExperienceMaker, Rollout
 
 
 @dataclass(frozen=True)

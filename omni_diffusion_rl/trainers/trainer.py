@@ -2,7 +2,7 @@
 source, one update by the algorithm per step, sample accounting, checkpoints, evaluation, previews,
 metrics and the run summary.
 
-Parts: an `ExperienceMaker` (policy + reward + prompt stream + seeds: rollout.py), a `Learner` (the
+Parts: an `ExperienceMaker` (policy + reward + prompt stream + seeds: experience/rollout.py), a `Learner` (the
 policy, its optimizer and the processes it trains with: learner.py), an `Algorithm` (what to learn:
 algorithms.py) and an `ExperienceSource` (where batches come from: sources.py; colocated generates
 them here, the async modes take them from a replay buffer: execution/separate.py); the held-out
@@ -34,13 +34,13 @@ from ..config import ConfigError, ExperimentConfig
 from ..evaluation import (
     before_after_summary,
 )
+from ..experience.rollout import ExperienceMaker, Rollout
 from ..models import build_nft_policy
 from ..models.policy import FlowPolicy
 from ..precision import autocast_factory, resolve_mixed_precision
 from ..prompts import load_prompts
 from ..reward import ScoreResult, WeightedReward
 from ..reward_factory import reward_from_config
-from ..rollout import ExperienceMaker, Rollout
 from ..sharding import (
     Sharder,
 )
@@ -64,7 +64,7 @@ def experience_maker(
     sharder: Sharder | None = None,
 ) -> ExperienceMaker:
     """The experience maker of a run: generation with the algorithm's rollout weights, in the run's
-    precision (answers for an answering policy: text_rollout.py); `sharder`: the training processes
+    precision (answers for an answering policy: experience/text_rollout.py); `sharder`: the training processes
     shard (an in-process teacher is sharded with them)."""
     s = cfg.sampling
     algorithm = algorithm_class(cfg.algorithm.name)
@@ -75,8 +75,8 @@ def experience_maker(
             "gspo trains answering models (tiny_omni); nft, raft and distill train generators"
         )
     if is_answering(policy):
-        from ..answer_backends import answer_backend
-        from ..text_rollout import TextExperienceMaker
+        from ..experience.answer_backends import answer_backend
+        from ..experience.text_rollout import TextExperienceMaker
 
         a = cfg.algorithm
         precision = resolve_mixed_precision(cfg.train.mixed_precision)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithms.advantages import group_advantages
-from ..rollout import Rollout
+from ..experience.rollout import Rollout
 
 
 @dataclass(frozen=True)

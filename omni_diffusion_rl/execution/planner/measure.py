@@ -25,7 +25,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ...config import ExperimentConfig
-from ...rollout import score
+from ...experience.rollout import score
 from ...trainers.update_batch import UpdateBatch
 from .costs import CostModel
 
@@ -148,7 +148,7 @@ def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solve
     """A call that generates, decodes and scores `groups` prompt groups with the rollout adapter, and
     asks the algorithm's annotator (a distillation teacher) for what it attaches: the teacher's
     time counts as rollout time, as on a rollout process (colocated mode may hide part of it)."""
-    from ...text_rollout import answer_media
+    from ...experience.text_rollout import answer_media
     from ...trainers.heldout import is_answering
 
     k = trainer.cfg.data.group_size

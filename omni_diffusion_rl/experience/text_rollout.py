@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from ..config import ConfigError
+from ..media import MediaBatch
+from ..named_batch import BatchSchema, NamedBatch
+from ..reward import ScoreResult, WeightedReward
+from ..tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
+from ..world.avqa import parse_question, render_clips
 from .answer_backends import AnswerBackend, HfAnswers
-from .config import ConfigError
-from .media import MediaBatch
-from .named_batch import BatchSchema, NamedBatch
-from .reward import ScoreResult, WeightedReward
 from .rollout import PendingExtras, step_generator, stream_prompt
-from .tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
-from .world.avqa import parse_question, render_clips
 
 
 @dataclass

@@ -17,11 +17,11 @@ from typing import Protocol
 
 import torch
 
-from .models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
-from .named_batch import BatchSchema, NamedBatch
-from .reward import ScoreResult, WeightedReward
-from .sampling import policy_time_grid, sample_ode
-from .sharding import compute_device
+from ..models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
+from ..named_batch import BatchSchema, NamedBatch
+from ..reward import ScoreResult, WeightedReward
+from ..sampling import policy_time_grid, sample_ode
+from ..sharding import compute_device
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6, "answers": 7}
 
@@ -246,7 +246,7 @@ def cat_results(parts: list[ScoreResult]) -> ScoreResult:
 
 
 class Annotator(Protocol):
-    """Per-chunk extras an algorithm needs (omni_diffusion_rl/teacher_targets.py): `submit` returns a
+    """Per-chunk extras an algorithm needs (teacher_targets.py): `submit` returns a
     future of per-sample tensors; `needs_states` asks generation to record the visited states."""
 
     needs_states: bool

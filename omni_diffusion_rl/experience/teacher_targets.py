@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig
+from ..sharding import compute_device
+from ..teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
 from .rollout import Rollout, step_generator
-from .sharding import compute_device
-from .teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
 
 STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorithm.distill_states)
 TEACHER_V, STATES = "teacher_v", "states"
@@ -59,11 +59,11 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
     sharded (it has `shard(sharder)`) is split over the training processes too, forward only."""
     import os
 
-    from .registry import teachers
+    from ..registry import teachers
 
     c = cfg.teacher
     if c.urls:
-        from .serving.teacher_client import RemoteTeacher
+        from ..serving.teacher_client import RemoteTeacher
 
         teacher: Teacher = RemoteTeacher(
             c.urls,
