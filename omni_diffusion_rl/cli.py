@@ -17,8 +17,15 @@ from typing import TYPE_CHECKING
 
 from .config import ConfigError, ExecutionConfig, describe, load_config
 from .export import EXPORT_HELP, add_export_arguments, run_export
-from .launch_check import REFUSED, STARTED, check_machines_agree, machine_count, mark, wait_for_every_process
-from .lifeline import exit_with_parent
+from .runtime.launch_check import (
+    REFUSED,
+    STARTED,
+    check_machines_agree,
+    machine_count,
+    mark,
+    wait_for_every_process,
+)
+from .runtime.lifeline import exit_with_parent
 
 if TYPE_CHECKING:
     from .serving.server import ServeSettings
@@ -55,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.config = None
     machines = _machines(args)
     if (args.nproc > 1 or machines.count > 1) and "LOCAL_RANK" not in os.environ and not args.check:
-        from .launch import run_launched, without_option
+        from .runtime.launch import run_launched, without_option
 
         _check_process_layout(load_config(args.config, args.overrides), args.nproc * machines.count)
         machines.check_port_free()  # the checks made once, not per process; each runs this again:
@@ -107,7 +114,7 @@ def _is_override(word: str) -> bool:
 
 def _machines(args: argparse.Namespace):  # noqa: ANN202 - launch.Machines, imported lazily
     """The machines of the run as `odrl train`'s options give them (checked)."""
-    from .launch import Machines
+    from .runtime.launch import Machines
 
     machines = Machines(
         count=args.nnodes,
@@ -233,7 +240,7 @@ def cmd_probe_rewards(args: argparse.Namespace) -> int:
 def _label_noise(text: str) -> dict[str, float]:
     """'0.4' (every attribute) or 'color=0.5,shape=0.3' (the others keep the shipped recipe's) ->
     {attribute: probability}."""
-    from .trainers.pretrain import DEFAULT_LABEL_NOISE
+    from .demo.pretrain import DEFAULT_LABEL_NOISE
     from .world.tiny_world import ATTRIBUTE_OPTIONS
 
     try:
@@ -255,8 +262,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from .models.tiny_av import BUILTIN_WEIGHTS, TEACHER_WEIGHTS
 
     if args.omni:
+        from .demo.pretrain_omni import pretrain_omni_model
         from .models.tiny_omni import OMNI_BASE
-        from .trainers.pretrain_omni import pretrain_omni_model
 
         if args.teacher or args.label_noise is not None:
             print("odrl pretrain: --omni takes neither --teacher nor --label-noise", file=sys.stderr)
@@ -271,7 +278,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.encoder_steps is not None or args.align_steps is not None:
         print("odrl pretrain: --encoder-steps and --align-steps are stages of --omni", file=sys.stderr)
         return 2
-    from .trainers.pretrain import TEACHER_RECIPE, pretrain_base_model
+    from .demo.pretrain import TEACHER_RECIPE, pretrain_base_model
 
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
     if args.label_noise is not None:

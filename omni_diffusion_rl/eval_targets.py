@@ -200,7 +200,7 @@ def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = Tru
     """An answering policy's held-out exact-answer accuracy, greedy and sampled, overall and per
     question kind (accuracy/...), and the training reward of its greedy answers (reward, reward/...):
     what the trainer logs as eval/..., on the same questions, clips and random numbers (train.seed)."""
-    from .avqa_eval import answer_questions, avqa_accuracy
+    from .demo.avqa_eval import answer_questions, avqa_accuracy
     from .tiny_clip import FPS, SAMPLE_RATE
 
     if cfg.eval.metrics:

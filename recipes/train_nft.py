@@ -6,7 +6,7 @@ ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 recipes/
 
 import sys
 
-from omni_diffusion_rl.lifeline import exit_with_parent  # first: it records the launcher's pid
+from omni_diffusion_rl.runtime.lifeline import exit_with_parent  # first: it records the launcher's pid
 
 if __name__ == "__main__":
     exit_with_parent()  # a killed launcher takes this process down (a run started from a shell: never)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, odrl
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from omni_diffusion_rl.demo.pretrain import pretrain_base_model
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
-from omni_diffusion_rl.trainers.pretrain import pretrain_base_model
 from omni_diffusion_rl.world import tiny_world as world
 
 from .helpers import ENV, REPO, odrl, tiny_model_dir

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from omni_diffusion_rl.distributed import mean_over_processes, scoped_groups
+from omni_diffusion_rl.runtime.distributed import mean_over_processes, scoped_groups
 
 
 def _use_and_release_groups(rank: int, init_file: str, result_file: str) -> None:

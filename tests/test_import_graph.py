@@ -24,13 +24,13 @@ LAYERS: list[list[str]] = [
     # foundations: configs, registries, media, the tiny clip format, pure maths and utilities
     [
         f"{PACKAGE}.config",
+        f"{PACKAGE}.runtime",
         f"{PACKAGE}.async_layout",
         f"{PACKAGE}.registry",
         f"{PACKAGE}.media",
         f"{PACKAGE}.tiny_clip",
         f"{PACKAGE}.sampling",
         f"{PACKAGE}.algorithms",
-        f"{PACKAGE}.distributed",
         f"{PACKAGE}.state_codec",
         f"{PACKAGE}.named_batch",
         f"{PACKAGE}.precision",
@@ -38,12 +38,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.checkpoint",
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",
-        f"{PACKAGE}.lifeline",
-        f"{PACKAGE}.launch",
-        f"{PACKAGE}.subprocesses",
         f"{PACKAGE}.text_sampling",
-        f"{PACKAGE}.sharding",
-        f"{PACKAGE}.launch_check",
     ],
     # the generators, and the synthetic world (its data and its judge); see SEPARATE
     [f"{PACKAGE}.models", f"{PACKAGE}.world"],
@@ -57,11 +52,13 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.evaluation",
         f"{PACKAGE}.inference",
         f"{PACKAGE}.eval_targets",
-        f"{PACKAGE}.avqa_eval",
+        f"{PACKAGE}.demo",  # its held-out AVQA accuracy; its pre-training sits with the trainers
     ],
     # training, the execution modes and their replay buffer, and the tools built on trained runs
     [
         f"{PACKAGE}.trainers",
+        f"{PACKAGE}.demo.pretrain",
+        f"{PACKAGE}.demo.pretrain_omni",
         f"{PACKAGE}.execution",
         f"{PACKAGE}.buffer",
         f"{PACKAGE}.export",

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from omni_diffusion_rl.launch import Machines, accelerate_command, free_port
-from omni_diffusion_rl.launch_check import (
+from omni_diffusion_rl.runtime.launch import Machines, accelerate_command, free_port
+from omni_diffusion_rl.runtime.launch_check import (
     LaunchError,
     ProcessLayout,
     config_problem,
@@ -30,7 +30,7 @@ from omni_diffusion_rl.launch_check import (
     layout_problem,
     wait_for_every_process,
 )
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 

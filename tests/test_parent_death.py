@@ -1,4 +1,4 @@
-"""A launched process dies with its launcher (omni_diffusion_rl.lifeline): real processes killed
+"""A launched process dies with its launcher (omni_diffusion_rl.runtime.lifeline): real processes killed
 with SIGKILL, the training processes of `accelerate launch` included."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PLAIN_ENV["PYTHONPATH"] = str(REPO)
 # to leave SIGTERM unheeded so that only the watchdog can stop it).
 WORKER = """
 import os, signal, sys, time
-from omni_diffusion_rl.lifeline import exit_with_parent
+from omni_diffusion_rl.runtime.lifeline import exit_with_parent
 armed = exit_with_parent(poll_s=0.2)
 if "ignore-term" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -57,7 +57,7 @@ time.sleep(120)
 # A "benchmark": starts a sleeping launcher with run_process_tree, which writes its pid.
 BENCH = """
 import sys
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
 run_process_tree([sys.executable, "-c", sleeper, sys.argv[1]], timeout_s=120)
 """

@@ -22,9 +22,9 @@ from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import WeightedReward
 from omni_diffusion_rl.reward_factory import reward_from_config
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
-from omni_diffusion_rl.subprocesses import run_process_tree
 from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 from rewards.imagebind import imagebind_available

@@ -12,7 +12,7 @@ import pytest
 
 from omni_diffusion_rl.benchmarks.recheck import wrong_prior
 from omni_diffusion_rl.execution.planner.pick import pick_mode
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from omni_diffusion_rl.algorithms.nft import flow_matching_loss, nft_loss
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.models import build_nft_policy, lora
-from omni_diffusion_rl.sharding import (
+from omni_diffusion_rl.runtime.sharding import (
     ShardingError,
     check_shardable,
     local_bytes,
@@ -139,7 +139,7 @@ def test_an_adapter_that_binds_nothing_is_an_error() -> None:
 
 # ---------------------------------------------------------------------- the pieces on two gloo processes
 def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None:
-    from omni_diffusion_rl.sharding import (
+    from omni_diffusion_rl.runtime.sharding import (
         Sharder,
         ShardingChoice,
         full_tensor,

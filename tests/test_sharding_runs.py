@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 from omni_diffusion_rl.world import tiny_world as world
 
 from .av_rewards import AV_LEVEL_PLUGIN
@@ -57,7 +57,7 @@ def _train(
 def _accelerate_fsdp(overrides: list[str]) -> dict:
     """`accelerate launch --config_file recipes/accelerate/fsdp2.yaml` of 2 processes, as shipped (a
     GPU config: on a machine without CUDA the processes run on CPU, sharded by the config)."""
-    from omni_diffusion_rl.launch import free_port
+    from omni_diffusion_rl.runtime.launch import free_port
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     command += [str(REPO / "recipes" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2"]

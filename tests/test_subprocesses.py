@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 # A "launcher" that starts a "worker", which writes its pid and sleeps far past the timeout.
 WORKER = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"

@@ -253,7 +253,7 @@ def test_the_shipped_base_sees_the_shape_it_answers_wrong() -> None:
 
 
 def test_pretraining_runs_its_three_stages_and_saves_a_loadable_model(tmp_path: Path) -> None:
-    from omni_diffusion_rl.trainers.pretrain_omni import pretrain_omni_model
+    from omni_diffusion_rl.demo.pretrain_omni import pretrain_omni_model
 
     result = pretrain_omni_model(tmp_path / "base", steps=2, encoder_steps=2, align_steps=2, progress=False)
     assert (result["steps"], result["encoder_steps"], result["align_steps"]) == (2, 2, 2)

@@ -13,7 +13,7 @@ import torch
 
 from omni_diffusion_rl.checkpoint import CheckpointError
 from omni_diffusion_rl.config import load_config
-from omni_diffusion_rl.subprocesses import run_process_tree
+from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..launch import accelerate_command
-from ..subprocesses import run_process_tree
+from ..runtime.launch import accelerate_command
+from ..runtime.subprocesses import run_process_tree
 
 # The training config of the 2-process benchmarks, relative to the working folder (as `odrl bench`'s
 # --config default): the benchmarks run from a checkout of the repository.

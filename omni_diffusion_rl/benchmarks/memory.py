@@ -17,7 +17,7 @@ from their published architectures (Qwen3-VL 32B's language model, Gemma 3 12B).
 - a fixed 3 GiB for the CUDA context, allocator slack and the decoders' working memory.
 
 A Layout says how the transformer is held over N training processes (train.sharding,
-train.cpu_offload, as omni_diffusion_rl/sharding.py applies them):
+train.cpu_offload, as omni_diffusion_rl/runtime/sharding.py applies them):
 
 - none: every process holds the whole transformer and LoRA state.
 - fsdp (torch FSDP2 `fully_shard` on each repeated block, then on the transformer for the rest):
@@ -140,7 +140,7 @@ def _lora_shapes(named: list[tuple[str, Any]], pattern: str, rank: int) -> tuple
 @cache
 def _units(model: Any, pattern: str, rank: int) -> tuple[tuple[Unit, ...], Unit]:
     """The model's repeated blocks as sharding.shard_units finds them, and the rest (the root's)."""
-    from ..sharding import shard_units
+    from ..runtime.sharding import shard_units
 
     blocks = shard_units(model)
     names = {id(m): n for n, m in model.named_modules()}

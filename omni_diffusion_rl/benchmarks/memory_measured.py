@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..launch import free_port
-from ..subprocesses import run_process_tree
+from ..runtime.launch import free_port
+from ..runtime.subprocesses import run_process_tree
 from .common import DEFAULT_CONFIG, QUIET, machine_info, publish
 
 FAMILIES = ("tiny_av", "ltx2", "minimax_h3")
@@ -81,7 +81,7 @@ def measured_cases(families: Sequence[str], processes: Sequence[int]) -> list[Ca
 # ---------------------------------------------------------------- the worker (one process of a launch)
 def run_worker(config: str | None, overrides: list[str], out: Path) -> None:
     """Build the Trainer as `odrl train` does, train one step, write this rank's figures to `out`."""
-    from ..lifeline import exit_with_parent
+    from ..runtime.lifeline import exit_with_parent
 
     exit_with_parent()  # a killed launcher takes this process down
     from accelerate import Accelerator
@@ -111,7 +111,7 @@ def held_bytes(trainer: Any) -> dict[str, int]:
     """Bytes this process stores for each of FIGURES (peak RSS: the high-water mark so far)."""
     import torch
 
-    from ..sharding import local_bytes
+    from ..runtime.sharding import local_bytes
 
     named = list(trainer.transformer.named_parameters())
     states = trainer.optimizer.state.values()

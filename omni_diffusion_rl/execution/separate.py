@@ -28,9 +28,9 @@ import torch.distributed as dist
 from ..async_layout import buffer_capacity
 from ..buffer import Group, ReplayBuffer
 from ..config import ConfigError, ExperimentConfig
-from ..distributed import scoped_groups
 from ..experience.rollout import Rollout, cat_results
 from ..reward import ScoreResult
+from ..runtime.distributed import scoped_groups
 from ..trainers.sources import ExperienceSource, SourceContext
 from ..trainers.trainer import Trainer
 from . import scheduler, transport

@@ -20,8 +20,8 @@ import torch
 from ..models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
+from ..runtime.sharding import compute_device
 from ..sampling import policy_time_grid, sample_ode
-from ..sharding import compute_device
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6, "answers": 7}
 

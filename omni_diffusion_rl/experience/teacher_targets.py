@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ExperimentConfig
-from ..sharding import compute_device
+from ..runtime.sharding import compute_device
 from ..teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
 from .rollout import Rollout, step_generator
 

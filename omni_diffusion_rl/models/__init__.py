@@ -51,7 +51,7 @@ def build_nft_policy(
     cfg: ModelConfig, device: torch.device | str = "cpu", shard: Callable[[nn.Module], None] | None = None
 ) -> FlowPolicy:
     """The policy on `device`, base frozen, with the `default` and `old` LoRA adapters added. With
-    `shard` (sharding.py), the transformer stays in host memory until `shard` places each process's
+    `shard` (runtime/sharding.py), the transformer stays in host memory until `shard` places each process's
     part of it (a whole copy never goes to the device); the other components move to `device`."""
     import torch
 

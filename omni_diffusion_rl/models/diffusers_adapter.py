@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..media import MediaBatch
+from ..runtime.sharding import compute_device
 from ..sampling import check_flow_match_config, flow_match_time_grid
-from ..sharding import compute_device
 from .policy import Condition
 
 HIDDEN_KEY = "encoder_hidden_states"

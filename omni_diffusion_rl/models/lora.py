@@ -14,7 +14,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ..sharding import copy_whole_into, full_tensor
+from ..runtime.sharding import copy_whole_into, full_tensor
 
 TRAINED = "default"
 OLD = "old"

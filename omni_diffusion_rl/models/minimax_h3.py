@@ -42,7 +42,7 @@ from torch import nn
 
 from ..media import MediaBatch
 from ..precision import base_weights_autocast
-from ..sharding import compute_device
+from ..runtime.sharding import compute_device
 from .policy import Condition
 from .vae_memory import configure_vae_memory, stored_dtype
 
@@ -191,7 +191,7 @@ class MiniMaxH3Policy:
 
     # ------------------------------------------------------------------ the velocity
     def use_sharded_transformer(self) -> None:
-        """The transformer is sharded (sharding.py): every process must make the same number of
+        """The transformer is sharded (runtime/sharding.py): every process must make the same number of
         transformer calls, so each sample gets its own call (how a seed-sized clip runs anyway)
         instead of one per (sigma, prompt length), whose count depends on the data."""
         self.call_per_sample = True

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from ..lifeline import parent_death_preexec
+from ..runtime.lifeline import parent_death_preexec
 
 
 class ServerProcess:

@@ -99,7 +99,7 @@ class HeldOut:
         """Held-out exact-answer accuracy, greedy and sampled (accuracy/...), and the training reward
         of the greedy answers (reward, reward/...): the same questions, clips and random numbers at
         every evaluation. Every process computes it whole (it is small)."""
-        from ..avqa_eval import answer_questions, avqa_accuracy
+        from ..demo.avqa_eval import answer_questions, avqa_accuracy
         from ..media import MediaBatch
         from ..tiny_clip import FPS, SAMPLE_RATE
         from ..world.avqa import parse_question
@@ -215,7 +215,7 @@ class HeldOut:
     def _preview_answers(self, tag: str, shown: int) -> Path:
         """Held-out questions with their clips and the model's greedy answers side by side (the
         sheet's title per clip: question, answer, the right answer)."""
-        from ..avqa_eval import answer_questions
+        from ..demo.avqa_eval import answer_questions
         from ..media import MediaBatch
         from ..tiny_clip import FPS, SAMPLE_RATE
         from ..world.avqa import exact_match, parse_question

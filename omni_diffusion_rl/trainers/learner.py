@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import ExperimentConfig
-from ..distributed import all_gather_cat, all_reduce_sum
 from ..models import build_nft_policy, lora
 from ..models.policy import FlowPolicy
 from ..precision import autocast_factory, resolve_mixed_precision
 from ..registry import algorithms
 from ..reward import RewardError
-from ..sharding import Sharder, check_shardable, full_tensor, make_sharder
+from ..runtime.distributed import all_gather_cat, all_reduce_sum
+from ..runtime.sharding import Sharder, check_shardable, full_tensor, make_sharder
 
 
 @dataclass

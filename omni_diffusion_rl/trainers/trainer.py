@@ -41,7 +41,7 @@ from ..precision import autocast_factory, resolve_mixed_precision
 from ..prompts import load_prompts
 from ..reward import ScoreResult, WeightedReward
 from ..reward_factory import reward_from_config
-from ..sharding import (
+from ..runtime.sharding import (
     Sharder,
 )
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics

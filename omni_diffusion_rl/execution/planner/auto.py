@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ...checkpoint import atomic_write_text
 from ...config import ConfigError, ExperimentConfig
-from ...distributed import mean_over_processes
+from ...runtime.distributed import mean_over_processes
 from .costs import CostModel, Workload, read_costs_file
 from .measure import costs_to_json, measure_costs
 from .pick import pick_mode

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...distributed import broadcast_ints, mean_over_processes
+from ...runtime.distributed import broadcast_ints, mean_over_processes
 from ...trainers.phases import LoopStart, ProcessPlace, StepPhases
 from .costs import CostModel
 from .pick import next_mode

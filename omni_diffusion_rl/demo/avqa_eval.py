@@ -8,11 +8,11 @@ from collections import defaultdict
 
 import torch
 
-from .experience.rollout import step_generator
-from .models.tiny_omni import TinyOmniModel
-from .text_sampling import sample_answers
-from .tiny_clip import synthesize_audio
-from .world.avqa import Question, exact_match, questions, render_clips
+from ..experience.rollout import step_generator
+from ..models.tiny_omni import TinyOmniModel
+from ..text_sampling import sample_answers
+from ..tiny_clip import synthesize_audio
+from ..world.avqa import Question, exact_match, questions, render_clips
 
 
 @torch.no_grad()

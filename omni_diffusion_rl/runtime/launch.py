@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from .config import ConfigError
+from ..config import ConfigError
 from .launch_check import DECLARED_WORLD_VARIABLE, LAUNCH_DIR_VARIABLE, REFUSED, STARTED, marked
 from .lifeline import parent_death_preexec
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .config import ConfigError, ExperimentConfig
+from ..config import ConfigError, ExperimentConfig
 
 BLOCK_LIST_NAMES = ("blocks", "transformer_blocks", "single_transformer_blocks", "layers", "refiner_blocks")
 """nn.ModuleList attribute names taken as repeated blocks when a model declares none."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from ..config import ConfigError
 
 LAUNCH_DIR_VARIABLE = "ODRL_LAUNCH_DIR"  # where launched processes leave their markers
 DECLARED_WORLD_VARIABLE = "ODRL_DECLARED_WORLD"  # the processes in all that `odrl train` launched for
