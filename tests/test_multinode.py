@@ -135,8 +135,8 @@ def test_accelerate_gets_the_total_and_this_machines_place() -> None:
 def test_machine_options_that_cannot_start_a_run_are_refused(
     options: list[str], expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_diffusion_rl import launch
     from omni_diffusion_rl.cli import main
+    from omni_diffusion_rl.runtime import launch
 
     monkeypatch.setattr(launch, "run_launched", _must_not_launch)
     assert main(["train", *options, "eval.metrics=[]"]) == 2
@@ -147,8 +147,8 @@ def test_machine_options_that_cannot_start_a_run_are_refused(
 def test_a_layout_indivisible_over_every_machines_processes_is_refused_before_launching(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_diffusion_rl import launch
     from omni_diffusion_rl.cli import main
+    from omni_diffusion_rl.runtime import launch
 
     monkeypatch.setattr(launch, "run_launched", _must_not_launch)
     machine = ["--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port())]
@@ -159,8 +159,8 @@ def test_a_layout_indivisible_over_every_machines_processes_is_refused_before_la
 def test_a_master_port_in_use_on_machine_0_is_refused_before_launching(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_diffusion_rl import launch
     from omni_diffusion_rl.cli import main
+    from omni_diffusion_rl.runtime import launch
 
     monkeypatch.setattr(launch, "run_launched", _must_not_launch)
     with socket.socket() as taken:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl import lifeline
+from omni_diffusion_rl.runtime import lifeline
 
 from .helpers import ENV, REPO, fast_overrides, tiny_model_dir
 
@@ -40,7 +40,7 @@ time.sleep(60)
 # A worker whose launcher dies before it arms the lifeline (argv: pid file, go file).
 LATE_WORKER = """
 import os, sys, time
-from omni_diffusion_rl import lifeline
+from omni_diffusion_rl.runtime import lifeline
 open(sys.argv[1], "w").write(str(os.getpid()))
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.05)
