@@ -194,8 +194,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .eval_targets import evaluate_target, target_config
-    from .evaluation import format_table, json_safe
+    from .evaluation.heldout import format_table, json_safe
+    from .evaluation.targets import evaluate_target, target_config
 
     overrides = [t for t in args.targets if _is_override(t)]
     targets = [t for t in args.targets if t not in overrides]
@@ -219,7 +219,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_probe_rewards(args: argparse.Namespace) -> int:
-    from .evaluation import format_table
+    from .evaluation.heldout import format_table
     from .reward_factory import reward_from_config
     from .world.adversarial import probe_rewards
 
@@ -240,7 +240,7 @@ def cmd_probe_rewards(args: argparse.Namespace) -> int:
 def _label_noise(text: str) -> dict[str, float]:
     """'0.4' (every attribute) or 'color=0.5,shape=0.3' (the others keep the shipped recipe's) ->
     {attribute: probability}."""
-    from .demo.pretrain import DEFAULT_LABEL_NOISE
+    from .world.pretrain import DEFAULT_LABEL_NOISE
     from .world.tiny_world import ATTRIBUTE_OPTIONS
 
     try:
@@ -262,8 +262,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from .models.tiny_av import BUILTIN_WEIGHTS, TEACHER_WEIGHTS
 
     if args.omni:
-        from .demo.pretrain_omni import pretrain_omni_model
         from .models.tiny_omni import OMNI_BASE
+        from .world.pretrain_omni import pretrain_omni_model
 
         if args.teacher or args.label_noise is not None:
             print("odrl pretrain: --omni takes neither --teacher nor --label-noise", file=sys.stderr)
@@ -278,7 +278,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.encoder_steps is not None or args.align_steps is not None:
         print("odrl pretrain: --encoder-steps and --align-steps are stages of --omni", file=sys.stderr)
         return 2
-    from .demo.pretrain import TEACHER_RECIPE, pretrain_base_model
+    from .world.pretrain import TEACHER_RECIPE, pretrain_base_model
 
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
     if args.label_noise is not None:

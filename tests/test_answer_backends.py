@@ -147,8 +147,8 @@ def test_vllm_log_probs_follow_each_published_adapter(model_dir: Path) -> None:
     two different adapters in turn (a stale adapter would fail the second comparison)."""
     from omni_diffusion_rl.experience.answer_backends import VllmAnswers, VllmOptions
     from omni_diffusion_rl.prompts import load_prompts
-    from omni_diffusion_rl.tiny_clip import synthesize_audio
     from omni_diffusion_rl.world.avqa import parse_question, render_clips
+    from omni_diffusion_rl.world.tiny_clip import synthesize_audio
 
     policy = randomised_policy(model_dir)
     model = policy.model

@@ -32,7 +32,7 @@ from omni_diffusion_rl.checkpoint import (
 )
 from omni_diffusion_rl.cli import main
 from omni_diffusion_rl.config import ConfigError, RewardConfig, load_config
-from omni_diffusion_rl.eval_targets import evaluate_target, target_config
+from omni_diffusion_rl.evaluation.targets import evaluate_target, target_config
 from omni_diffusion_rl.export import export_adapter
 from omni_diffusion_rl.inference import load_policy
 from omni_diffusion_rl.models import lora

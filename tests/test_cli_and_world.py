@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from omni_diffusion_rl.demo.pretrain import pretrain_base_model
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.world import tiny_world as world
+from omni_diffusion_rl.world.pretrain import pretrain_base_model
 
 from .helpers import ENV, REPO, odrl, tiny_model_dir
 

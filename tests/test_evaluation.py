@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.config import ConfigError, config_from_dict, load_config
-from omni_diffusion_rl.eval_targets import evaluate_target, target_config
-from omni_diffusion_rl.evaluation import heldout_prompts, prompt_groups, samples_of_rank
+from omni_diffusion_rl.evaluation.heldout import heldout_prompts, prompt_groups, samples_of_rank
+from omni_diffusion_rl.evaluation.targets import evaluate_target, target_config
 from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 
@@ -256,7 +256,7 @@ def test_sampling_evaluating_and_resuming_a_checkpoint_never_unpickle_it(
 
 
 def test_a_metric_without_a_headline_keeps_its_score_in_the_summary() -> None:
-    from omni_diffusion_rl.evaluation import MetricScorer, before_after_summary
+    from omni_diffusion_rl.evaluation.heldout import MetricScorer, before_after_summary
 
     class Plain:
         def score(self, media, prompts):  # noqa: ANN001, ANN202
@@ -274,7 +274,7 @@ def test_a_metric_that_is_also_trained_on_is_refused() -> None:
 
 
 def test_bad_metric_options_are_a_config_error(model_dir: Path) -> None:
-    from omni_diffusion_rl.evaluation import build_metrics
+    from omni_diffusion_rl.evaluation.heldout import build_metrics
 
     with pytest.raises(ConfigError, match="eval.options.tiny_world_judge"):
         build_metrics(["tiny_world_judge"], {"tiny_world_judge": {"no_such_option": 1}})

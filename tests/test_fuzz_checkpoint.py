@@ -36,7 +36,7 @@ from omni_diffusion_rl.checkpoint import (
     load_checkpoint,
 )
 from omni_diffusion_rl.config import DataConfig, RewardConfig
-from omni_diffusion_rl.eval_targets import target_config
+from omni_diffusion_rl.evaluation.targets import target_config
 from omni_diffusion_rl.inference import load_policy
 from omni_diffusion_rl.models import lora
 from omni_diffusion_rl.trainers.trainer import Trainer

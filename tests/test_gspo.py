@@ -11,7 +11,7 @@ import torch
 
 from omni_diffusion_rl.algorithms.advantages import group_advantages
 from omni_diffusion_rl.algorithms.gspo import policy_loss, sequence_log_ratio
-from omni_diffusion_rl.text_sampling import token_log_probs
+from omni_diffusion_rl.experience.text_sampling import token_log_probs
 
 VOCAB, PROMPT, ANSWER = 64, 3, 5
 

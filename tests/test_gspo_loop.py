@@ -76,7 +76,7 @@ def test_gspo_trains_colocated_on_policy_and_reports_held_out_accuracy(tmp_path:
     assert summary["samples"]["trained"] == 3 * 4 * 4
     assert any(r["grad_norm"] > 0 for r in rows) and 0 < summary["heldout_accuracy_before"]["greedy"] < 1
     # the notebook's way in: load_policy gives the trained adapter, answering as the trainer does
-    from omni_diffusion_rl.demo.avqa_eval import answer_questions
+    from omni_diffusion_rl.evaluation.avqa import answer_questions
     from omni_diffusion_rl.inference import load_policy
     from omni_diffusion_rl.world.avqa import questions
 

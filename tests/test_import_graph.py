@@ -21,15 +21,16 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 # module of that name and the modules under it; one ending in "*" matches every module name starting
 # with what comes before the "*". A module may import modules of its own layer and of lower ones only.
 LAYERS: list[list[str]] = [
-    # foundations: configs, registries, media, the tiny clip format, pure maths and utilities
+    # foundations: configs, processes, registries, media, the tiny clip format, samplers, pure maths
+    # and utilities (the experience and world packages' __init__ import nothing)
     [
         f"{PACKAGE}.config",
         f"{PACKAGE}.runtime",
         f"{PACKAGE}.async_layout",
         f"{PACKAGE}.registry",
         f"{PACKAGE}.media",
-        f"{PACKAGE}.tiny_clip",
-        f"{PACKAGE}.sampling",
+        f"{PACKAGE}.world",
+        f"{PACKAGE}.experience",
         f"{PACKAGE}.algorithms",
         f"{PACKAGE}.state_codec",
         f"{PACKAGE}.named_batch",
@@ -38,27 +39,33 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.checkpoint",
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",
-        f"{PACKAGE}.text_sampling",
     ],
     # the generators, and the synthetic world (its data and its judge); see SEPARATE
-    [f"{PACKAGE}.models", f"{PACKAGE}.world"],
+    [
+        f"{PACKAGE}.models",
+        f"{PACKAGE}.world.tiny_world",
+        f"{PACKAGE}.world.avqa",
+        f"{PACKAGE}.world.judge",
+        f"{PACKAGE}.world.adversarial",
+    ],
     # rewards, the reward server and its client, the combined reward of a config, prompt sources
     [f"{PACKAGE}.reward", f"{PACKAGE}.serving", f"{PACKAGE}.reward_factory", f"{PACKAGE}.prompts"],
     # what a run needs, checked before it starts (odrl train CONFIG --check)
     [f"{PACKAGE}.preflight"],
     # generating and scoring batches, evaluation
     [
-        f"{PACKAGE}.experience",
+        f"{PACKAGE}.experience.rollout",
+        f"{PACKAGE}.experience.text_rollout",
+        f"{PACKAGE}.experience.teacher_targets",
+        f"{PACKAGE}.experience.answer_backends",
         f"{PACKAGE}.evaluation",
         f"{PACKAGE}.inference",
-        f"{PACKAGE}.eval_targets",
-        f"{PACKAGE}.demo",  # its held-out AVQA accuracy; its pre-training sits with the trainers
     ],
     # training, the execution modes and their replay buffer, and the tools built on trained runs
     [
         f"{PACKAGE}.trainers",
-        f"{PACKAGE}.demo.pretrain",
-        f"{PACKAGE}.demo.pretrain_omni",
+        f"{PACKAGE}.world.pretrain",
+        f"{PACKAGE}.world.pretrain_omni",
         f"{PACKAGE}.execution",
         f"{PACKAGE}.buffer",
         f"{PACKAGE}.export",
@@ -68,9 +75,10 @@ LAYERS: list[list[str]] = [
     [f"{PACKAGE}.cli", f"{PACKAGE}.bench*", f"{PACKAGE}.benchmarks"],
 ]
 
-# Pairs of prefixes in one layer that must not import each other: the tiny model decodes into the
-# clip format (tiny_clip) and knows nothing of the world that renders clips in it, and the other way.
-SEPARATE: list[tuple[str, str]] = [(f"{PACKAGE}.models", f"{PACKAGE}.world")]
+# Pairs of prefixes that must not import each other: the tiny model decodes into the clip format
+# (world.tiny_clip) and knows nothing of the world that renders clips in it, and the other way.
+WORLD_DATA = ("tiny_world", "avqa", "judge", "adversarial")
+SEPARATE: list[tuple[str, str]] = [(f"{PACKAGE}.models", f"{PACKAGE}.world.{m}") for m in WORLD_DATA]
 
 
 def module_files() -> dict[str, Path]:

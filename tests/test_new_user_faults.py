@@ -169,7 +169,7 @@ def test_a_reward_server_that_serves_none_of_the_weights_is_refused() -> None:
 
 
 def test_a_plugin_file_registers_its_reward_and_a_shared_checkpoint_imports_none(tmp_path: Path) -> None:
-    from omni_diffusion_rl.eval_targets import target_config
+    from omni_diffusion_rl.evaluation.targets import target_config
     from omni_diffusion_rl.registry import rewards
 
     marker = tmp_path / "imported"

@@ -14,9 +14,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from omni_diffusion_rl.experience.rollout import generate
-from omni_diffusion_rl.models.diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy
-from omni_diffusion_rl.models.tiny_av import TinyAVPolicy, TinyAVTransformer
-from omni_diffusion_rl.sampling import (
+from omni_diffusion_rl.experience.sampling import (
     FLOW_MATCH_UNSUPPORTED_OPTIONS,
     SOLVERS,
     check_flow_match_config,
@@ -26,6 +24,8 @@ from omni_diffusion_rl.sampling import (
     shift_time,
     time_grid,
 )
+from omni_diffusion_rl.models.diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy
+from omni_diffusion_rl.models.tiny_av import TinyAVPolicy, TinyAVTransformer
 
 from .helpers import tiny_sd3
 from .test_diffusers_adapter import tiny_stable_audio

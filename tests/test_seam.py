@@ -14,10 +14,10 @@ import torch
 
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.experience.rollout import Rollout
+from omni_diffusion_rl.experience.sampling import time_grid
 from omni_diffusion_rl.models import lora
 from omni_diffusion_rl.registry import algorithms
 from omni_diffusion_rl.reward import ScoreResult
-from omni_diffusion_rl.sampling import time_grid
 from omni_diffusion_rl.trainers.algorithms import Algorithm, DiffusionNFT, UpdateBatch
 from omni_diffusion_rl.trainers.sources import ExperienceSource, LocalSource
 from omni_diffusion_rl.trainers.trainer import Trainer

@@ -265,8 +265,8 @@ def test_a_failed_sample_that_holds_nan_weighs_zero_without_turning_the_gradient
     """Sharded, a dropped sample still runs its passes (weight 0): a NaN in it (a failed sample)
     must not make 0 x NaN; the gradient equals the unsharded one, which leaves the sample out."""
     from omni_diffusion_rl.experience.rollout import Rollout
+    from omni_diffusion_rl.experience.sampling import policy_time_grid
     from omni_diffusion_rl.models.policy import repeat_condition
-    from omni_diffusion_rl.sampling import policy_time_grid
     from omni_diffusion_rl.trainers.trainer import Trainer
 
     from .helpers import fast_overrides

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_diffusion_rl.experience.text_sampling import sample_answers
 from omni_diffusion_rl.models.tiny_omni import (
     TinyOmniConfig,
     TinyOmniModel,
     build_tokenizer,
 )
-from omni_diffusion_rl.text_sampling import sample_answers
-from omni_diffusion_rl.tiny_clip import synthesize_audio
 from omni_diffusion_rl.world.avqa import exact_match, questions, render_clips, vocabulary
+from omni_diffusion_rl.world.tiny_clip import synthesize_audio
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SMALL = TinyOmniConfig(hidden_size=64, layers=2, heads=2, kv_heads=1, intermediate_size=128)
@@ -253,7 +253,7 @@ def test_the_shipped_base_sees_the_shape_it_answers_wrong() -> None:
 
 
 def test_pretraining_runs_its_three_stages_and_saves_a_loadable_model(tmp_path: Path) -> None:
-    from omni_diffusion_rl.demo.pretrain_omni import pretrain_omni_model
+    from omni_diffusion_rl.world.pretrain_omni import pretrain_omni_model
 
     result = pretrain_omni_model(tmp_path / "base", steps=2, encoder_steps=2, align_steps=2, progress=False)
     assert (result["steps"], result["encoder_steps"], result["align_steps"]) == (2, 2, 2)

@@ -28,9 +28,9 @@ import torch
 from ..algorithms.nft import flow_matching_loss
 from ..config import DataConfig, ExperimentConfig
 from ..experience.rollout import Rollout
+from ..experience.sampling import time_grid
 from ..models import lora
 from ..models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
-from ..sampling import time_grid
 from ..trainers.algorithms import DiffusionNFT, noised_inputs
 from ..trainers.learner import Learner
 from ..world import tiny_world as world

@@ -24,7 +24,7 @@ import torch
 
 from ..config import ConfigError, ExperimentConfig
 from ..preflight import vllm_problem
-from ..text_sampling import Answers, sample_answers
+from .text_sampling import Answers, sample_answers
 
 ANSWER_BACKENDS = ("hf", "vllm")  # what samples the rollout answers (algorithm.rollout_backend)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for

@@ -21,7 +21,7 @@ from ..models.policy import Condition, FlowPolicy, cat_conditions, index_conditi
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
 from ..runtime.sharding import compute_device
-from ..sampling import policy_time_grid, sample_ode
+from .sampling import policy_time_grid, sample_ode
 
 _STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6, "answers": 7}
 

@@ -22,8 +22,8 @@ from ..config import ConfigError
 from ..media import MediaBatch
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
-from ..tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
 from ..world.avqa import parse_question, render_clips
+from ..world.tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
 from .answer_backends import AnswerBackend, HfAnswers
 from .rollout import PendingExtras, step_generator, stream_prompt
 

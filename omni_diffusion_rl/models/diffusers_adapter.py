@@ -22,9 +22,9 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
+from ..experience.sampling import check_flow_match_config, flow_match_time_grid
 from ..media import MediaBatch
 from ..runtime.sharding import compute_device
-from ..sampling import check_flow_match_config, flow_match_time_grid
 from .policy import Condition
 
 HIDDEN_KEY = "encoder_hidden_states"

@@ -17,8 +17,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from .. import tiny_clip as clip
 from ..media import MediaBatch
+from ..world import tiny_clip as clip
 from .policy import Condition
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out"]

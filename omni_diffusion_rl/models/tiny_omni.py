@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..tiny_clip import AUDIO_FRAMES, DURATION_S, SAMPLE_RATE, VIDEO_FRAMES, VIDEO_SIZE
+from ..world.tiny_clip import AUDIO_FRAMES, DURATION_S, SAMPLE_RATE, VIDEO_FRAMES, VIDEO_SIZE
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)
@@ -191,7 +191,7 @@ class TinyOmniModel(nn.Module):
         (what the trainer recomputes; padding after an answer is masked out of attention), under the
         sampler's distribution: the end token is excluded before `min_new_tokens` tokens, as it was
         when the answers were sampled."""
-        from ..text_sampling import token_log_probs
+        from ..experience.text_sampling import token_log_probs
 
         embeds = torch.cat([prompted.embeds, self.lm.get_input_embeddings()(answers)], dim=1)
         mask = torch.cat([prompted.mask, answer_mask.long()], dim=1)

@@ -6,7 +6,7 @@ Parts: an `ExperienceMaker` (policy + reward + prompt stream + seeds: experience
 policy, its optimizer and the processes it trains with: learner.py), an `Algorithm` (what to learn:
 algorithms.py) and an `ExperienceSource` (where batches come from: sources.py; colocated generates
 them here, the async modes take them from a replay buffer: execution/separate.py); the held-out
-set (heldout.py), the checkpoints (run_checkpoints.py) and the sample accounting (accounting.py).
+set (evaluator.py), the checkpoints (run_checkpoints.py) and the sample accounting (accounting.py).
 
 Runs as one process or several under `accelerate launch`; gradients of the trained weights are
 averaged across processes, and advantages are computed on the rewards of the whole batch. All
@@ -31,7 +31,7 @@ from ..checkpoint import (
     atomic_write_text,
 )
 from ..config import ConfigError, ExperimentConfig
-from ..evaluation import (
+from ..evaluation.heldout import (
     before_after_summary,
 )
 from ..experience.rollout import ExperienceMaker, Rollout
@@ -47,7 +47,7 @@ from ..runtime.sharding import (
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from .accounting import count_samples, failures_path, record_dropped, reward_metrics, trainable_samples
 from .algorithms import algorithm_class, build_algorithm
-from .heldout import HeldOut, is_answering
+from .evaluator import HeldOut, is_answering
 from .learner import build_learner, rank_and_size
 from .phases import LoopStart, ProcessPlace, StepPhases
 from .run_checkpoints import RunCheckpoints
@@ -313,11 +313,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation and previews
     def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
-        """A sample sheet of held-out prompts under previews/<tag> (heldout.py)."""
+        """A sample sheet of held-out prompts under previews/<tag> (evaluator.py)."""
         return self.heldout.preview(tag, prompts_shown, samples_per_prompt)
 
     def _evaluate_logged(self, logger: MetricsLogger) -> dict[str, float]:
-        """The held-out evaluation (heldout.py) logged as eval/...; when it fails, the logger and the
+        """The held-out evaluation (evaluator.py) logged as eval/...; when it fails, the logger and the
         scorers are closed first."""
         try:
             result = self.heldout.evaluate()

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 
 # The clip format lives below both the world and the tiny model; these names stay importable from here.
-from ..tiny_clip import AUDIO_BINS as AUDIO_BINS
-from ..tiny_clip import AUDIO_FRAMES as AUDIO_FRAMES
-from ..tiny_clip import BACKGROUND as BACKGROUND
-from ..tiny_clip import DURATION_S as DURATION_S
-from ..tiny_clip import FPS as FPS
-from ..tiny_clip import SAMPLE_RATE as SAMPLE_RATE
-from ..tiny_clip import VIDEO_FRAMES as VIDEO_FRAMES
-from ..tiny_clip import VIDEO_SIZE as VIDEO_SIZE
-from ..tiny_clip import bin_frequency as bin_frequency
-from ..tiny_clip import synthesize_audio as synthesize_audio
+from .tiny_clip import AUDIO_BINS as AUDIO_BINS
+from .tiny_clip import AUDIO_FRAMES as AUDIO_FRAMES
+from .tiny_clip import BACKGROUND as BACKGROUND
+from .tiny_clip import DURATION_S as DURATION_S
+from .tiny_clip import FPS as FPS
+from .tiny_clip import SAMPLE_RATE as SAMPLE_RATE
+from .tiny_clip import VIDEO_FRAMES as VIDEO_FRAMES
+from .tiny_clip import VIDEO_SIZE as VIDEO_SIZE
+from .tiny_clip import bin_frequency as bin_frequency
+from .tiny_clip import synthesize_audio as synthesize_audio
 
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.15, 0.15),

@@ -76,7 +76,7 @@ def _measure(
     replicas: int,
     device: torch.device | None,
 ) -> CostModel:
-    from ...trainers.heldout import is_answering
+    from ...trainers.evaluator import is_answering
     from ...trainers.trainer import Trainer
 
     trainer = Trainer(cfg, device=device)
@@ -149,7 +149,7 @@ def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solve
     asks the algorithm's annotator (a distillation teacher) for what it attaches: the teacher's
     time counts as rollout time, as on a rollout process (colocated mode may hide part of it)."""
     from ...experience.text_rollout import answer_media
-    from ...trainers.heldout import is_answering
+    from ...trainers.evaluator import is_answering
 
     k = trainer.cfg.data.group_size
     answering = is_answering(trainer.policy)

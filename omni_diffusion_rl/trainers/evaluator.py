@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..config import ExperimentConfig
-from ..evaluation import (
+from ..evaluation.heldout import (
     MetricScorer,
     build_metrics,
     check_scored,
@@ -99,10 +99,10 @@ class HeldOut:
         """Held-out exact-answer accuracy, greedy and sampled (accuracy/...), and the training reward
         of the greedy answers (reward, reward/...): the same questions, clips and random numbers at
         every evaluation. Every process computes it whole (it is small)."""
-        from ..demo.avqa_eval import answer_questions, avqa_accuracy
+        from ..evaluation.avqa import answer_questions, avqa_accuracy
         from ..media import MediaBatch
-        from ..tiny_clip import FPS, SAMPLE_RATE
         from ..world.avqa import parse_question
+        from ..world.tiny_clip import FPS, SAMPLE_RATE
 
         per_question = max(1, self.cfg.data.eval_samples // len(self.eval_prompts))
         pool = [parse_question(p) for p in self.eval_prompts]
@@ -215,10 +215,10 @@ class HeldOut:
     def _preview_answers(self, tag: str, shown: int) -> Path:
         """Held-out questions with their clips and the model's greedy answers side by side (the
         sheet's title per clip: question, answer, the right answer)."""
-        from ..demo.avqa_eval import answer_questions
+        from ..evaluation.avqa import answer_questions
         from ..media import MediaBatch
-        from ..tiny_clip import FPS, SAMPLE_RATE
         from ..world.avqa import exact_match, parse_question
+        from ..world.tiny_clip import FPS, SAMPLE_RATE
 
         n = len(self.eval_prompts)
         stride = max(1, n // shown)  # spread over the set, stepping one more each time to vary the kind

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import MANIFEST, CheckpointError, checkpoint_model, checkpoint_sampling, load_checkpoint
-from .config import (
+from ..checkpoint import MANIFEST, CheckpointError, checkpoint_model, checkpoint_sampling, load_checkpoint
+from ..config import (
     ConfigError,
     ExperimentConfig,
     SamplingConfig,
@@ -30,11 +30,11 @@ from .config import (
     parse_override,
     read_config_file,
 )
-from .evaluation import MediaMaker, build_metrics, evaluate_heldout
-from .experience.rollout import generate
-from .media import MediaBatch
-from .prompts import load_prompts
-from .reward_factory import reward_from_config
+from ..experience.rollout import generate
+from ..media import MediaBatch
+from ..prompts import load_prompts
+from ..reward_factory import reward_from_config
+from .heldout import MediaMaker, build_metrics, evaluate_heldout
 
 WORLD = "world"
 BASE = ("base", "builtin")
@@ -98,8 +98,8 @@ def target_config(target: str, config_path: str | None, overrides: list[str]) ->
 def target_policy(target: str, cfg: ExperimentConfig) -> Any:
     """The policy a target (not 'world') names: the base cfg.model names, a save_pretrained model
     directory, or a checkpoint's trained adapter on the base cfg.model names (fingerprint checked)."""
-    from .inference import read_trained, trained_policy
-    from .models import build_policy
+    from ..inference import read_trained, trained_policy
+    from ..models import build_policy
 
     if target in BASE:
         return build_policy(cfg.model)[0]
@@ -132,7 +132,7 @@ def _policy_maker(policy: Any, s: SamplingConfig) -> MediaMaker:
 
 
 def _world_maker(cfg: ExperimentConfig) -> tuple[MediaMaker, tuple[int, ...]]:
-    from .world import tiny_world as world
+    from ..world import tiny_world as world
 
     if cfg.model.family != "tiny_av":
         raise ConfigError(f"target 'world' is the tiny world's renders; model.family is {cfg.model.family}")
@@ -179,7 +179,7 @@ def _evaluate_media(
 def _questions(cfg: ExperimentConfig) -> tuple[list[str], list[Any]]:
     """The held-out prompts and the tiny AVQA questions they name (a prompt that names none is
     refused by its line number, never echoed)."""
-    from .world.avqa import parse_question
+    from ..world.avqa import parse_question
 
     prompts = load_prompts(cfg.data.eval_prompts)
     questions = []
@@ -200,8 +200,8 @@ def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = Tru
     """An answering policy's held-out exact-answer accuracy, greedy and sampled, overall and per
     question kind (accuracy/...), and the training reward of its greedy answers (reward, reward/...):
     what the trainer logs as eval/..., on the same questions, clips and random numbers (train.seed)."""
-    from .demo.avqa_eval import answer_questions, avqa_accuracy
-    from .tiny_clip import FPS, SAMPLE_RATE
+    from ..world.tiny_clip import FPS, SAMPLE_RATE
+    from .avqa import answer_questions, avqa_accuracy
 
     if cfg.eval.metrics:
         raise ConfigError(

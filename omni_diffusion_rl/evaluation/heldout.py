@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .media import MediaBatch
-from .reward import RewardError, ScoreResult, WeightedReward
+from ..media import MediaBatch
+from ..reward import RewardError, ScoreResult, WeightedReward
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class MetricScorer:
 
 def build_metrics(names: list[str], options: dict[str, dict[str, Any]] | None = None) -> list[MetricScorer]:
     """Each named scorer created from the reward registry with its keyword arguments."""
-    from .config import ConfigError
-    from .registry import rewards as registry
+    from ..config import ConfigError
+    from ..registry import rewards as registry
 
     options = options or {}
     metrics: list[MetricScorer] = []

@@ -20,10 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.tiny_omni import OMNI_BASE, TinyOmniConfig, TinyOmniModel, build_tokenizer
-from ..tiny_clip import synthesize_audio
-from ..world.avqa import WHEN_ANSWERS, Question, answer_options, questions, render_clips, vocabulary
-from ..world.tiny_world import COLORS, PITCH_BINS, SHAPES, WHEN_PHRASES, Scene
+from .avqa import WHEN_ANSWERS, Question, answer_options, questions, render_clips, vocabulary
 from .pretrain import learning_rate
+from .tiny_clip import synthesize_audio
+from .tiny_world import COLORS, PITCH_BINS, SHAPES, WHEN_PHRASES, Scene
 
 CONFUSIONS: dict[str, dict[str, str]] = {
     "color": {"red": "purple", "blue": "cyan", "yellow": "green"},
@@ -89,7 +89,7 @@ def pretrain_media_encoder(
     shape, a few corner pixels, is lost under the later noisy answers: the base then cannot tell a
     circle from a square and no reward can teach it to. Returns each attribute's accuracy on the
     last batch."""
-    from ..world.avqa import Question
+    from .avqa import Question
 
     width = encoder.num_tokens * encoder.types.shape[1]
     heads = torch.nn.ModuleDict({k: torch.nn.Linear(width, len(v)) for k, v in ATTRIBUTE_VALUES.items()})

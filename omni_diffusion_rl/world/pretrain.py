@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..algorithms.nft import flow_matching_loss
 from ..models.tiny_av import BUILTIN_WEIGHTS, TinyAVPolicy, TinyAVTransformer
-from ..world import tiny_world as world
+from . import tiny_world as world
 
 # Chosen by measurement (docs/tiny-world.md): base accuracy well below what post-training
 # reaches on every attribute, and clean, recognisable clips.

@@ -9,10 +9,10 @@ from collections import defaultdict
 import torch
 
 from ..experience.rollout import step_generator
+from ..experience.text_sampling import sample_answers
 from ..models.tiny_omni import TinyOmniModel
-from ..text_sampling import sample_answers
-from ..tiny_clip import synthesize_audio
 from ..world.avqa import Question, exact_match, questions, render_clips
+from ..world.tiny_clip import synthesize_audio
 
 
 @torch.no_grad()
