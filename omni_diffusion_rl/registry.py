@@ -102,3 +102,9 @@ rewards = Registry("reward", "omni_diffusion_rl.rewards")
 algorithms = Registry("algorithm", "omni_diffusion_rl.algorithms")
 teachers = Registry("teacher", "omni_diffusion_rl.teachers")
 models = Registry("model", "omni_diffusion_rl.models")
+# What a model family adds to evaluation: an answering family's held-out evaluation (a class made
+# with (cfg, policy, reward, eval_prompts) that has evaluate() and preview(folder, shown)), and a
+# generating family's own render of a prompt shown beside its samples (prompts, generator) -> a tuple
+# whose first item is video [B, F, 3, H, W], or None.
+evaluations = Registry("held-out evaluation", "omni_diffusion_rl.evaluations")
+preview_references = Registry("preview reference", "omni_diffusion_rl.preview_references")

@@ -274,6 +274,19 @@ def test_models_import_no_algorithm_and_no_trainer() -> None:
     assert found and not any(found.values()), {m: i for m, i in found.items() if i}
 
 
+def test_the_loop_and_the_execution_modes_import_no_demo_world() -> None:
+    """The tiny world and tiny AVQA are plug-ins of the loop, like a user's: the trainer and the
+    execution modes reach them only through registries (a family's held-out evaluation, its preview
+    reference), never by import (issue 25)."""
+    demo = (f"{PACKAGE}.world", f"{PACKAGE}.evaluation.avqa")
+    found = {
+        module: sorted(m for m in imports if any(_matches(d, m) for d in demo))
+        for module, imports in import_graph().items()
+        if _matches(f"{PACKAGE}.trainers", module) or _matches(f"{PACKAGE}.execution", module)
+    }
+    assert found and not any(found.values()), {m: i for m, i in found.items() if i}
+
+
 def test_the_package_root_imports_nothing_of_the_package() -> None:
     """Importing any module runs omni_diffusion_rl/__init__.py first: whatever it imported would sit
     below every module."""

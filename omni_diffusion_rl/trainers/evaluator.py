@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..config import ExperimentConfig
+from ..config import ConfigError, ExperimentConfig
 from ..evaluation.heldout import (
     MetricScorer,
     build_metrics,
@@ -23,8 +23,8 @@ from ..evaluation.heldout import (
 )
 from ..experience.rollout import Rollout, generate, step_generator
 from ..media import save_previews
+from ..registry import evaluations, preview_references
 from ..reward import WeightedReward
-from ..world import tiny_world
 from .learner import Learner
 
 
@@ -70,7 +70,7 @@ class HeldOut:
         """The training reward and the eval metrics on the held-out set (fixed prompts and noise,
         whatever the seed), generated with the trained adapter; see `evaluation`."""
         if is_answering(self.policy):
-            return self._evaluate_answers()
+            return self._answers().evaluate()
         n, prompts = self.cfg.data.eval_samples, self.eval_prompts
         mine = samples_of_rank(prompts, n, self.rank, self.world_size)
         parts: list[dict[str, torch.Tensor]] = []
@@ -95,28 +95,18 @@ class HeldOut:
         check_scored(summary, "the held-out set", reasons)
         return summary
 
-    def _evaluate_answers(self) -> dict[str, float]:
-        """Held-out exact-answer accuracy, greedy and sampled (accuracy/...), and the training reward
-        of the greedy answers (reward, reward/...): the same questions, clips and random numbers at
-        every evaluation. Every process computes it whole (it is small)."""
-        from ..evaluation.avqa import answer_questions, avqa_accuracy
-        from ..media import MediaBatch
-        from ..world.avqa import parse_question
-        from ..world.tiny_clip import FPS, SAMPLE_RATE
-
-        per_question = max(1, self.cfg.data.eval_samples // len(self.eval_prompts))
-        pool = [parse_question(p) for p in self.eval_prompts]
-        seed, limit = self.cfg.train.seed, self.cfg.algorithm.max_new_tokens
-        accuracy = avqa_accuracy(self.policy.model, pool, per_question, seed, limit)
-        chosen = [q for q in pool for _ in range(per_question)]
-        answers, video, audio = answer_questions(self.policy.model, chosen, seed, True, limit)
-        prompts = [p for p in self.eval_prompts for _ in range(per_question)]
-        media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
-        scored = self.reward(media, prompts)
-        out = {f"accuracy/{k}": v for k, v in accuracy.items()}
-        out["reward"] = float(scored.total.mean())
-        out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
-        return out
+    def _answers(self) -> Any:
+        """The held-out evaluation of an answering policy: the one registered for its model family
+        (registry.evaluations; tiny_omni: tiny AVQA, evaluation/avqa.py)."""
+        family = self.cfg.model.family
+        if family not in evaluations.names():
+            raise ConfigError(
+                f"model.family={family} answers questions, but no held-out evaluation is registered for "
+                f"it (registered: {', '.join(evaluations.names()) or 'none'}); register a class with "
+                "evaluate() and preview(folder, shown) by @omni_diffusion_rl.registry.evaluations.register"
+                f"('{family}') or the entry-point group '{evaluations.entry_point_group}'"
+            )
+        return evaluations.get(family)(self.cfg, self.policy, self.reward, self.eval_prompts)
 
     def _lockstep_eval_sizes(self, prompts: list[str], sample_prompts: list[str]) -> list[int]:
         """Sharded: the size of each held-out batch, the largest any process has at that place (each
@@ -176,11 +166,14 @@ class HeldOut:
     @torch.no_grad()
     def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
         """Samples of held-out prompts with their rewards and eval metrics (a failed score is shown as
-        failed); for the tiny world the sheet puts the world's own render of each prompt beside them."""
+        failed), beside the model family's own render of each prompt when it has one (the tiny
+        world's, for tiny_av); an answering policy's preview is its registered evaluation's."""
         if not self.is_main and not self.sharded:
             return None
         if is_answering(self.policy):
-            return self._preview_answers(tag, prompts_shown * samples_per_prompt)
+            return self._answers().preview(
+                self.output_dir / "previews" / tag, prompts_shown * samples_per_prompt
+            )
         stride = max(1, len(self.eval_prompts) // prompts_shown)
         chosen = self.eval_prompts[::stride][:prompts_shown]  # spread over the held-out set
         prompts = [p for p in chosen for _ in range(samples_per_prompt)]
@@ -195,10 +188,7 @@ class HeldOut:
         columns = score_heldout(media, prompts, self.reward, self.metrics, sample_failures=failures)
         rewards = {k: v for k, v in columns.items() if k == "reward" or k.startswith("reward/")}
         metrics = {k: v for k, v in columns.items() if k not in rewards}
-        reference = None
-        if self.cfg.model.family == "tiny_av":
-            rendered = tiny_world.render_prompts(prompts, step_generator(0, 0, 0, "preview"))
-            reference = None if rendered is None else rendered[0]
+        reference = self._reference(prompts)
         out = self.output_dir / "previews" / tag
         save_previews(
             out,
@@ -212,22 +202,11 @@ class HeldOut:
         )
         return out
 
-    def _preview_answers(self, tag: str, shown: int) -> Path:
-        """Held-out questions with their clips and the model's greedy answers side by side (the
-        sheet's title per clip: question, answer, the right answer)."""
-        from ..evaluation.avqa import answer_questions
-        from ..media import MediaBatch
-        from ..world.avqa import exact_match, parse_question
-        from ..world.tiny_clip import FPS, SAMPLE_RATE
-
-        n = len(self.eval_prompts)
-        stride = max(1, n // shown)  # spread over the set, stepping one more each time to vary the kind
-        chosen = [parse_question(self.eval_prompts[(i * stride + i) % n]) for i in range(min(shown, n))]
-        answers, video, audio = answer_questions(self.policy.model, chosen, 0, greedy=True)
-        pairs = list(zip(chosen, answers, strict=True))
-        titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.answer}" for q, a in pairs]
-        right = [exact_match(a, q) for q, a in pairs]
-        out = self.output_dir / "previews" / tag
-        media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
-        save_previews(out, media, titles, {"avqa_exact": right})
-        return out
+    def _reference(self, prompts: list[str]) -> torch.Tensor | None:
+        """The model family's own render of each prompt, shown beside the samples, when one is
+        registered (registry.preview_references; tiny_av: the tiny world's render)."""
+        family = self.cfg.model.family
+        if family not in preview_references.names():
+            return None
+        rendered = preview_references.get(family)(prompts, step_generator(0, 0, 0, "preview"))
+        return None if rendered is None else rendered[0]
