@@ -288,7 +288,7 @@ def test_eval_of_a_gspo_checkpoint_reports_what_the_trainer_logs(gspo_run: tuple
     cfg = target_config(str(checkpoints), None, ["data.eval_samples=80", "algorithm.max_new_tokens=6"])
     assert cfg.data.eval_prompts == "builtin:tiny_avqa_heldout" and cfg.eval.metrics == []
     result = evaluate_target(str(checkpoints), cfg)
-    assert result == pytest.approx(trained._evaluate_answers())
+    assert result == pytest.approx(trained.heldout.evaluate())
     assert {"accuracy/greedy", "accuracy/sampled", "accuracy/greedy/color", "reward"} <= set(result)
 
 

@@ -343,7 +343,8 @@ class BufferSource(ExperienceSource):
         self.receiver.start()
 
     def abort(self) -> None:
-        if not self.receiver.stopping:
+        receiver = getattr(self, "receiver", None)  # None: never attached, nothing was started
+        if receiver is not None and not receiver.stopping:
             self._stop_rollout(quietly=True)  # the original error is the one to see
 
     def finish(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ one, and a benchmark or a test can build one around any policy and optimizer.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,8 @@ def build_learner(
     that says which sharding is in force."""
     trains_answers = algorithms.get(cfg.algorithm.name).trains_answers
     sharder, sharding = make_sharder(cfg, world_size, group, device, trains_answers)
+    if rank == 0 and world_size > 1:  # said before the (possibly long) build of the policy
+        print(f"odrl: {sharding}", file=sys.stderr, flush=True)
     sharded = sharder is not None and sharder.active
     policy = build_nft_policy(cfg.model, device, sharder.policy if sharded else None)
     if sharder is not None and not sharded:  # one process: whole weights, checked alike

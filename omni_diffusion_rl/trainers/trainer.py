@@ -17,7 +17,6 @@ per-step randomness derives from (seed, step, prompt group), so a resumed run re
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -170,8 +169,6 @@ class Trainer:
         self.learner, self.sharder, self.sharding = build_learner(
             cfg, self.device, self.rank, self.world_size, group
         )
-        if self.is_main and self.world_size > 1:
-            print(f"odrl: {self.sharding}", file=sys.stderr, flush=True)
         self.sharded = self.learner.sharded
         self.policy, self.transformer = self.learner.policy, self.learner.transformer
         self.params, self.optimizer, self.autocast = (
