@@ -58,7 +58,7 @@ def test_an_unknown_algorithm_and_a_keep_of_the_whole_group_are_refused(
     ):
         load_config(None, [*fast_overrides(model_dir, tmp_path / "a"), "algorithm.name=nope"])
     with pytest.raises(ConfigError, match="algorithm.raft_keep=2 keeps every sample"):
-        load_config(None, ["algorithm.raft_keep=2", "data.group_size=2"])
+        load_config(None, ["algorithm.name=raft", "algorithm.raft_keep=2", "data.group_size=2"])
 
 
 @pytest.mark.slow
