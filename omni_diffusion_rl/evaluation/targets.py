@@ -39,11 +39,13 @@ from .heldout import MediaMaker, build_metrics, evaluate_heldout
 WORLD = "world"
 BASE = ("base", "builtin")
 ANSWER_EVAL: dict[str, dict[str, Any]] = {
+    "algorithm": {"name": "gspo"},  # its answer options (max_new_tokens) are GSPO's
     "data": {"eval_prompts": "builtin:tiny_avqa_heldout"},
     "reward": {"weights": {"avqa_exact": 1.0, "answer_format": 0.5}},
     "eval": {"metrics": []},
 }
-"""An answering model's evaluation: tiny AVQA's held-out questions and the GSPO recipe's rewards."""
+"""An answering model's evaluation: tiny AVQA's held-out questions, the GSPO recipe's rewards, and
+GSPO's answer options (algorithm.max_new_tokens)."""
 FAMILY_EVAL_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"tiny_av": {}, "tiny_omni": ANSWER_EVAL}
 """This package's evaluation settings by model family, under the --config file and the overrides:
 tiny_av the config defaults (the tiny world's held-out prompts, reward and judge), tiny_omni
