@@ -209,8 +209,9 @@ class AlgorithmConfig:
 
     name: str = _spec(
         "nft",
-        "what the trainer learns with: nft (DiffusionNFT) | raft (reward-ranked flow-matching fine-tuning, "
-        "a baseline) | distill (on-policy distillation from `teacher`) | gspo (an answering language "
+        "what the trainer learns with: nft (DiffusionNFT) | flow_grpo (Flow-GRPO; MixGRPO with "
+        "sde_window_size) | raft (reward-ranked flow-matching fine-tuning, a baseline) | distill "
+        "(on-policy distillation from `teacher`) | gspo (an answering language "
         "model, model.family=tiny_omni) | a registered algorithm",
     )
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
@@ -315,6 +316,12 @@ class EvalConfig:
         "tiny world's per-attribute accuracy and health signs; for real models e.g. [imagebind])",
     )
     options: dict[str, dict[str, Any]] = _spec({}, "metric name -> keyword arguments for it")
+    every: int = _spec(
+        0,
+        "steps between held-out evaluations during training, logged with the training seconds and the "
+        "samples generated so far (0: only at the start and end, train.eval_at_start_and_end)",
+        ge=0,
+    )
 
 
 @dataclass

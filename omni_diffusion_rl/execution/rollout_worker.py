@@ -65,6 +65,7 @@ class RolloutWorker:
         if message.tensors:
             self.experience.load_rollout_state(message.tensors)
             self.version = message.version
+            self.experience.policy_step = message.version  # where an SDE window is
         self.stream_offset = message.stream_offset
         self.idle["weight_sync"] += time.perf_counter() - start
         return True

@@ -105,6 +105,7 @@ class ShareSource(ExperienceSource):
     def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
         """Blocks until the leader sends the share (a leader that died closes the connection; one
         that failed sends an empty share); hybrid: meanwhile makes the groups the leader asks for."""
+        self.context.experience.policy_step = step  # a lent group's SDE window: these weights'
         while True:
             data, _ = transport.recv_bytes(0, self.share_group, transport.SHARE_TAG)
             if not data:
@@ -249,6 +250,7 @@ class BufferSource(ExperienceSource):
         """This process's share of the step's oldest trainable groups from the buffer, waiting for
         them within data_timeout_s (hybrid: generating groups itself while it pays); the other
         trainer processes get theirs."""
+        self.context.experience.policy_step = step  # a lent group's SDE window: these weights'
         try:
             batch = self._wait_for_step()
         except BaseException as e:

@@ -21,9 +21,21 @@ from ..models.policy import Condition, FlowPolicy, cat_conditions, index_conditi
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
 from ..runtime.sharding import compute_device
-from .sampling import policy_time_grid, sample_ode
+from .sampling import policy_time_grid, sample_ode, sample_sde
 
-_STREAMS = {"prompts": 1, "rollout": 2, "train": 3, "eval": 4, "preview": 5, "distill": 6, "answers": 7}
+_STREAMS = {
+    "prompts": 1,
+    "rollout": 2,
+    "train": 3,
+    "eval": 4,
+    "preview": 5,
+    "distill": 6,
+    "answers": 7,
+    "sde": 8,
+}
+STATES, BEHAVIOUR_LOGP, SDE_STEPS = "states", "behaviour_logp", "sde_steps"
+"""Extras of an SDE rollout: the visited states [N, T, *latent], each step's log-probability under
+the weights that sampled it [N, T] and which steps ran the SDE [N, T] (1.0 / 0.0)."""
 
 
 def step_generator(seed: int, step: int, index: int, stream: str) -> torch.Generator:
@@ -96,6 +108,60 @@ def stream_prompt(prompts: list[str], seed: int, position: int) -> str:
     epoch, offset = divmod(position, len(prompts))
     order = torch.randperm(len(prompts), generator=step_generator(seed, epoch, 0, "prompts"))
     return prompts[int(order[offset])]
+
+
+@dataclass(frozen=True)
+class SDESampling:
+    """How an algorithm that needs log-probabilities (Flow-GRPO) samples: the SDE's noise level and
+    MixGRPO's window (size 0: the SDE on every step but the last)."""
+
+    noise_level: float
+    window_size: int = 0
+    window_stride: int = 1
+    window_every: int = 1
+
+    def steps(self, num_steps: int, step: int) -> torch.Tensor:
+        """[num_steps] bool: the steps that run the SDE at training `step` (never the last)."""
+        from ..algorithms.flow_grpo import sde_window
+
+        start, stop = sde_window(step, num_steps - 1, self.window_size, self.window_stride, self.window_every)
+        mask = torch.zeros(num_steps, dtype=torch.bool)
+        mask[start:stop] = True
+        return mask
+
+
+@dataclass(frozen=True)
+class SDEDraw:
+    """One generation's SDE: its noise level, which steps run it and each SDE step's z
+    [N, number of SDE steps, *latent]."""
+
+    noise_level: float
+    steps: torch.Tensor
+    step_noise: torch.Tensor
+
+
+def unusable_samples(rollout: Rollout) -> dict[int, str]:
+    """Samples whose recorded log-probabilities or states are not finite: failed, with the reason."""
+    out: dict[int, str] = {}
+    for name in (BEHAVIOUR_LOGP, STATES):
+        values = rollout.extras.get(name)
+        if values is None:
+            continue
+        bad = ~torch.isfinite(values.flatten(1)).all(dim=1)
+        for i in bad.nonzero().flatten().tolist():
+            out.setdefault(i, f"the sampler's {name.replace('_', ' ')} is not finite (NaN or inf)")
+    return out
+
+
+def with_failures(result: ScoreResult, failures: dict[int, str]) -> ScoreResult:
+    """`result` with more failed samples (their total and parts NaN, the reason kept)."""
+    if not failures:
+        return result
+    rows = torch.tensor(sorted(failures))
+    total = result.total.clone()
+    total[rows] = float("nan")
+    parts = {k: v.clone().index_fill_(0, rows, float("nan")) for k, v in result.parts.items()}
+    return ScoreResult(total, parts, {**result.failures, **failures})
 
 
 @dataclass
@@ -194,6 +260,7 @@ def generate(
     time_shift: float,
     solver: str,
     record_states: bool = False,
+    sde: SDEDraw | None = None,
 ) -> Rollout:
     """len(noise) / len(prompts) samples per prompt (consecutive), integrated from `noise`.
 
@@ -201,6 +268,8 @@ def generate(
     scheduler's grid, the built-in tiny model the uniform one. Training reuses `Rollout.grid`.
     record_states: keep the states the sampler visited, x_k at grid[k] for k < T, as
     `extras["states"]` [N, T, *latent].
+    sde: sample with Flow-GRPO's SDE on its steps (Euler only) and record the states, each step's
+    log-probability and the SDE steps (STATES, BEHAVIOUR_LOGP, SDE_STEPS).
     """
     group_size = len(noise) // len(prompts)
     if group_size * len(prompts) != len(noise):
@@ -211,14 +280,25 @@ def generate(
     noise = noise.to(device)
     grid = policy_time_grid(policy, num_steps, time_shift)  # the diffusers scheduler's or uniform
     states: list[torch.Tensor] | None = [] if record_states else None
-    x0 = sample_ode(lambda x, t: policy.velocity(x, t.to(device), cond), noise, grid, solver, states)
+    velocity = lambda x, t: policy.velocity(x, t.to(device), cond)  # noqa: E731
+    extras: dict[str, torch.Tensor] = {}
+    if sde is not None:
+        if solver != "euler":
+            raise ValueError(f"the SDE sampler steps like euler; sampling.solver={solver} has no SDE form")
+        x0, visited, log_probs = sample_sde(velocity, noise, grid, sde.noise_level, sde.steps, sde.step_noise)
+        steps = sde.steps.float().to(device).expand(len(noise), -1).contiguous()
+        extras = {STATES: visited, BEHAVIOUR_LOGP: log_probs, SDE_STEPS: steps}
+    else:
+        x0 = sample_ode(velocity, noise, grid, solver, states)
+        if states is not None:
+            extras = {STATES: torch.stack(states, dim=1)}
     return Rollout(
         prompts=[p for p in prompts for _ in range(group_size)],
         group_ids=torch.tensor(group_ids).repeat_interleave(group_size),
         x0=x0,
         cond=cond,
         grid=grid,
-        extras={} if states is None else {"states": torch.stack(states, dim=1)},
+        extras=extras,
     )
 
 
@@ -282,8 +362,11 @@ class ExperienceMaker:
         load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         annotator: Annotator | None = None,
+        sde: SDESampling | None = None,
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
+        self.sde = sde  # sample with the SDE and record log-probabilities (Flow-GRPO); None: the ODE
+        self.policy_step = 0  # updates the rollout weights have had: where MixGRPO's window is
         self.annotator = annotator  # an algorithm's per-chunk extras (teacher targets), made alongside
         self.last_pending: PendingExtras | None = None  # the last make_step's extras still being made
         self.group_size, self.num_steps, self.time_shift, self.solver = (
@@ -310,14 +393,28 @@ class ExperienceMaker:
         return stream_prompt(self.prompts, self.seed, position)
 
     def generate(
-        self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int
+        self, prompts: list[str], group_ids: list[int], noise: torch.Tensor, num_steps: int, key_step: int = 0
     ) -> Rollout:
-        """len(noise) / len(prompts) samples per prompt with the rollout weights."""
+        """len(noise) / len(prompts) samples per prompt with the rollout weights (an SDE's step noise
+        keyed by (seed, key_step, prompt group), its window by `policy_step`)."""
         record = self.annotator is not None and self.annotator.needs_states
+        sde = self._sde_draw(group_ids, len(noise) // len(prompts), num_steps, key_step)
         with self.rollout_weights(), self.autocast():
             return generate(
-                self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver, record
+                self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver, record, sde
             )
+
+    def _sde_draw(
+        self, group_ids: list[int], group_size: int, num_steps: int, key_step: int
+    ) -> SDEDraw | None:
+        if self.sde is None:
+            return None
+        steps = self.sde.steps(num_steps, self.policy_step)
+        shape = (group_size, int(steps.sum()), *self.policy.latent_shape)
+        step_noise = torch.cat(
+            [torch.randn(shape, generator=step_generator(self.seed, key_step, g, "sde")) for g in group_ids]
+        )
+        return SDEDraw(self.sde.noise_level, steps, step_noise)
 
     def make_group(self, position: int) -> tuple[Rollout, ScoreResult]:
         """The prompt group at stream `position`, generated and scored (noise keyed by position)."""
@@ -325,7 +422,7 @@ class ExperienceMaker:
         noise = torch.randn((self.group_size, *self.policy.latent_shape), generator=gen)
         rollout = self.generate([self.prompt_at(position)], [position], noise, self.num_steps)
         annotated = None if self.annotator is None else self.annotator.submit(rollout)
-        result = score(self.policy, self.reward, rollout)
+        result = with_failures(score(self.policy, self.reward, rollout), unusable_samples(rollout))
         if annotated is not None:
             rollout.extras.update(annotated.result())
         return rollout, result
@@ -334,6 +431,7 @@ class ExperienceMaker:
         """A step's prompt groups (noise keyed by step and group), generated in `rollout_chunks`
         chunks, each scored (in the background, or by a reward server) while the next generates."""
         k = self.group_size
+        self.policy_step = step
         generators = [step_generator(self.seed, step, g, "rollout") for g in group_ids]
         noise = torch.stack([torch.randn((k, *self.policy.latent_shape), generator=g) for g in generators])
         chunks = [c.tolist() for c in torch.arange(len(prompts)).chunk(self.rollout_chunks)]
@@ -344,6 +442,7 @@ class ExperienceMaker:
                 [group_ids[i] for i in chunk],
                 noise[chunk].flatten(0, 1),
                 self.num_steps,
+                step,
             )
             if self.annotator is not None:
                 annotations.append((offset, offset + len(part), self.annotator.submit(part)))
@@ -355,7 +454,7 @@ class ExperienceMaker:
         rollout = Rollout.cat(parts)
         if annotations:  # not waited for here: training takes each chunk's targets when it gets there
             rollout.pending = self.last_pending = PendingExtras(annotations)
-        return rollout, cat_results([f.result() for f in pending])
+        return rollout, with_failures(cat_results([f.result() for f in pending]), unusable_samples(rollout))
 
     def metrics(self) -> dict[str, float]:
         """The annotator's step metrics (teacher seconds, waiting, routing), if there is one."""

@@ -135,3 +135,42 @@ def sample_ode(
         else:
             x = x + dt * v
     return x
+
+
+@torch.no_grad()
+def sample_sde(
+    velocity: VelocityFn,
+    noise: torch.Tensor,
+    grid: torch.Tensor,
+    noise_level: float,
+    sde_steps: torch.Tensor,
+    step_noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Euler with Flow-GRPO's SDE on the steps `sde_steps` ([T] bool; the last step must stay
+    deterministic) and the ODE elsewhere. `step_noise` [B, number of SDE steps, *latent] is each SDE
+    step's z, in order. Returns (x0, the visited states [B, T, *latent] (x_k at grid[k]), each
+    step's log-probability [B, T] under the sampling weights, 0 on the ODE steps)."""
+    from ..algorithms.flow_grpo import sde_step
+
+    steps = len(grid) - 1
+    if sde_steps.shape != (steps,):
+        raise ValueError(f"sde_steps has shape {tuple(sde_steps.shape)}; expected ({steps},)")
+    if bool(sde_steps[-1]):
+        raise ValueError("the last step (to t = 0) has no SDE form: keep it deterministic")
+    if step_noise.shape[1] != int(sde_steps.sum()):
+        raise ValueError(
+            f"step_noise has {step_noise.shape[1]} steps of noise for {int(sde_steps.sum())} SDE steps"
+        )
+    x, batch, t_cap = noise, noise.shape[0], float(grid[1])
+    states, log_probs, used = [], torch.zeros(batch, steps, device=noise.device), 0
+    for i in range(steps):
+        t, t_next = grid[i].expand(batch), grid[i + 1].expand(batch)
+        states.append(x)
+        v = velocity(x, t)
+        if bool(sde_steps[i]):
+            z = step_noise[:, used].to(device=x.device, dtype=torch.float32)
+            x, log_probs[:, i], _, _ = sde_step(v.float(), x.float(), t, t_next, noise_level, t_cap, noise=z)
+            used += 1
+        else:
+            x = x + (t_next[0] - t[0]).to(x.dtype) * v
+    return x, torch.stack(states, dim=1), log_probs

@@ -41,7 +41,7 @@ from ..algorithms.distill import distillation_loss
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from ..config import ConfigError, ExperimentConfig, check_registered_name, option
-from ..experience.rollout import Rollout, step_generator
+from ..experience.rollout import Rollout, SDESampling, step_generator
 from ..experience.teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
 from ..models.policy import index_condition
 from ..registry import algorithms, teachers
@@ -230,6 +230,12 @@ class Algorithm:
         """Load what `rollout_state` sent (on a rollout process)."""
         lora = _lora()
         lora.load_adapter_state_dict(transformer, lora.OLD, tensors)
+
+    @classmethod
+    def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
+        """How rollouts sample when this algorithm needs per-step log-probabilities (Flow-GRPO's
+        SDE); None: the ODE solver (sampling.solver)."""
+        return None
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
@@ -516,6 +522,12 @@ class OnPolicyDistillation(DiffusionNFT):
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
         check_registered_name("teacher.name", cfg.teacher.name, teachers)
+
+    @classmethod
+    def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
+        """How rollouts sample when this algorithm needs per-step log-probabilities (Flow-GRPO's
+        SDE); None: the ODE solver (sampling.solver)."""
+        return None
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:

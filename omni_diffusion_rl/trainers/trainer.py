@@ -71,7 +71,7 @@ def experience_maker(
         kind = "an answering language model" if is_answering(policy) else "a media generator"
         raise ConfigError(
             f"algorithm.name={cfg.algorithm.name} does not train {kind} (model.family={cfg.model.family}): "
-            "gspo trains answering models (tiny_omni); nft, raft and distill train generators"
+            "gspo trains answering models (tiny_omni); nft, flow_grpo, raft and distill train generators"
         )
     if is_answering(policy):
         from ..experience.answer_backends import answer_backend
@@ -107,6 +107,7 @@ def experience_maker(
         load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
         autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
         annotator=algorithm.experience_annotator(cfg, policy, sharder),
+        sde=algorithm.sde_sampling(cfg),
     )
 
 
@@ -198,6 +199,8 @@ class Trainer:
             )
         )
         self.eval_before: dict[str, float] | None = None
+        self.loop_started: float | None = None  # perf_counter when the loop's first step began
+        self.evaluating_s = self.evaluating_s_at_loop = 0.0  # held-out evaluations' seconds
         self.output_dir = Path(cfg.train.output_dir)
         self.checkpoints = RunCheckpoints(
             cfg,
@@ -316,13 +319,18 @@ class Trainer:
     def _evaluate_logged(self, logger: MetricsLogger) -> dict[str, float]:
         """The held-out evaluation (evaluator.py) logged as eval/...; when it fails, the logger and the
         scorers are closed first."""
+        started = time.perf_counter()
+        in_loop = self.evaluating_s - self.evaluating_s_at_loop  # evaluations since the loop started
+        train_s = 0.0 if self.loop_started is None else started - self.loop_started - in_loop
+        progress = {"train_seconds": train_s, "generated_samples": self.sample_counts.get("generated", 0)}
         try:
             result = self.heldout.evaluate()
         except BaseException:
             logger.close()
             self.close_scorers()
             raise
-        logger.log({f"eval/{k}": v for k, v in result.items()}, step=self.step)
+        self.evaluating_s += time.perf_counter() - started
+        logger.log({f"eval/{k}": v for k, v in {**result, **progress}.items()}, step=self.step)
         return result
 
     # ------------------------------------------------------------------ the loop
@@ -350,6 +358,7 @@ class Trainer:
                 self.preview(f"step_{self.step:05d}")
         evaluating_s = time.perf_counter() - start
         first_step, loop_start = self.step, time.perf_counter()
+        self.loop_started, self.evaluating_s_at_loop = loop_start, self.evaluating_s
         if self.recheck is not None:
             startup_s = self.build_s + loop_start - self.built_at - evaluating_s  # what a restart costs
             self.recheck.loop_started(LoopStart(self.building_started_at, startup_s), cfg.execution)
@@ -401,6 +410,8 @@ class Trainer:
                         )
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save()
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
+                    self._evaluate_logged(logger)  # the last step's is the end's
                 if self.recheck is not None:  # the step's phases, its checkpoint (if any) saved
                     phases = StepPhases(self.step, *self.step_times, self.source.rollout_group_s, self.save_s)
                     switching = self.recheck.after_step(phases, place)

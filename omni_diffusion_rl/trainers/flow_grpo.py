@@ -1,0 +1,193 @@
+"""Flow-GRPO and MixGRPO on the shared loop (algorithms/flow_grpo.py holds the math).
+
+The rollout side samples with the SDE (the `old` adapter) and records the states it visited, each
+step's log-probability and which steps ran the SDE (experience/rollout.py: STATES, BEHAVIOUR_LOGP,
+SDE_STEPS). The update recomputes the log-probability of each recorded transition with the trained
+adapter on a `timestep_fraction` of the sample's SDE steps, takes the clipped PPO loss against the
+recorded (behaviour) log-probability with group-normalised advantages and, with kl_coef > 0, the
+closed-form KL of its step to the base model's, accumulates every chosen step of every sample and
+makes one optimizer step; `old` then follows the trained adapter. In the async modes a sample may
+be a few versions old: its ratio is against the log-probability its own weights recorded, and
+`grpo/logp_gap` reports how far the trained policy has moved from them.
+
+MixGRPO (`sde_window_size` > 0): the SDE runs only on a window of steps that moves `sde_window_stride`
+steps every `sde_window_every` updates (the ODE elsewhere), and only the window's steps are trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..algorithms.flow_grpo import clipped_policy_loss, gaussian_step_kl, sde_step
+from ..config import ConfigError, ExperimentConfig, option
+from ..experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, Rollout, SDESampling, step_generator
+from ..models.policy import index_condition
+from ..registry import algorithms
+from .algorithms import (
+    Algorithm,
+    MicroBatch,
+    Plan,
+    UpdateBatch,
+    Work,
+    _lora,
+    finite_if_dropped,
+    micro_batches,
+)
+
+SDE_SOLVERS = ("euler",)
+"""The solvers whose steps have an SDE form (Flow-GRPO's sampler steps like Euler)."""
+
+
+@dataclass
+class FlowGRPOOptions:
+    """Flow-GRPO's options (algorithm.name=flow_grpo), flat in the algorithm section."""
+
+    sde_noise: float = option(
+        0.7, "flow_grpo: a in sigma_t = a sqrt(t / (1 - t)), the SDE's noise level", gt=0
+    )
+    clip_range: float = option(
+        1e-4, "flow_grpo: the step ratio is clipped to [1 - clip_range, 1 + clip_range]", gt=0
+    )
+    adv_clip_max: float = option(
+        5.0, "flow_grpo: advantages are clipped to [-adv_clip_max, adv_clip_max]", gt=0
+    )
+    per_group_std: bool = option(
+        True, "flow_grpo: normalise by each group's std (the reference's per-prompt stats)"
+    )
+    kl_coef: float = option(
+        0.0,
+        "flow_grpo: weight of the KL of each trained step to the base model's (0 skips its forward)",
+        ge=0,
+    )
+    sde_window_size: int = option(
+        0,
+        "MixGRPO: the SDE (and training) only on a window of this many steps (0: every step but the last)",
+        ge=0,
+    )
+    sde_window_stride: int = option(1, "MixGRPO: steps the window moves each time", ge=1)
+    sde_window_every: int = option(1, "MixGRPO: updates between moves of the window", ge=1)
+
+
+@algorithms.register("flow_grpo")
+class FlowGRPO(Algorithm):
+    """Flow-GRPO: the clipped policy gradient on the SDE's per-step log-probabilities (see the
+    module docstring)."""
+
+    display_name = "Flow-GRPO"
+    options_type = FlowGRPOOptions
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig) -> None:
+        a, s = cfg.algorithm, cfg.sampling
+        if s.solver not in SDE_SOLVERS:
+            raise ConfigError(
+                f"algorithm.name=flow_grpo samples with an SDE, and sampling.solver={s.solver} has none; "
+                f"use one that does: {', '.join(SDE_SOLVERS)}"
+            )
+        if s.num_steps < 2:
+            raise ConfigError(
+                f"sampling.num_steps={s.num_steps}: flow_grpo needs at least 2 steps (the last one stays "
+                "deterministic, so one step leaves nothing to train)"
+            )
+        if a.sde_window_size > s.num_steps - 1:
+            raise ConfigError(
+                f"algorithm.sde_window_size={a.sde_window_size} is larger than the {s.num_steps - 1} steps "
+                f"that may run the SDE (sampling.num_steps={s.num_steps}, the last one deterministic)"
+            )
+
+    @classmethod
+    def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
+        a = cfg.algorithm
+        return SDESampling(a.sde_noise, a.sde_window_size, a.sde_window_stride, a.sde_window_every)
+
+    def metric_names(self) -> list[str]:
+        names = ["loss/total", "loss/policy", "grpo/clip_fraction", "grpo/approx_kl", "grpo/logp_gap"]
+        return sorted([*names, "loss/kl"] if self.options.kl_coef > 0 else names)
+
+    def plan(self, batch: UpdateBatch) -> Plan:
+        rollout, cfg = batch.rollout, self.learner.cfg
+        missing = [k for k in (STATES, BEHAVIOUR_LOGP, SDE_STEPS) if k not in rollout.extras]
+        if missing:
+            raise ValueError(f"a flow_grpo rollout lacks {', '.join(missing)} (sampled without the SDE?)")
+        steps = trained_sde_steps(rollout, cfg.train.seed, batch.step, cfg.algorithm.timestep_fraction)
+        adv = batch.advantages(per_group_std=self.options.per_group_std)[batch.local]
+        mine = batch.mine
+        metrics = {"grpo/adv_abs": float(adv[mine].abs().mean()) if mine.any() else float("nan")}
+        if self.options.sde_window_size:
+            metrics["grpo/window_start"] = (
+                float(rollout.extras[SDE_STEPS][0].argmax()) if len(rollout) else 0.0
+            )
+        return Plan(mine, {"adv": adv, "steps": steps}, metrics=metrics)
+
+    def sweep(self, work: Work) -> Iterator[MicroBatch]:
+        """One pass per trained step: every micro-batch of samples at their j-th chosen step."""
+        rollout = work.rollout
+        if not len(rollout):
+            return
+        device = rollout.x0.device
+        grid = rollout.grid.to(device)
+        chosen = work.data["steps"].to(device)
+        for part in micro_batches(len(rollout), self.learner.cfg.train.micro_batch_size):
+            w = work.weight(part, device)
+            states = finite_if_dropped(rollout.extras[STATES][part].to(device), w)
+            logp = finite_if_dropped(rollout.extras[BEHAVIOUR_LOGP][part].to(device), w)
+            rows = torch.arange(len(states), device=device)
+            cond = index_condition(rollout.cond, part)
+            for j in range(chosen.shape[1]):
+                k = chosen[part, j]
+                data = {
+                    "x": states[rows, k],
+                    "x_next": states[rows, k + 1],
+                    "t": grid[k],
+                    "t_next": grid[k + 1],
+                    "logp_old": logp[rows, k],
+                    "cond": cond,
+                }
+                yield MicroBatch(work, part, j, chosen.shape[1], data)
+
+    def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        a, learner, d = self.options, self.learner, micro.data
+        policy, t_cap = learner.policy, float(micro.work.rollout.grid[1])
+        x, x_next = d["x"].float(), d["x_next"].float()
+        with learner.autocast():
+            v = policy.velocity(d["x"], d["t"], d["cond"])
+        _, logp, mean, std = sde_step(v.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next)
+        w = micro.weight(x.device)
+        adv = micro.rows("adv").to(x.device)
+        loss, metrics = clipped_policy_loss(logp, d["logp_old"], adv, a.clip_range, a.adv_clip_max, w)
+        if a.kl_coef > 0:
+            lora = _lora()
+            with torch.no_grad(), learner.autocast(), lora.adapters_disabled(learner.transformer):
+                v_ref = policy.velocity(d["x"], d["t"], d["cond"])
+            _, _, mean_ref, _ = sde_step(
+                v_ref.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next
+            )
+            kl = gaussian_step_kl(mean, mean_ref, std)
+            kl = (kl if w is None else w * kl).mean()
+            metrics["loss/kl"] = kl.detach()
+            loss = loss + a.kl_coef * kl
+        return loss, {"loss/total": loss.detach(), **metrics}
+
+
+def trained_sde_steps(rollout: Rollout, seed: int, step: int, fraction: float) -> torch.Tensor:
+    """[N, K]: each sample's trained steps, the first `fraction` of its SDE steps in a random order
+    keyed by (seed, step, prompt group); K = max(1, int(SDE steps * fraction)), the same for all."""
+    sde = rollout.extras[SDE_STEPS].cpu() > 0
+    counts = sde.sum(dim=1)
+    if len(rollout) and bool((counts != counts[0]).any()):
+        raise ValueError(
+            f"the samples of a flow_grpo batch ran different numbers of SDE steps: {counts.tolist()}"
+        )
+    if len(rollout) and int(counts[0]) == 0:
+        raise ValueError("a flow_grpo rollout ran no SDE step: nothing to train")
+    num_train = max(1, int(int(counts[0]) * fraction)) if len(rollout) else 0
+    chosen, generators = [], {}
+    for i, group in enumerate(rollout.group_ids.tolist()):
+        gen = generators.setdefault(group, step_generator(seed, step, group, "train"))
+        candidates = sde[i].nonzero().flatten()
+        chosen.append(candidates[torch.randperm(len(candidates), generator=gen)[:num_train]])
+    return torch.stack(chosen) if chosen else torch.zeros(0, num_train, dtype=torch.long)

@@ -1,0 +1,375 @@
+"""Flow-GRPO and MixGRPO: the SDE step and the loss against the reference's formulas (float64), the
+SDE's marginals, the window, bad options, non-finite log-probabilities, and training on the loop."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from omni_diffusion_rl.algorithms.flow_grpo import (
+    clipped_policy_loss,
+    gaussian_step_kl,
+    sde_sigma,
+    sde_step,
+    sde_window,
+)
+from omni_diffusion_rl.benchmarks.tiny_families import H3_CLIP, LTX2_CLIP, save_tiny_h3, save_tiny_ltx2
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, SDESampling
+from omni_diffusion_rl.experience.sampling import flow_match_time_grid, sample_sde
+from omni_diffusion_rl.models import lora
+from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.trainers.flow_grpo import FlowGRPO, trained_sde_steps
+from omni_diffusion_rl.trainers.trainer import Trainer
+
+from .helpers import fast_overrides, last_json_line, step_records, tiny_model_dir, tiny_sd3
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+PROMPTS = ["a red circle with a low tone at the start", "a blue square with a high tone at the end"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference's formulas (yifan123/flow_grpo: sde_step_with_logprob and train_sd3.py's loss),
+# written out here as the oracle, in its own algebraic form: sigma_max is the grid's second time,
+# dt = sigma_prev - sigma < 0, the log-density averaged over every entry but the batch's.
+
+
+def reference_step(v, x, sigmas, index, noise_level, prev_sample=None, z=None, drift_sign=1.0):
+    sigma = sigmas[index].view(-1, 1, 1, 1)
+    sigma_prev = sigmas[index + 1].view(-1, 1, 1, 1)
+    sigma_max = sigmas[1].item()
+    dt = sigma_prev - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+    mean = (
+        x * (1 + drift_sign * std_dev_t**2 / (2 * sigma) * dt)
+        + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    )
+    if prev_sample is None:
+        prev_sample = mean + std_dev_t * torch.sqrt(-1 * dt) * z
+    log_prob = (
+        -((prev_sample - mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
+        - torch.log(std_dev_t * torch.sqrt(-1 * dt))
+        - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi, dtype=x.dtype)))
+    )
+    return prev_sample, log_prob.mean(dim=(1, 2, 3)), mean, std_dev_t
+
+
+def reference_loss(
+    log_prob, old_log_prob, advantages, clip_range, adv_clip_max, mean, mean_ref, std_dev_t, beta
+):
+    advantages = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.mean(torch.maximum(unclipped, clipped))
+    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t**2)
+    return policy_loss + beta * torch.mean(kl)
+
+
+def _case(seed: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, 3, 5, 6)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(3))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "index", [0, 1, 4, 8]
+)  # 0: t = 1, where sigma's denominator takes the grid's second time
+def test_the_sde_step_equals_the_reference_in_float64(index: int) -> None:
+    sigmas = flow_match_time_grid(10, 3.0).double()
+    v, x, z = _case(index)
+    t, t_next = sigmas[index].expand(len(x)), sigmas[index + 1].expand(len(x))
+    ref_next, ref_logp, ref_mean, ref_std = reference_step(v, x, sigmas, torch.full((4,), index), 0.7, z=z)
+    x_next, logp, mean, std = sde_step(v, x, t, t_next, 0.7, float(sigmas[1]), noise=z)
+    dt = float(sigmas[index + 1] - sigmas[index])
+    for ours, theirs in [
+        (x_next, ref_next),
+        (logp, ref_logp),
+        (mean, ref_mean),
+        (std, ref_std * math.sqrt(-dt)),
+    ]:
+        torch.testing.assert_close(ours, theirs.expand_as(ours), rtol=0, atol=1e-10)
+    scored = sde_step(v, x, t, t_next, 0.7, float(sigmas[1]), x_next=x_next)  # scoring a recorded step
+    torch.testing.assert_close(scored[1], ref_logp, rtol=0, atol=1e-10)
+    # the check can fail: the drift correction with its sign flipped is far from ours
+    _, _, flipped, _ = reference_step(v, x, sigmas, torch.full((4,), index), 0.7, z=z, drift_sign=-1.0)
+    assert (flipped - mean).abs().max() > 1e-4
+
+
+def test_the_loss_equals_the_reference_in_float64() -> None:
+    sigmas = flow_match_time_grid(10, 3.0).double()
+    v, x, z = _case(7)
+    v_ref = v + 0.05 * torch.randn_like(v)
+    index = torch.full((4,), 3)
+    x_next, old_logp, _, _ = reference_step(v + 0.01, x, sigmas, index, 0.7, z=z)  # behaviour: other weights
+    _, ref_logp, ref_mean, std_dev_t = reference_step(v, x, sigmas, index, 0.7, prev_sample=x_next)
+    _, _, ref_mean_ref, _ = reference_step(v_ref, x, sigmas, index, 0.7, prev_sample=x_next)
+    advantages = torch.tensor([2.0, -7.0, 0.5, -0.1], dtype=torch.float64)
+    for clip_range in (1e-4, 0.2, 10.0):
+        expected = reference_loss(
+            ref_logp, old_logp, advantages, clip_range, 5.0, ref_mean, ref_mean_ref, std_dev_t, 0.04
+        )
+        t, t_next = sigmas[3].expand(4), sigmas[4].expand(4)
+        _, logp, mean, _ = sde_step(v, x, t, t_next, 0.7, float(sigmas[1]), x_next=x_next)
+        _, _, mean_ref, _ = sde_step(v_ref, x, t, t_next, 0.7, float(sigmas[1]), x_next=x_next)
+        policy, _ = clipped_policy_loss(logp, old_logp, advantages, clip_range, 5.0)
+        kl = gaussian_step_kl(mean, mean_ref, std_dev_t.expand(4, 1, 1, 1))  # the reference's std: sigma_t
+        torch.testing.assert_close(policy + 0.04 * kl.mean(), expected, rtol=0, atol=1e-10)
+
+
+def test_the_sde_keeps_the_odes_marginals() -> None:
+    """Data x0 ~ N(0, s^2) has the exact velocity v(x, t) = (t - (1 - t) s^2) x / var_t with
+    var_t = (1 - t)^2 s^2 + t^2; sampling it with the SDE ends at std s (a flipped drift correction
+    or a wrong noise scale would not)."""
+    s, steps, n = 0.5, 200, 20000
+    grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).float()
+
+    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        tb = t.view(-1, 1)
+        return (tb - (1 - tb) * s**2) * x / ((1 - tb) ** 2 * s**2 + tb**2)
+
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randn(n, 1, generator=gen)
+    sde_steps = torch.ones(steps, dtype=torch.bool)
+    sde_steps[-1] = False
+    step_noise = torch.randn(n, steps - 1, 1, generator=gen)
+    x0, states, log_probs = sample_sde(velocity, noise, grid, 0.7, sde_steps, step_noise)
+    assert abs(float(x0.std()) - s) < 0.02
+    middle = states[:, steps // 2]  # t = 0.5: std sqrt(0.25 s^2 + 0.25)
+    assert abs(float(middle.std()) - math.sqrt(0.25 * s**2 + 0.25)) < 0.02
+    assert states.shape == (n, steps, 1) and bool(torch.isfinite(log_probs).all())
+    assert bool((log_probs[:, -1] == 0).all())  # the deterministic last step has no log-probability
+
+
+def test_sigma_at_t_one_uses_the_grids_second_time() -> None:
+    t = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(
+        sde_sigma(t, 0.7, 0.9), torch.tensor([0.7 * math.sqrt(10.0), 0.7], dtype=torch.float64)
+    )
+
+
+def test_the_window_slides_and_starts_over() -> None:
+    starts = [sde_window(step, 9, 3, 2, 5)[0] for step in range(0, 40, 5)]
+    assert starts == [0, 2, 4, 6, 1, 3, 5, 0]  # 7 positions; 2 steps every 5 updates, wrapping
+    assert sde_window(123, 9, 0, 1, 1) == (0, 9)  # no window: every step that may run the SDE
+    with pytest.raises(ValueError, match="window of 10 steps is larger than the 9"):
+        sde_window(0, 9, 10, 1, 1)
+    steps = SDESampling(0.7, window_size=2, window_stride=1, window_every=1).steps(10, 3)
+    assert steps.tolist() == [False, False, False, True, True, False, False, False, False, False]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.sde_noise=0"], "algorithm.sde_noise"),
+        (["algorithm.sde_noise=-0.5"], "algorithm.sde_noise"),
+        (["algorithm.sde_noise=.nan"], "algorithm.sde_noise"),
+        (["algorithm.sde_noise=.inf"], "algorithm.sde_noise: inf is not a finite number"),
+        (["algorithm.sde_window_size=10"], "algorithm.sde_window_size=10 is larger than the 9 steps"),
+        (["algorithm.clip_range=0"], "algorithm.clip_range"),
+        (["algorithm.clip_range=-1e-4"], "algorithm.clip_range"),
+        (["sampling.solver=heun"], "sampling.solver=heun has none; use one that does: euler"),
+        (["sampling.num_steps=1", "algorithm.sde_window_size=0"], "flow_grpo needs at least 2 steps"),
+        (["algorithm.beta=0.5"], "algorithm.beta"),  # DiffusionNFT's, not Flow-GRPO's
+    ],
+)
+def test_bad_flow_grpo_options_are_refused_by_name(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, ["algorithm.name=flow_grpo", "sampling.num_steps=10", *overrides])
+
+
+def test_clip_range_must_be_positive_in_the_pure_function_too() -> None:
+    with pytest.raises(ValueError, match="clip_range must be > 0"):
+        clipped_policy_loss(torch.zeros(2), torch.zeros(2), torch.ones(2), 0.0, 5.0)
+
+
+def test_flow_grpo_trains_on_the_loop_on_policy(model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            *fast_overrides(model_dir, tmp_path / "run", 3),
+            "algorithm.name=flow_grpo",
+            "algorithm.kl_coef=0.04",
+            "eval.every=2",
+        ],
+    )
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.algorithm, FlowGRPO)
+    before = {k: v.clone() for k, v in lora.adapter_state_dict(trainer.transformer, lora.TRAINED).items()}
+    trainer.fit()
+    rows = step_records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["grpo/logp_gap"] < 1e-4, "colocated: the trained policy is the one that sampled"
+        assert r["grpo/clip_fraction"] == 0.0 and r["loss/kl"] >= 0
+        assert math.isfinite(r["loss/total"]) and r["grad_norm"] > 0
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "eval/reward" in r]  # at the start, every 2 steps, at the end
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    assert [r["eval/generated_samples"] for r in evals] == [0, 8, 12]
+    seconds = [r["eval/train_seconds"] for r in evals]
+    assert seconds[0] == 0.0 and 0 < seconds[1] < seconds[2]
+    trained = lora.adapter_state_dict(trainer.transformer, lora.TRAINED)
+    assert any(not torch.equal(before[k], trained[k]) for k in trained), "the trained adapter moved"
+    old = lora.adapter_state_dict(trainer.transformer, lora.OLD)
+    assert all(
+        torch.equal(v, old[k.replace(f".{lora.TRAINED}.", f".{lora.OLD}.")]) for k, v in trained.items()
+    )
+
+
+def test_a_window_trains_only_its_steps_and_records_them(model_dir: Path, tmp_path: Path) -> None:
+    overrides = [
+        *fast_overrides(model_dir, tmp_path / "run", 1),
+        "algorithm.name=flow_grpo",
+        "sampling.num_steps=6",
+        "algorithm.sde_window_size=2",
+        "algorithm.sde_window_every=1",
+        "algorithm.timestep_fraction=1.0",
+    ]
+    trainer = Trainer(load_config(None, overrides))
+    experience = trainer.experience
+    for step, start in [(0, 0), (1, 1), (3, 3), (4, 0)]:  # 4 places for 2 of the 5 SDE-able steps
+        rollout, scored = experience.make_step(step, PROMPTS, [0, 1])
+        sde = rollout.extras[SDE_STEPS]
+        assert sde.sum(dim=1).tolist() == [2.0] * 4
+        assert sde[0, start : start + 2].tolist() == [1.0, 1.0]
+        logp = rollout.extras[BEHAVIOUR_LOGP]
+        assert bool((logp[sde == 0] == 0).all()) and bool((logp[sde > 0] != 0).all())
+        assert rollout.extras[STATES].shape[:2] == (4, 6) and not scored.failures
+        trained = trained_sde_steps(rollout, 0, step, 1.0)
+        assert sorted(trained[0].tolist()) == [start, start + 1]  # only the window's steps are trained
+
+
+def test_samples_with_non_finite_log_probabilities_fail_and_are_not_trained(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A sample whose sampler output is NaN is a failed sample with a reason: not trained on, not
+    scored 0, and logged in failed_samples.jsonl."""
+    cfg = load_config(
+        None,
+        [*fast_overrides(model_dir, tmp_path / "run", 1), "algorithm.name=flow_grpo", "data.group_size=3"],
+    )
+    trainer = Trainer(cfg)
+    policy = trainer.experience.policy
+    velocity = policy.velocity
+
+    def breaks_sample_one(x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:  # a fault, injected
+        v = velocity(x, t, cond)
+        if len(v) == 6 and float(t[0]) < 0.9:
+            v = v.clone()
+            v[1] = float("nan")
+        return v
+
+    policy.velocity = breaks_sample_one  # type: ignore[method-assign]
+    rollout, scored = trainer.experience.make_step(0, PROMPTS, [0, 1])
+    assert list(scored.failures) == [1] and "sampler" in scored.failures[1]
+    assert math.isnan(float(scored.total[1])) and bool(torch.isfinite(scored.total[[0, 2, 3, 4, 5]]).all())
+    trainer.fit()
+    assert trainer.sample_counts["dropped/reward_failed"] == 1 and trainer.sample_counts["trained"] == 5
+    failed = (tmp_path / "run" / "failed_samples.jsonl").read_text()
+    assert "not finite" in failed
+
+
+# ---------------------------------------------------------------------------------------------
+# Every model family, tiny and random-init; the async modes with two processes
+
+
+@rewards.register("test_media_level", overwrite=True)
+class MediaLevel:
+    """Mean of the picture and the sound, whichever a family makes: a reward for every family."""
+
+    def score(self, media, prompts):  # noqa: ANN001, ANN202
+        parts = [m.flatten(1).mean(dim=1) for m in (media.video, media.audio) if m is not None]
+        return torch.stack(parts).mean(dim=0)
+
+
+def _family_model(family: str, root: Path) -> tuple[Path, dict]:
+    """A tiny random-init model of `family` saved under `root`, and its model.options."""
+    if family == "sd3":
+        tiny_sd3().save_pretrained(root / "transformer")
+        return root, {}
+    if family == "stable_audio":
+        from .test_diffusers_adapter import tiny_stable_audio
+
+        tiny_stable_audio().save_pretrained(root / "transformer")
+        return root, {}
+    if family == "ltx2":
+        return save_tiny_ltx2(root), LTX2_CLIP
+    return save_tiny_h3(root), H3_CLIP
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "sd3",
+        pytest.param("stable_audio"),
+        pytest.param("ltx2", marks=pytest.mark.slow),
+        pytest.param("minimax_h3", marks=pytest.mark.slow),
+    ],
+)
+def test_flow_grpo_trains_every_model_family(family: str, tmp_path: Path) -> None:
+    model, options = _family_model(family, tmp_path / "model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a bright sky at dawn\na dark room at night\n", encoding="utf-8")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"model": {"options": options}}))
+    overrides = [
+        f"model.family={family}",
+        f"model.pretrained={model}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        f"data.prompts={prompts}",
+        f"data.eval_prompts={prompts}",
+        "data.prompts_per_step=2",
+        "data.group_size=2",
+        "sampling.num_steps=3",
+        "reward.weights={test_media_level: 1.0}",
+        "eval.metrics=[]",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.steps=2",
+        "train.eval_at_start_and_end=false",
+        "train.preview_every=0",
+        "train.progress=false",
+        "algorithm.name=flow_grpo",
+        "algorithm.kl_coef=0.04",
+    ]
+    trainer = Trainer(load_config(str(path), overrides))
+    before = {k: v.clone() for k, v in lora.adapter_state_dict(trainer.transformer, lora.TRAINED).items()}
+    summary = trainer.fit()
+    assert summary["samples"]["trained"] == 2 * 2 * 2
+    after = lora.adapter_state_dict(trainer.transformer, lora.TRAINED)
+    assert any(not torch.equal(before[k], after[k]) for k in after), f"the {family} adapter trained"
+    for r in step_records(tmp_path / "run"):
+        assert math.isfinite(r["loss/total"]) and r["grpo/logp_gap"] < 1e-3 and r["loss/kl"] >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["separate", "hybrid"])
+def test_flow_grpo_runs_in_the_async_modes_with_two_processes(
+    model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """The behaviour log-probabilities travel with each group through the buffer; a group made with
+    older weights is trained against its own (the gap is reported)."""
+    from .test_separate import _launch
+
+    run = tmp_path / "run"
+    args = [*fast_overrides(model_dir, run, 4), "algorithm.name=flow_grpo", f"execution.mode={mode}"]
+    proc = _launch([*args, "execution.data_timeout_s=60"], 29633 if mode == "separate" else 29634)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    buf = last_json_line(proc.stdout)["execution"]["buffer"]
+    assert buf["trained"] == 4 * 2 * 2
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["grpo/logp_gap"]) and math.isfinite(r["loss/total"]) for r in rows)
+    if mode == "separate":  # groups one version old are trained against the weights that made them
+        assert max(r["grpo/logp_gap"] for r in rows) > 0
