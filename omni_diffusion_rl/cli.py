@@ -312,6 +312,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         output = args.output or Path("runs/bench/learning.json")
         run_learning_bench(output, args.config, args.overrides, modes=args.modes, seeds=args.seeds, **steps)
         return 0
+    if args.name == "algorithms":
+        from .benchmarks.algorithms import run_algorithms_bench
+
+        output = args.output or Path("runs/bench/algorithms.json")
+        contestants = args.contestants
+        run_algorithms_bench(
+            output, args.overrides, contestants, args.seeds, args.steps or 240, args.eval_every
+        )
+        return 0
     if args.name == "teacher":
         from .benchmarks.teacher import run_teacher_bench
 
@@ -927,7 +936,9 @@ def _add_bench(sub: Subcommands) -> None:
         "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes; --measure adds "
         "the bytes each process holds in real sharded and unsharded runs of tiny models), "
         "teacher (distillation's teacher: overlapped vs blocking schedule, 1 vs 2 teacher servers), "
-        "sharding (2 processes, train.sharding=fsdp against none: seconds per step)",
+        "sharding (2 processes, train.sharding=fsdp against none: seconds per step), "
+        "algorithms (a race of nft, flow_grpo, mixgrpo, raft, distill on the tiny world: held-out judge "
+        "accuracy against training seconds and samples, over seeds)",
     )
     bench.add_argument(
         "name",
@@ -940,6 +951,7 @@ def _add_bench(sub: Subcommands) -> None:
             "memory",
             "teacher",
             "sharding",
+            "algorithms",
         ),
     )
     _add_bench_options(bench)
@@ -962,9 +974,12 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         type=_positive_int,
-        help="modes, learning, recheck: optimizer steps per run (default: modes 8, learning 20, recheck 16)",
+        help="modes, learning, recheck, algorithms: optimizer steps per run (default: modes 8, learning 20, "
+        "recheck 16, algorithms 240)",
     )
-    parser.add_argument("overrides", nargs="*", help="modes, learning, recheck: section.key=value overrides")
+    parser.add_argument(
+        "overrides", nargs="*", help="modes, learning, recheck, algorithms: section.key=value overrides"
+    )
     parser.add_argument(
         "--modes",
         type=_names,
@@ -972,7 +987,18 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         help="learning: comma-separated execution modes (colocated is the reference); ALGORITHM:MODE "
         "runs another algorithm, e.g. colocated,raft:colocated",
     )
-    parser.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="learning: comma-separated seeds")
+    parser.add_argument(
+        "--seeds", type=_ints, default=(0, 1, 2), help="learning, algorithms: comma-separated seeds"
+    )
+    parser.add_argument(
+        "--contestants",
+        type=_names,
+        default=("nft", "flow_grpo", "mixgrpo", "raft", "distill"),
+        help="algorithms: comma-separated contestants of the race",
+    )
+    parser.add_argument(
+        "--eval-every", type=_positive_int, default=20, help="algorithms: steps between held-out evaluations"
+    )
     parser.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     parser.add_argument(
         "--repeats",

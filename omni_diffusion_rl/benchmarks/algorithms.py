@@ -1,0 +1,279 @@
+"""Benchmark: a race of the algorithms on held-out quality per second and per sample.
+
+Every contestant trains the tiny world from the same base for the same steps, one process each on
+this machine, with the held-out evaluation every `eval_every` steps (`eval.every`) by the tiny
+world's judge, which nothing trains on. Runs interleave: seed 0 of every contestant, then seed 1,
+and so on, so that a change in the machine's load falls on all of them alike.
+
+For each contestant the report gives, over seeds (median and range): the training seconds and the
+generated samples at the first evaluation that reached each accuracy threshold (0.5 and 0.9 by
+default; "not reached" counts are stated), the final accuracy and the final health signs (flooded
+frames, a recognisable shape, diversity). A difference is called "within the seed spread" when the
+two contestants' ranges over seeds overlap. The headline is DiffusionNFT's median time to the
+highest threshold against Flow-GRPO's. Accuracy is "all attributes right" (colour, shape, pitch
+and timing) of each held-out sample. Prints a table, writes JSON and a plot of accuracy against
+training seconds and against generated samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..runtime.subprocesses import run_process_tree
+from .common import LAUNCH_TIMEOUT_S, machine_info, median, publish
+
+ACCURACY = "eval/tiny_world_judge"
+HEALTH = ("flooded", "recognisable_shape", "diversity")
+THRESHOLDS = (0.5, 0.9)
+NFT_CONFIG = "recipes/configs/tiny_t2av_nft.yaml"
+FLOW_GRPO_CONFIG = "recipes/configs/tiny_t2av_flow_grpo.yaml"
+
+
+@dataclass(frozen=True)
+class Contestant:
+    """A training config and its overrides, as one contestant of the race."""
+
+    config: str
+    overrides: tuple[str, ...] = ()
+    about: str = ""
+
+
+CONTESTANTS = {
+    "nft": Contestant(NFT_CONFIG, (), "DiffusionNFT, the demo's defaults"),
+    "flow_grpo": Contestant(FLOW_GRPO_CONFIG, (), "Flow-GRPO, SDE rollouts, every step but the last"),
+    "mixgrpo": Contestant(
+        FLOW_GRPO_CONFIG,
+        ("algorithm.sde_window_size=3", "algorithm.sde_window_every=20", "algorithm.timestep_fraction=1.0"),
+        "Flow-GRPO with MixGRPO's window: the SDE and training on 3 steps that slide",
+    ),
+    "raft": Contestant(NFT_CONFIG, ("algorithm.name=raft",), "RAFT: flow matching on each group's best"),
+    "distill": Contestant(NFT_CONFIG, ("algorithm.name=distill",), "on-policy distillation, shipped teacher"),
+}
+
+
+def read_curve(run_dir: Path) -> list[dict[str, float]]:
+    """A run's held-out evaluations in order: step, training seconds, generated samples, accuracy
+    and the health signs."""
+    curve = []
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        if ACCURACY not in row:
+            continue
+        point = {
+            "step": row["step"],
+            "seconds": row.get("eval/train_seconds", 0.0),
+            "samples": row.get("eval/generated_samples", 0.0),
+            "accuracy": row[ACCURACY],
+        }
+        curve.append(point | {h: row.get(f"{ACCURACY}/{h}", float("nan")) for h in HEALTH})
+    return curve
+
+
+def first_reach(curve: list[dict[str, float]], threshold: float) -> dict[str, float] | None:
+    """The first evaluation whose accuracy is at least `threshold` (None: never)."""
+    return next((point for point in curve if point["accuracy"] >= threshold), None)
+
+
+def _range(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": round(median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def summarise(curves: list[list[dict[str, float]]], thresholds: Sequence[float]) -> dict[str, Any]:
+    """One contestant over its seeds: time and samples to each threshold, final accuracy and health."""
+    out: dict[str, Any] = {"seeds": len(curves)}
+    for threshold in thresholds:
+        reached = [p for p in (first_reach(c, threshold) for c in curves) if p is not None]
+        out[f"to_{threshold:g}"] = {
+            "reached": len(reached),
+            "seconds": _range([p["seconds"] for p in reached]),
+            "samples": _range([p["samples"] for p in reached]),
+            "steps": _range([p["step"] for p in reached]),
+        }
+    finals = [c[-1] for c in curves]
+    out["final_accuracy"] = _range([p["accuracy"] for p in finals])
+    out["base_accuracy"] = _range([c[0]["accuracy"] for c in curves])
+    out["final_health"] = {h: _range([p[h] for p in finals]) for h in HEALTH}
+    out["base_health"] = {h: _range([c[0][h] for c in curves]) for h in HEALTH}
+    out["train_seconds"] = _range([p["seconds"] for p in finals])
+    return out
+
+
+def overlaps(a: dict[str, float] | None, b: dict[str, float] | None) -> bool | None:
+    """Whether two ranges over seeds overlap (None when either is missing)."""
+    if a is None or b is None:
+        return None
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def headline(per: dict[str, Any], threshold: float, reference: str = "nft", other: str = "flow_grpo") -> dict:
+    """`other`'s median time to `threshold` over `reference`'s (a lower bound, its whole training
+    time, when `other` never reached it on some seed)."""
+    key = f"to_{threshold:g}"
+    if reference not in per or other not in per:
+        return {}
+    ref, oth = per[reference][key], per[other][key]
+    if ref["seconds"] is None:
+        return {"ratio": None, "note": f"{reference} did not reach {threshold:g} on any seed"}
+    if oth["reached"] < per[other]["seeds"]:
+        bound = per[other]["train_seconds"]["median"] / ref["seconds"]["median"]
+        return {
+            "ratio": None,
+            "at_least": round(bound, 2),
+            "note": f"{other} reached it on {oth['reached']} seeds",
+        }
+    ratio = oth["seconds"]["median"] / ref["seconds"]["median"]
+    spread = (oth["seconds"]["min"] / ref["seconds"]["max"], oth["seconds"]["max"] / ref["seconds"]["min"])
+    return {"ratio": round(ratio, 2), "range": [round(s, 2) for s in spread]}
+
+
+def run_algorithms_bench(
+    output: Path,
+    overrides: list[str] | None = None,
+    contestants: Sequence[str] = tuple(CONTESTANTS),
+    seeds: Sequence[int] = (0, 1, 2),
+    steps: int = 240,
+    eval_every: int = 20,
+    thresholds: Sequence[float] = THRESHOLDS,
+) -> dict[str, Any]:
+    """Train every contestant with every seed (interleaved), then summarise and compare."""
+    unknown = [c for c in contestants if c not in CONTESTANTS]
+    if unknown:
+        raise ValueError(f"unknown contestants {unknown}; choose from {', '.join(CONTESTANTS)}")
+    if not seeds:
+        raise ValueError("give at least one seed")
+    curves: dict[str, list[list[dict[str, float]]]] = {c: [] for c in contestants}
+    for seed in seeds:
+        for name in contestants:
+            run_dir = output.parent / f"algorithms_{name}_seed{seed}"
+            _train(CONTESTANTS[name], run_dir, seed, steps, eval_every, list(overrides or []))
+            curves[name].append(read_curve(run_dir))
+            last = curves[name][-1][-1]
+            print(
+                f"  {name} seed {seed}: accuracy {last['accuracy']:.3f} after {last['seconds']:.0f} s",
+                flush=True,
+            )
+    per = {name: summarise(curves[name], thresholds) for name in contestants}
+    top = max(thresholds)
+    result = {
+        "machine": machine_info(),
+        "steps": steps,
+        "eval_every": eval_every,
+        "seeds": list(seeds),
+        "thresholds": list(thresholds),
+        "contestants": {name: CONTESTANTS[name].about for name in contestants},
+        "per_contestant": per,
+        "curves": curves,
+        "within_seed_spread_of_nft": _spreads(per, top),
+        "headline": headline(per, top),
+    }
+    publish(result, output, format_table(result), _draw, (11.0, 4.0), panels=2)
+    return result
+
+
+def _train(
+    contestant: Contestant, run_dir: Path, seed: int, steps: int, every: int, extra: list[str]
+) -> None:
+    args = [*contestant.overrides, *extra, f"train.output_dir={run_dir}", f"train.steps={steps}"]
+    args += [f"train.seed={seed}", f"eval.every={every}", "train.overwrite=true", "train.progress=false"]
+    args += ["train.preview_every=0", "train.checkpoint_every=0", "tracking.wandb=false"]
+    command = [sys.executable, "-m", "omni_diffusion_rl.cli", "train", contestant.config, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"race run {run_dir.name} failed:\n{done.stderr[-3000:]}")
+
+
+def _spreads(per: dict[str, Any], threshold: float) -> dict[str, dict[str, bool | None]]:
+    """For each contestant against nft: do the final accuracies and the times to `threshold` overlap
+    over seeds (True: the difference is within the seed spread)."""
+    if "nft" not in per:
+        return {}
+    key, ref = f"to_{threshold:g}", per["nft"]
+    return {
+        name: {
+            "final_accuracy": overlaps(row["final_accuracy"], ref["final_accuracy"]),
+            f"seconds_{key}": overlaps(row[key]["seconds"], ref[key]["seconds"]),
+        }
+        for name, row in per.items()
+        if name != "nft"
+    }
+
+
+def _cell(r: dict[str, float] | None, digits: int = 0) -> str:
+    if r is None:
+        return "-"
+    return f"{r['median']:.{digits}f} [{r['min']:.{digits}f}-{r['max']:.{digits}f}]"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Markdown: per contestant, time and samples to each threshold, final accuracy and health."""
+    thresholds = result["thresholds"]
+    heads = [f"s to {t:g}" for t in thresholds] + [f"samples to {t:g}" for t in thresholds]
+    lines = [
+        "| algorithm | "
+        + " | ".join(heads)
+        + " | final accuracy | flooded | recognisable shape | diversity |",
+        "|---" * (len(heads) + 5) + "|",
+    ]
+    for name, row in result["per_contestant"].items():
+        cells = []
+        for kind in ("seconds", "samples"):
+            for t in thresholds:
+                r = row[f"to_{t:g}"]
+                text = _cell(r[kind])
+                if r["reached"] < row["seeds"]:
+                    text += f" ({r['reached']}/{row['seeds']} seeds)"
+                cells.append(text)
+        health = [_cell(row["final_health"][h], 2) for h in HEALTH]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {_cell(row['final_accuracy'], 3)} | "
+            + " | ".join(health)
+            + " |"
+        )
+    lines.append("")
+    lines.append("Median [range] over seeds; seconds are training seconds (evaluations excluded).")
+    h = result["headline"]
+    if h.get("ratio") is not None:
+        lines.append(
+            f"Flow-GRPO's time to {max(thresholds):g} over DiffusionNFT's: {h['ratio']}x "
+            f"(range {h['range']})."
+        )
+    elif h:
+        lines.append(
+            f"Flow-GRPO's time to {max(thresholds):g} over DiffusionNFT's: {h.get('note')}"
+            + (f"; at least {h['at_least']}x" if "at_least" in h else "")
+        )
+    return "\n".join(lines)
+
+
+def _draw(axes: list[Any], result: dict[str, Any]) -> None:
+    for ax, kind, label in (
+        (axes[0], "seconds", "training seconds"),
+        (axes[1], "samples", "generated samples"),
+    ):
+        for i, (name, curves) in enumerate(result["curves"].items()):
+            color = f"C{i}"
+            for j, curve in enumerate(curves):
+                ax.plot(
+                    [p[kind] for p in curve],
+                    [p["accuracy"] for p in curve],
+                    color=color,
+                    alpha=0.8,
+                    label=name if j == 0 else None,
+                )
+        for t in result["thresholds"]:
+            ax.axhline(t, color="grey", lw=0.5, ls="--")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy, all attributes (judge)")
+        ax.set_ylim(0, 1)
+    axes[0].legend(fontsize=8)

@@ -1,0 +1,67 @@
+"""`odrl bench algorithms`: the race's arithmetic on given curves, and a short real race."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl.benchmarks.algorithms import first_reach, headline, overlaps, summarise
+
+from .helpers import REPO, fast_overrides, tiny_model_dir
+
+
+def _curve(points: list[tuple[float, float]]) -> list[dict[str, float]]:
+    return [
+        {
+            "step": 10 * i,
+            "seconds": s,
+            "samples": 64.0 * 10 * i,
+            "accuracy": a,
+            "flooded": 0.0,
+            "recognisable_shape": 0.9,
+            "diversity": 0.2,
+        }
+        for i, (s, a) in enumerate(points)
+    ]
+
+
+def test_time_to_a_threshold_is_the_first_evaluation_at_or_above_it() -> None:
+    curve = _curve([(0, 0.15), (10, 0.6), (20, 0.4), (30, 0.95)])
+    assert first_reach(curve, 0.5)["seconds"] == 10  # type: ignore[index]
+    assert first_reach(curve, 0.9)["samples"] == 64.0 * 30  # type: ignore[index]
+    assert first_reach(curve, 0.99) is None
+
+
+def test_the_summary_counts_seeds_that_never_reach_and_bounds_the_headline() -> None:
+    fast = [_curve([(0, 0.15), (10, 0.95)]), _curve([(0, 0.15), (20, 0.92)])]
+    slow = [_curve([(0, 0.15), (100, 0.95)]), _curve([(0, 0.15), (120, 0.3)])]
+    per = {"nft": summarise(fast, (0.5, 0.9)), "flow_grpo": summarise(slow, (0.5, 0.9))}
+    assert per["nft"]["to_0.9"]["seconds"] == {"median": 15.0, "min": 10.0, "max": 20.0}
+    assert per["flow_grpo"]["to_0.9"]["reached"] == 1
+    assert headline(per, 0.9) == {"ratio": None, "at_least": 7.33, "note": "flow_grpo reached it on 1 seeds"}
+    both = {"nft": per["nft"], "flow_grpo": summarise([slow[0], slow[0]], (0.5, 0.9))}
+    assert headline(both, 0.9) == {"ratio": 6.67, "range": [5.0, 10.0]}
+    assert overlaps({"min": 0, "max": 1, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is True
+    assert overlaps({"min": 0, "max": 0.9, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is False
+
+
+@pytest.mark.slow
+def test_a_short_race_writes_curves_a_table_and_a_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_diffusion_rl.benchmarks.algorithms import run_algorithms_bench
+
+    monkeypatch.chdir(REPO)  # the contestants' recipes are named from the repository root
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model = tiny_model_dir(tmp_path / "model")
+    overrides = [o for o in fast_overrides(model, tmp_path / "unused", 2) if not o.startswith("train.")]
+    output = tmp_path / "bench" / "algorithms.json"
+    result = run_algorithms_bench(output, overrides, ("nft", "flow_grpo"), seeds=(0,), steps=2, eval_every=1)
+    saved = json.loads(output.read_text())
+    assert saved["per_contestant"].keys() == {"nft", "flow_grpo"} == result["curves"].keys()
+    for curve in saved["curves"].values():
+        assert [p["step"] for p in curve[0]] == [0, 1, 2]  # the start, every step, the end
+        assert [p["samples"] for p in curve[0]] == [0, 4, 8] and curve[0][-1]["seconds"] > 0
+    assert output.with_suffix(".png").stat().st_size > 0
