@@ -40,9 +40,23 @@ def test_the_summary_counts_seeds_that_never_reach_and_bounds_the_headline() -> 
     per = {"nft": summarise(fast, (0.5, 0.9)), "flow_grpo": summarise(slow, (0.5, 0.9))}
     assert per["nft"]["to_0.9"]["seconds"] == {"median": 15.0, "min": 10.0, "max": 20.0}
     assert per["flow_grpo"]["to_0.9"]["reached"] == 1
-    assert headline(per, 0.9) == {"ratio": None, "at_least": 7.33, "note": "flow_grpo reached it on 1 seeds"}
+    # flow_grpo's median counts the seed that never got there at its whole time (120): a lower bound
+    assert headline(per, 0.9) == {
+        "ratio": 7.33,
+        "kind": "at least",
+        "reached": {"nft": 2, "flow_grpo": 1, "seeds": 2},
+    }
     both = {"nft": per["nft"], "flow_grpo": summarise([slow[0], slow[0]], (0.5, 0.9))}
-    assert headline(both, 0.9) == {"ratio": 6.67, "range": [5.0, 10.0]}
+    assert headline(both, 0.9) == {
+        "ratio": 6.67,
+        "kind": "exact",
+        "reached": {"nft": 2, "flow_grpo": 2, "seeds": 2},
+        "range": [5.0, 10.0],
+    }
+    swapped = {"nft": per["flow_grpo"], "flow_grpo": per["nft"]}
+    assert headline(swapped, 0.9)["kind"] == "at most"
+    already = {"nft": summarise([_curve([(0, 0.95)])], (0.9,)), "flow_grpo": per["flow_grpo"]}
+    assert headline(already, 0.9)["kind"] == "unknown"  # no division by a zero time
     assert overlaps({"min": 0, "max": 1, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is True
     assert overlaps({"min": 0, "max": 0.9, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is False
 

@@ -151,6 +151,19 @@ def test_the_sde_keeps_the_odes_marginals() -> None:
     assert bool((log_probs[:, -1] == 0).all())  # the deterministic last step has no log-probability
 
 
+def test_sde_sampling_keeps_every_tensor_on_the_latents_device() -> None:
+    """The grid is made on the CPU; a latent elsewhere (meta stands in for CUDA here) must not meet
+    a CPU tensor in a step."""
+    grid = flow_match_time_grid(4, 3.0)
+    noise = torch.empty(2, 3, 4, device="meta")
+    steps = torch.tensor([True, True, False, False])
+    x0, states, log_probs = sample_sde(lambda x, t: x * 0.5, noise, grid, 0.7, steps, torch.empty(2, 2, 3, 4))
+    assert x0.device.type == states.device.type == log_probs.device.type == "meta"
+    t = grid[:1].expand(2)
+    _, logp, _, _ = sde_step(noise, noise, t, grid[1:2].expand(2), 0.7, float(grid[1]), x_next=noise)
+    assert logp.device.type == "meta"
+
+
 def test_sigma_at_t_one_uses_the_grids_second_time() -> None:
     t = torch.tensor([1.0, 0.5], dtype=torch.float64)
     torch.testing.assert_close(
@@ -373,3 +386,19 @@ def test_flow_grpo_runs_in_the_async_modes_with_two_processes(
     assert all(math.isfinite(r["grpo/logp_gap"]) and math.isfinite(r["loss/total"]) for r in rows)
     if mode == "separate":  # groups one version old are trained against the weights that made them
         assert max(r["grpo/logp_gap"] for r in rows) > 0
+
+
+def test_eval_every_also_evaluates_the_last_step_when_start_and_end_are_off(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    overrides = [
+        *fast_overrides(model_dir, tmp_path / "run", 4),
+        "eval.every=2",
+        "train.eval_at_start_and_end=false",
+    ]
+    Trainer(load_config(None, overrides)).fit()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [2, 4] and 0 < evals[0]["eval/train_seconds"] < evals[1][
+        "eval/train_seconds"
+    ]

@@ -24,8 +24,8 @@ import torch
 
 
 def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[B] times as [B, 1, ..., 1] in `like`'s dtype."""
-    return t.to(like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
+    """[B] times as [B, 1, ..., 1] on `like`'s device, in its dtype."""
+    return t.to(device=like.device, dtype=like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
 
 
 def sde_sigma(t: torch.Tensor, noise_level: float, t_cap: float) -> torch.Tensor:

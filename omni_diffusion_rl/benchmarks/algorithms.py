@@ -87,15 +87,22 @@ def _range(values: list[float]) -> dict[str, float] | None:
 
 
 def summarise(curves: list[list[dict[str, float]]], thresholds: Sequence[float]) -> dict[str, Any]:
-    """One contestant over its seeds: time and samples to each threshold, final accuracy and health."""
+    """One contestant over its seeds: time and samples to each threshold, final accuracy and health.
+    `censored_seconds`: the median over every seed of its time to the threshold, or of its whole
+    training time where it never got there (then a lower bound: `censored` is True)."""
     out: dict[str, Any] = {"seeds": len(curves)}
     for threshold in thresholds:
-        reached = [p for p in (first_reach(c, threshold) for c in curves) if p is not None]
+        firsts = [first_reach(c, threshold) for c in curves]
+        reached = [p for p in firsts if p is not None]
         out[f"to_{threshold:g}"] = {
             "reached": len(reached),
             "seconds": _range([p["seconds"] for p in reached]),
             "samples": _range([p["samples"] for p in reached]),
             "steps": _range([p["step"] for p in reached]),
+            "censored_seconds": median(
+                [(p or c[-1])["seconds"] for p, c in zip(firsts, curves, strict=True)]
+            ),
+            "censored": len(reached) < len(curves),
         }
     finals = [c[-1] for c in curves]
     out["final_accuracy"] = _range([p["accuracy"] for p in finals])
@@ -114,24 +121,26 @@ def overlaps(a: dict[str, float] | None, b: dict[str, float] | None) -> bool | N
 
 
 def headline(per: dict[str, Any], threshold: float, reference: str = "nft", other: str = "flow_grpo") -> dict:
-    """`other`'s median time to `threshold` over `reference`'s (a lower bound, its whole training
-    time, when `other` never reached it on some seed)."""
+    """`other`'s median time to `threshold` over `reference`'s, each median over every seed with a
+    seed that never got there counted at its whole training time: "exact" when both reached it on
+    every seed, "at least" when only `other` missed on some (its median is then a lower bound),
+    "at most" when only `reference` did, "unknown" when both did."""
     key = f"to_{threshold:g}"
     if reference not in per or other not in per:
         return {}
     ref, oth = per[reference][key], per[other][key]
-    if ref["seconds"] is None:
-        return {"ratio": None, "note": f"{reference} did not reach {threshold:g} on any seed"}
-    if oth["reached"] < per[other]["seeds"]:
-        bound = per[other]["train_seconds"]["median"] / ref["seconds"]["median"]
-        return {
-            "ratio": None,
-            "at_least": round(bound, 2),
-            "note": f"{other} reached it on {oth['reached']} seeds",
-        }
-    ratio = oth["seconds"]["median"] / ref["seconds"]["median"]
-    spread = (oth["seconds"]["min"] / ref["seconds"]["max"], oth["seconds"]["max"] / ref["seconds"]["min"])
-    return {"ratio": round(ratio, 2), "range": [round(s, 2) for s in spread]}
+    if ref["censored_seconds"] <= 0:
+        return {"ratio": None, "kind": "unknown", "note": f"{reference} starts at or above {threshold:g}"}
+    kind = {(False, False): "exact", (False, True): "at least", (True, False): "at most"}.get(
+        (ref["censored"], oth["censored"]), "unknown"
+    )
+    out: dict[str, Any] = {"ratio": round(oth["censored_seconds"] / ref["censored_seconds"], 2), "kind": kind}
+    out["reached"] = {reference: ref["reached"], other: oth["reached"], "seeds": per[other]["seeds"]}
+    if kind == "exact":
+        lo = oth["seconds"]["min"] / ref["seconds"]["max"]
+        hi = oth["seconds"]["max"] / ref["seconds"]["min"]
+        out["range"] = [round(lo, 2), round(hi, 2)]
+    return out
 
 
 def run_algorithms_bench(
@@ -243,15 +252,15 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("Median [range] over seeds; seconds are training seconds (evaluations excluded).")
     h = result["headline"]
-    if h.get("ratio") is not None:
-        lines.append(
-            f"Flow-GRPO's time to {max(thresholds):g} over DiffusionNFT's: {h['ratio']}x "
-            f"(range {h['range']})."
+    if h:
+        ratio = "-" if h["ratio"] is None else f"{h['ratio']}x"
+        detail = (
+            f" (range over seeds {h['range']})"
+            if "range" in h
+            else f" (seeds that reached it: {h.get('reached')})"
         )
-    elif h:
         lines.append(
-            f"Flow-GRPO's time to {max(thresholds):g} over DiffusionNFT's: {h.get('note')}"
-            + (f"; at least {h['at_least']}x" if "at_least" in h else "")
+            f"Flow-GRPO's time to {max(thresholds):g} over DiffusionNFT's: {h['kind']} {ratio}{detail}."
         )
     return "\n".join(lines)
 

@@ -162,6 +162,7 @@ def sample_sde(
             f"step_noise has {step_noise.shape[1]} steps of noise for {int(sde_steps.sum())} SDE steps"
         )
     x, batch, t_cap = noise, noise.shape[0], float(grid[1])
+    grid = grid.to(noise.device)  # the policy's grid is made on the CPU
     states, log_probs, used = [], torch.zeros(batch, steps, device=noise.device), 0
     for i in range(steps):
         t, t_next = grid[i].expand(batch), grid[i + 1].expand(batch)

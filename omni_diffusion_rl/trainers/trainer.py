@@ -199,7 +199,7 @@ class Trainer:
             )
         )
         self.eval_before: dict[str, float] | None = None
-        self.loop_started: float | None = None  # perf_counter when the loop's first step began
+        self.loop_started = self.trained_s = 0.0  # the loop's start; its training seconds (evals left out)
         self.evaluating_s = self.evaluating_s_at_loop = 0.0  # held-out evaluations' seconds
         self.output_dir = Path(cfg.train.output_dir)
         self.checkpoints = RunCheckpoints(
@@ -320,9 +320,10 @@ class Trainer:
         """The held-out evaluation (evaluator.py) logged as eval/...; when it fails, the logger and the
         scorers are closed first."""
         started = time.perf_counter()
-        in_loop = self.evaluating_s - self.evaluating_s_at_loop  # evaluations since the loop started
-        train_s = 0.0 if self.loop_started is None else started - self.loop_started - in_loop
-        progress = {"train_seconds": train_s, "generated_samples": self.sample_counts.get("generated", 0)}
+        progress = {
+            "train_seconds": self.trained_s,
+            "generated_samples": self.sample_counts.get("generated", 0),
+        }
         try:
             result = self.heldout.evaluate()
         except BaseException:
@@ -392,7 +393,8 @@ class Trainer:
         try:
             while self.step < cfg.train.steps and not switching:
                 metrics = self.train_step()
-                ends.append(time.perf_counter())
+                ends.append(time.perf_counter() - (self.evaluating_s - self.evaluating_s_at_loop))  # no evals
+                self.trained_s = ends[-1] - self.loop_started  # training seconds at this step's end
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(metrics, step=self.step)
                 bar.update(1)
@@ -404,14 +406,12 @@ class Trainer:
                 if cfg.train.preview_every and self.step % cfg.train.preview_every == 0:
                     self.preview(f"step_{self.step:05d}")
                     if self.is_main:
-                        plot_reward_curve(
-                            read_metrics(self.output_dir / "metrics.jsonl"),
-                            self.output_dir / "reward_curve.png",
-                        )
+                        plot_run_curve(self.output_dir)
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                     self.save()
-                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
-                    self._evaluate_logged(logger)  # the last step's is the end's
+                last = self.step == cfg.train.steps and cfg.train.eval_at_start_and_end  # the end's evaluates
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
+                    self._evaluate_logged(logger)
                 if self.recheck is not None:  # the step's phases, its checkpoint (if any) saved
                     phases = StepPhases(self.step, *self.step_times, self.source.rollout_group_s, self.save_s)
                     switching = self.recheck.after_step(phases, place)
@@ -434,12 +434,15 @@ class Trainer:
         self.close_scorers()
         summary["samples"] = dict(self.sample_counts)
         if self.is_main:
-            plot_reward_curve(
-                read_metrics(self.output_dir / "metrics.jsonl"), self.output_dir / "reward_curve.png"
-            )
+            plot_run_curve(self.output_dir)
             if self.recheck is None:  # under auto, its driver writes the whole run's summary once
                 atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
+
+
+def plot_run_curve(output_dir: Path) -> None:
+    """The run's reward curve (reward_curve.png) from its metrics.jsonl."""
+    plot_reward_curve(read_metrics(output_dir / "metrics.jsonl"), output_dir / "reward_curve.png")
 
 
 def loop_speeds(loop_start: float, step_ends: list[float], prompts_per_step: int) -> dict[str, float]:
