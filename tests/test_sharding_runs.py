@@ -157,8 +157,8 @@ RED = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
 BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
 
 
-@pytest.mark.parametrize("algorithm", ["distill", "raft"])
-def test_distillation_and_raft_with_dropped_samples_train_sharded_as_whole(
+@pytest.mark.parametrize("algorithm", ["distill", "raft", "flow_grpo"])
+def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_whole(
     model_dir: Path, tmp_path: Path, algorithm: str
 ) -> None:
     """One process's prompt group fails to score at some steps (all its samples dropped): the
