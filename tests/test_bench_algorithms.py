@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl.benchmarks.algorithms import first_reach, headline, overlaps, summarise
+from omni_diffusion_rl.benchmarks.algorithms import (
+    first_reach,
+    format_table,
+    headline,
+    overlaps,
+    race_result,
+    summarise,
+)
 
 from .helpers import REPO, fast_overrides, tiny_model_dir
 
@@ -57,6 +64,11 @@ def test_the_summary_counts_seeds_that_never_reach_and_bounds_the_headline() -> 
     assert headline(swapped, 0.9)["kind"] == "at most"
     already = {"nft": summarise([_curve([(0, 0.95)])], (0.9,)), "flow_grpo": per["flow_grpo"]}
     assert headline(already, 0.9)["kind"] == "unknown"  # no division by a zero time
+    result = race_result({"nft": fast, "flow_grpo": slow}, (0.5, 0.9))
+    assert result["headline"]["0.9"]["kind"] == "at least"
+    assert result["within_seed_spread_of_nft"]["0.9"]["flow_grpo"]["seconds_to_0.9"] is False
+    table = format_table(result)
+    assert "(1/2 seeds)" in table and "time to 0.9 over DiffusionNFT's: at least 7.33x" in table
     assert overlaps({"min": 0, "max": 1, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is True
     assert overlaps({"min": 0, "max": 0.9, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is False
 
