@@ -134,7 +134,8 @@ def headline(per: dict[str, Any], threshold: float, reference: str = "nft", othe
     kind = {(False, False): "exact", (False, True): "at least", (True, False): "at most"}.get(
         (ref["censored"], oth["censored"]), "unknown"
     )
-    out: dict[str, Any] = {"ratio": round(oth["censored_seconds"] / ref["censored_seconds"], 2), "kind": kind}
+    ratio = None if kind == "unknown" else round(oth["censored_seconds"] / ref["censored_seconds"], 2)
+    out: dict[str, Any] = {"ratio": ratio, "kind": kind}
     out["reached"] = {reference: ref["reached"], other: oth["reached"], "seeds": per[other]["seeds"]}
     if kind == "exact":
         lo = oth["seconds"]["min"] / ref["seconds"]["max"]
