@@ -19,10 +19,10 @@ import torch
 from ..config import ConfigError, ExperimentConfig
 from ..runtime.sharding import compute_device
 from ..teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
-from .rollout import Rollout, step_generator
+from .rollout import STATES, Rollout, step_generator
 
 STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorithm.distill_states)
-TEACHER_V, STATES = "teacher_v", "states"
+TEACHER_V = "teacher_v"
 
 
 def noised_states(rollout: Rollout, seed: int) -> torch.Tensor:

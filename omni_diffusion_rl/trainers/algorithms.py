@@ -524,12 +524,6 @@ class OnPolicyDistillation(DiffusionNFT):
         check_registered_name("teacher.name", cfg.teacher.name, teachers)
 
     @classmethod
-    def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
-        """How rollouts sample when this algorithm needs per-step log-probabilities (Flow-GRPO's
-        SDE); None: the ODE solver (sampling.solver)."""
-        return None
-
-    @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
         teacher = make_checked_teacher(cfg, policy, sharder)
         # A teacher sharded on GPUs answers on the main thread: its all-gathers and the policy's, on
