@@ -318,7 +318,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         output = args.output or Path("runs/bench/algorithms.json")
         contestants = args.contestants
         run_algorithms_bench(
-            output, args.overrides, contestants, args.seeds, args.steps or 240, args.eval_every
+            output,
+            args.overrides,
+            contestants,
+            args.seeds,
+            args.steps or 240,
+            args.eval_every,
+            jobs=args.jobs,
         )
         return 0
     if args.name == "teacher":
@@ -998,6 +1004,12 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--eval-every", type=_positive_int, default=20, help="algorithms: steps between held-out evaluations"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        help="algorithms: runs trained at once, each with an equal share of the cores as its threads",
     )
     parser.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     parser.add_argument(

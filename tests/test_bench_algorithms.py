@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ from omni_diffusion_rl.benchmarks.algorithms import (
     headline,
     overlaps,
     race_result,
+    run_algorithms_bench,
     summarise,
+    thread_budget,
 )
 
 from .helpers import REPO, fast_overrides, tiny_model_dir
@@ -73,20 +76,31 @@ def test_the_summary_counts_seeds_that_never_reach_and_bounds_the_headline() -> 
     assert overlaps({"min": 0, "max": 0.9, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is False
 
 
+def test_each_concurrent_run_gets_an_equal_share_of_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert [thread_budget(j) for j in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert thread_budget(1) == (os.cpu_count() or 1)
+    with pytest.raises(ValueError, match="jobs must be at least 1"):
+        run_algorithms_bench(Path("unused.json"), [], ("nft",), seeds=(0,), jobs=0)
+
+
 @pytest.mark.slow
 def test_a_short_race_writes_curves_a_table_and_a_plot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from omni_diffusion_rl.benchmarks.algorithms import run_algorithms_bench
-
     monkeypatch.chdir(REPO)  # the contestants' recipes are named from the repository root
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     model = tiny_model_dir(tmp_path / "model")
     overrides = [o for o in fast_overrides(model, tmp_path / "unused", 2) if not o.startswith("train.")]
     output = tmp_path / "bench" / "algorithms.json"
-    result = run_algorithms_bench(output, overrides, ("nft", "flow_grpo"), seeds=(0,), steps=2, eval_every=1)
+    result = run_algorithms_bench(
+        output, overrides, ("nft", "flow_grpo"), seeds=(0,), steps=2, eval_every=1, jobs=2
+    )
     saved = json.loads(output.read_text())
     assert saved["per_contestant"].keys() == {"nft", "flow_grpo"} == result["curves"].keys()
+    assert saved["jobs"] == 2 and saved["threads_per_run"] == 1  # OMP_NUM_THREADS=1 shared by 2 jobs
+    assert "2 run(s) at a time, 1 thread(s) each" in format_table(saved)
     for curve in saved["curves"].values():
         assert [p["step"] for p in curve[0]] == [0, 1, 2]  # the start, every step, the end
         assert [p["samples"] for p in curve[0]] == [0, 4, 8] and curve[0][-1]["seconds"] > 0

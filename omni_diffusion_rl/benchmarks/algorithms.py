@@ -3,7 +3,9 @@
 Every contestant trains the tiny world from the same base for the same steps, one process each on
 this machine, with the held-out evaluation every `eval_every` steps (`eval.every`) by the tiny
 world's judge, which nothing trains on. Runs interleave: seed 0 of every contestant, then seed 1,
-and so on, so that a change in the machine's load falls on all of them alike.
+and so on, so that a change in the machine's load falls on all of them alike. With `jobs` > 1 that
+many runs train at once, in the same order, each with an equal share of the cores as its thread
+budget (on 2 cores the tiny world runs about as fast on 1 thread as on 2, so 2 jobs halve the race).
 
 For each contestant the report gives, over seeds (median and range): the training seconds and the
 generated samples at the first evaluation that reached each accuracy threshold (0.5 and 0.9 by
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,28 +155,42 @@ def run_algorithms_bench(
     steps: int = 240,
     eval_every: int = 20,
     thresholds: Sequence[float] = THRESHOLDS,
+    jobs: int = 1,
 ) -> dict[str, Any]:
-    """Train every contestant with every seed (interleaved), then summarise and compare."""
+    """Train every contestant with every seed (interleaved, `jobs` at a time, each on its share of
+    the cores), then summarise and compare."""
     unknown = [c for c in contestants if c not in CONTESTANTS]
     if unknown:
         raise ValueError(f"unknown contestants {unknown}; choose from {', '.join(CONTESTANTS)}")
     if not seeds:
         raise ValueError("give at least one seed")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    threads = thread_budget(jobs)
+    order = [(seed, name) for seed in seeds for name in contestants]
+
+    def train(seed: int, name: str) -> list[dict[str, float]]:
+        run_dir = output.parent / f"algorithms_{name}_seed{seed}"
+        _train(CONTESTANTS[name], run_dir, seed, steps, eval_every, list(overrides or []), threads)
+        curve = read_curve(run_dir)
+        last = curve[-1]
+        print(
+            f"  {name} seed {seed}: accuracy {last['accuracy']:.3f} after {last['seconds']:.0f} s", flush=True
+        )
+        return curve
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(train, seed, name) for seed, name in order]
+        done = [f.result() for f in futures]
     curves: dict[str, list[list[dict[str, float]]]] = {c: [] for c in contestants}
-    for seed in seeds:
-        for name in contestants:
-            run_dir = output.parent / f"algorithms_{name}_seed{seed}"
-            _train(CONTESTANTS[name], run_dir, seed, steps, eval_every, list(overrides or []))
-            curves[name].append(read_curve(run_dir))
-            last = curves[name][-1][-1]
-            print(
-                f"  {name} seed {seed}: accuracy {last['accuracy']:.3f} after {last['seconds']:.0f} s",
-                flush=True,
-            )
+    for (_, name), curve in zip(order, done, strict=True):
+        curves[name].append(curve)
     result = race_result(curves, thresholds) | {
         "steps": steps,
         "eval_every": eval_every,
         "seeds": list(seeds),
+        "jobs": jobs,
+        "threads_per_run": threads,
     }
     publish(result, output, format_table(result), _draw, (11.0, 4.0), panels=2)
     return result
@@ -196,14 +213,21 @@ def race_result(
     }
 
 
+def thread_budget(jobs: int) -> int:
+    """Threads for each of `jobs` concurrent runs: OMP_NUM_THREADS when set, else an equal share of
+    the cores (at least 1)."""
+    cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    return max(1, cores // jobs)
+
+
 def _train(
-    contestant: Contestant, run_dir: Path, seed: int, steps: int, every: int, extra: list[str]
+    contestant: Contestant, run_dir: Path, seed: int, steps: int, every: int, extra: list[str], threads: int
 ) -> None:
     args = [*contestant.overrides, *extra, f"train.output_dir={run_dir}", f"train.steps={steps}"]
     args += [f"train.seed={seed}", f"eval.every={every}", "train.overwrite=true", "train.progress=false"]
     args += ["train.preview_every=0", "train.checkpoint_every=0", "tracking.wandb=false"]
     command = [sys.executable, "-m", "omni_diffusion_rl.cli", "train", contestant.config, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"race run {run_dir.name} failed:\n{done.stderr[-3000:]}")
@@ -259,7 +283,10 @@ def format_table(result: dict[str, Any]) -> str:
             + " |"
         )
     lines.append("")
-    lines.append("Median [range] over seeds; seconds are training seconds (evaluations excluded).")
+    lines.append(
+        "Median [range] over seeds; seconds are training seconds (evaluations excluded), "
+        f"{result.get('jobs', 1)} run(s) at a time, {result.get('threads_per_run', '?')} thread(s) each."
+    )
     for threshold, h in result["headline"].items():
         if not h:
             continue
