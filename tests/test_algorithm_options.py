@@ -64,6 +64,9 @@ OLD_SECTION: dict[str, Any] = {  # the algorithm section every config and checkp
     "vllm_gpu_memory": 0.3,
     "vllm_enforce_eager": False,
 }
+ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defaults that change nothing
+    "adv_per_reward": False,
+}
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},
     "raft": {"raft_keep": 2},
@@ -89,7 +92,8 @@ def test_every_recipe_loads_with_its_values(recipe: Path) -> None:
     section = asdict(load_config(recipe).algorithm)
     assert {k: section[k] for k in given} == given
     if section["name"] in OWN_CHANGES:  # the algorithms that were there when the section was flat
-        assert set(section) < set(OLD_SECTION), "only keys that configs could always hold"
+        assert set(section) < set(OLD_SECTION) | set(ADDED_SINCE), "only keys configs could always hold"
+        assert all(section[k] == v for k, v in ADDED_SINCE.items() if k in section and k not in given)
 
 
 @pytest.mark.parametrize("name", sorted(OWN_CHANGES))
@@ -99,7 +103,7 @@ def test_an_old_flat_section_loads_with_the_same_values(name: str) -> None:
     old = {**OLD_SECTION, "name": name, **OWN_CHANGES[name]}
     cfg = config_from_dict({"algorithm": old, **(ANSWERING if name == "gspo" else {})})
     section = asdict(cfg.algorithm)
-    assert section == {k: old[k] for k in section}
+    assert section == {k: {**ADDED_SINCE, **old}[k] for k in section}  # added options at their defaults
     assert set(OWN_CHANGES[name]) <= set(section) and section["name"] == name
     assert config_from_dict(cfg.to_dict()) == cfg
 

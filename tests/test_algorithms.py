@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from omni_diffusion_rl.algorithms.advantages import ADV_MODES, group_advantages, optimality_probability
+from omni_diffusion_rl.algorithms.advantages import (
+    ADV_MODES,
+    group_advantages,
+    optimality_probability,
+    per_reward_advantages,
+)
 from omni_diffusion_rl.algorithms.nft import nft_loss
 from omni_diffusion_rl.algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from omni_diffusion_rl.models import lora
@@ -96,6 +101,70 @@ def test_group_of_size_one_raises() -> None:
 def test_non_finite_rewards_raise(bad: float) -> None:
     with pytest.raises(ValueError, match="NaN"):
         group_advantages(torch.tensor([1.0, bad, 0.5, 0.2]), torch.tensor([0, 0, 1, 1]))
+
+
+def _hand_per_reward(parts: list[list[float]], weights: list[float], groups: list[int]) -> list[float]:
+    summed = [0.0] * len(groups)
+    for scores, w in zip(parts, weights, strict=True):
+        by_group: dict[int, list[float]] = {}
+        for r, g in zip(scores, groups, strict=True):
+            by_group.setdefault(g, []).append(r)
+        std = _pop_std(scores)
+        if std == 0:
+            continue
+        for i, (r, g) in enumerate(zip(scores, groups, strict=True)):
+            summed[i] += w * (r - _mean(by_group[g])) / (std + EPS)
+    total_std = _pop_std(summed)
+    return [s / (total_std + EPS) for s in summed]
+
+
+# Reward 1 spreads widely, reward 2 (think of the shape's IoU margin) by 1e-3 and in the opposite
+# order inside group 7, reward 3 is the same for every sample.
+PARTS = [REWARDS, [0.503, 0.5, 0.502, 0.5, 0.501, 0.5], [1.0] * 6]
+WEIGHTS = [1.0, 1.0, 0.5]
+
+
+def test_per_reward_advantages_match_hand_computation() -> None:
+    parts = torch.tensor(PARTS, dtype=torch.float64)
+    got = per_reward_advantages(parts, torch.tensor(WEIGHTS), torch.tensor(GROUPS))
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(_hand_per_reward(PARTS, WEIGHTS, GROUPS), rel=1e-6, abs=1e-7)
+
+
+def test_a_reward_with_a_small_spread_ranks_as_much_as_a_wide_one() -> None:
+    groups = torch.tensor(GROUPS)
+    parts = torch.tensor(PARTS, dtype=torch.float64)
+    got = per_reward_advantages(parts, torch.tensor(WEIGHTS), groups)
+    # Summed first, the small reward is invisible: group 7 ranks by reward 1 alone (1 < 2 < 3).
+    summed = group_advantages(parts.T @ torch.tensor(WEIGHTS, dtype=torch.float64), groups)
+    assert summed[0] < summed[2] < summed[4]
+    # Each scaled by its own batch std, reward 2 decides group 7 (3 > 2 > 1 in its order: reward 1's
+    # std mostly measures the gap between the groups); group 3, where reward 2 is flat, ranks by reward 1.
+    assert got[0] > got[2] > got[4] and got[1] < got[5] < got[3]
+    # Scaling or shifting a reward changes nothing while its spread is far above eps (1e-4)...
+    rescaled = parts.clone()
+    rescaled[0] = rescaled[0] * 3 - 7
+    again = per_reward_advantages(rescaled, torch.tensor(WEIGHTS), groups)
+    assert torch.allclose(again, got, atol=1e-5)
+    # ...and eps bounds how far a spread near it is scaled up: reward 2 (std 1e-3) gains weight at x1000.
+    rescaled[1] = rescaled[1] * 1000
+    amplified = per_reward_advantages(rescaled, torch.tensor(WEIGHTS), groups)
+    assert amplified[0] - amplified[4] > got[0] - got[4] + 0.01
+    # The constant reward adds nothing, and the result has unit std over the batch.
+    without = per_reward_advantages(parts[:2], torch.tensor(WEIGHTS[:2]), groups)
+    assert torch.allclose(without, got, atol=1e-6)
+    assert got.double().std(correction=0).item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_per_reward_advantages_shape_mismatch_raises() -> None:
+    with pytest.raises(ValueError, match=r"\[K, N\]"):
+        per_reward_advantages(torch.ones(6), torch.ones(1), torch.tensor(GROUPS))
+    with pytest.raises(ValueError, match=r"\[K, N\]"):
+        per_reward_advantages(torch.ones(2, 6), torch.ones(3), torch.tensor(GROUPS))
+    with pytest.raises(ValueError, match="NaN"):  # each reward is checked as group_advantages does
+        per_reward_advantages(
+            torch.tensor([[1.0, float("nan"), 0.5, 0.2]]), torch.ones(1), torch.tensor([0, 0, 1, 1])
+        )
 
 
 def test_group_advantages_shape_mismatch_raises() -> None:

@@ -50,6 +50,38 @@ def test_training_changes_trained_adapter_and_soft_updates_old(model_dir: Path, 
     assert 0.0 <= summary["heldout_reward_after"] <= 1.0
 
 
+def test_per_reward_advantages_reach_the_update_and_change_what_is_learned(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.models import lora
+    from omni_diffusion_rl.trainers.update_batch import UpdateBatch
+
+    seen: list[UpdateBatch] = []
+    runs = {}
+    for per_reward in (False, True):
+        cfg = load_config(
+            None,
+            fast_overrides(model_dir, tmp_path / str(per_reward), 1)
+            + ["data.group_size=4", f"algorithm.adv_per_reward={str(per_reward).lower()}"],
+        )
+        trainer = Trainer(cfg)
+        update = trainer.algorithm.update
+        trainer.algorithm.update = lambda batch, update=update: seen.append(batch) or update(batch)
+        trainer.fit()
+        runs[per_reward] = lora.adapter_state_dict(trainer.transformer, lora.TRAINED)
+    batch = seen[-1]
+    assert sorted(batch.parts) == sorted(batch.weights) == sorted(load_config(None, []).reward.weights)
+    assert all(len(v) == len(batch.rewards) for v in batch.parts.values())
+    # The two batches are the same samples (same seed), so the difference is the advantages alone.
+    assert torch.equal(seen[0].rewards, seen[1].rewards)
+    per_reward, summed = batch.advantages(per_reward=True), batch.advantages()
+    assert not torch.allclose(per_reward, summed, atol=1e-3)
+    assert any(not torch.equal(runs[False][k], runs[True][k]) for k in runs[True])
+    bare = UpdateBatch(batch.rollout, batch.rewards, batch.groups, batch.keep, batch.local, 0)
+    with pytest.raises(ValueError, match="per-reward advantages need each weighted reward's scores"):
+        bare.advantages(per_reward=True)
+
+
 @pytest.mark.slow  # starts training or launcher processes
 def test_resume_after_kill_replays_the_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
     steps = 6

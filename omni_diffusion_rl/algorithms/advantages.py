@@ -43,6 +43,38 @@ def group_advantages(
     return (centred / (std + eps)).float()
 
 
+def per_reward_advantages(
+    parts: torch.Tensor,
+    weights: torch.Tensor,
+    group_ids: torch.Tensor,
+    per_group_std: bool = False,
+    eps: float = 1e-4,
+    std_correction: int = 0,
+) -> torch.Tensor:
+    """A = S / (std of S over the batch + eps), S = sum_k w_k * group_advantages(parts[k]).
+
+    parts [K, N] holds each reward's scores and weights [K] its weight. Each reward is centred and
+    scaled within its prompt groups on its own before the weighted sum, so a reward whose scores
+    spread little (a small IoU margin) still ranks a group's samples as much as one that spreads
+    widely (GDPO's decoupled normalisation). The price: a solved reward's leftover noise is scaled
+    up the same way. A reward equal over the whole batch adds nothing.
+    """
+    if parts.ndim != 2 or weights.shape != parts.shape[:1] or parts.shape[1:] != group_ids.shape:
+        raise ValueError(
+            f"parts {tuple(parts.shape)} must be [K, N] for weights {tuple(weights.shape)} [K] "
+            f"and group_ids {tuple(group_ids.shape)} [N]"
+        )
+    if not torch.isfinite(parts).all():
+        raise ValueError("reward parts contain NaN or inf; a failed reward must be an error, not a score")
+    summed = torch.zeros(parts.shape[1], dtype=torch.float64)
+    for scores, weight in zip(parts, weights.tolist(), strict=True):
+        if scores.double().std(correction=0) > 0:  # a constant reward has no ranking to add
+            summed += (
+                weight * group_advantages(scores, group_ids, per_group_std, eps, std_correction).double()
+            )
+    return (summed / (summed.std(correction=std_correction) + eps)).float()
+
+
 def optimality_probability(
     advantages: torch.Tensor, adv_clip_max: float = 5.0, mode: str = "continuous"
 ) -> torch.Tensor:

@@ -361,6 +361,11 @@ class NFTOptions:
     adv_clip_max: float = option(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
     adv_mode: str = option("continuous", "how clipped advantages become r", choices=ADV_MODES)
     per_group_std: bool = option(False, "normalise by each group's std instead of the batch std")
+    adv_per_reward: bool = option(
+        False,
+        "normalise each reward within its groups on its own, then sum them with their weights, so a "
+        "reward with a small spread (the shape) ranks samples as much as the others (GDPO)",
+    )
     kl_coef: float = option(
         0.5,
         "weight of mean ||v_theta - v_ref||^2 (keeps the picture's quality and variety; 0 skips the "
@@ -397,7 +402,7 @@ class DiffusionNFT(Algorithm):
     def optimality(self, batch: UpdateBatch) -> torch.Tensor:
         """[n] r of this process's samples: their clipped group advantages mapped to [0, 1]."""
         a = self.options
-        adv = batch.advantages(per_group_std=a.per_group_std)
+        adv = batch.advantages(per_group_std=a.per_group_std, per_reward=a.adv_per_reward)
         return optimality_probability(adv[batch.local], a.adv_clip_max, a.adv_mode)
 
     def plan(self, batch: UpdateBatch) -> Plan:

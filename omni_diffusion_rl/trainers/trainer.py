@@ -288,9 +288,12 @@ class Trainer:
         local = slice(self.rank * len(rollout), (self.rank + 1) * len(rollout))
         path = failures_path(self.output_dir, self.rank)
         record_dropped(path, step, self.rank, rollout, scored, keep_all[local])
+        all_parts = self.learner.gather_named(scored.parts)
         if keep_all.any():
+            weights = self.reward.weights  # each reward's own scores ride along, for per-reward advantages
+            parts = {name: all_parts[name] for name in weights if name in all_parts}
             metrics = self.algorithm.update(
-                UpdateBatch(rollout, all_rewards, all_groups, keep_all, local, step)
+                UpdateBatch(rollout, all_rewards, all_groups, keep_all, local, step, parts, weights)
             )
         else:  # every process agrees (keep_all is gathered): nothing to learn from, no update at all
             metrics = {"step_skipped": 1.0}
@@ -298,7 +301,7 @@ class Trainer:
         self.step += 1
         self.step_times = (generated_at - t0, t2 - generated_at, t3 - t2)  # generate, reward wait, train
         count_samples(self.sample_counts, all_ok, keep_all)
-        metrics |= reward_metrics(all_rewards, self.learner.gather_named(scored.parts), keep_all)
+        metrics |= reward_metrics(all_rewards, all_parts, keep_all)
         metrics |= {
             "time/rollout_s": generated_at - t0,
             "time/reward_wait_s": t2 - generated_at,

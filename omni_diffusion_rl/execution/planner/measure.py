@@ -140,7 +140,9 @@ def _update_fn(trainer: Any, batch: Any) -> Callable[[], Any]:
     """A call that runs the algorithm's update on `batch` (random rewards, every sample trained)."""
     rewards = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(len(batch), dtype=torch.bool)
-    whole = UpdateBatch(batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0)
+    whole = UpdateBatch(
+        batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0, {"random": rewards}, {"random": 1.0}
+    )
     return lambda: trainer.algorithm.update(whole)
 
 
