@@ -1000,7 +1000,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--contestants",
         type=_names,
         default=("nft", "flow_grpo", "mixgrpo", "raft", "distill"),
-        help="algorithms: comma-separated contestants of the race",
+        help="algorithms: comma-separated contestants of the race; a variant is BASE@key=value@..., "
+        "e.g. nft@algorithm.adv_per_reward=true",
     )
     parser.add_argument(
         "--eval-every", type=_positive_int, default=20, help="algorithms: steps between held-out evaluations"

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.benchmarks.algorithms import (
+    CONTESTANTS,
+    contestant,
     first_reach,
     format_table,
     headline,
     overlaps,
     race_result,
     run_algorithms_bench,
+    run_name,
     summarise,
     thread_budget,
 )
@@ -74,6 +77,27 @@ def test_the_summary_counts_seeds_that_never_reach_and_bounds_the_headline() -> 
     assert "(1/2 seeds)" in table and "time to 0.9 over DiffusionNFT's: at least 7.33x" in table
     assert overlaps({"min": 0, "max": 1, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is True
     assert overlaps({"min": 0, "max": 0.9, "median": 0.5}, {"min": 1, "max": 2, "median": 1.5}) is False
+
+
+def test_a_variant_is_its_base_with_overrides_checked_before_any_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    variant = contestant("raft@optim.lr=3e-3@algorithm.raft_keep=2")
+    assert variant.config == CONTESTANTS["raft"].config
+    assert variant.overrides == ("algorithm.name=raft", "optim.lr=3e-3", "algorithm.raft_keep=2")
+    assert "with optim.lr=3e-3" in variant.about
+    assert contestant("nft") is CONTESTANTS["nft"]
+    assert (
+        run_name("nft@algorithm.adv_per_reward=true@a.b=[1, 2]")
+        == "nft_algorithm.adv_per_reward=true_a.b=_1_2_"
+    )
+    with pytest.raises(ValueError, match="unknown contestant 'nfx'; choose from nft"):
+        contestant("nfx@optim.lr=1")
+    with pytest.raises(ValueError, match=r"\['lr3'\] must be section.key=value"):
+        contestant("nft@lr3")
+    with pytest.raises(ValueError, match="contestant 'nft@optim.lr=-1'.*optim.lr"):
+        contestant("nft@optim.lr=-1")
+    with pytest.raises(ValueError, match="contestant 'nft@algorithm.no_such=1'.*no_such"):
+        run_algorithms_bench(Path("unused.json"), [], ("nft", "nft@algorithm.no_such=1"), seeds=(0,))
 
 
 def test_each_concurrent_run_gets_an_equal_share_of_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,8 @@ world's judge, which nothing trains on. Runs interleave: seed 0 of every contest
 and so on, so that a change in the machine's load falls on all of them alike. With `jobs` > 1 that
 many runs train at once, in the same order, each with an equal share of the cores as its thread
 budget (on 2 cores the tiny world runs about as fast on 1 thread as on 2, so 2 jobs halve the race).
+A contestant may be a variant of another, `nft@algorithm.adv_per_reward=true@optim.lr=3e-3`: its
+config with those overrides, to measure one change at a time on the judge's curve.
 
 For each contestant the report gives, over seeds (median and range): the training seconds and the
 generated samples at the first evaluation that reached each accuracy threshold (0.5 and 0.9 by
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +61,39 @@ CONTESTANTS = {
     "raft": Contestant(NFT_CONFIG, ("algorithm.name=raft",), "RAFT: flow matching on each group's best"),
     "distill": Contestant(NFT_CONFIG, ("algorithm.name=distill",), "on-policy distillation, shipped teacher"),
 }
+
+
+VARIANT_SEPARATOR = "@"
+
+
+def contestant(name: str) -> Contestant:
+    """A contestant by name: one of CONTESTANTS, or `base@section.key=value@...`, the base with
+    those overrides (checked against the config now, before any run starts)."""
+    from ..config import load_config
+
+    base_name, *changes = name.split(VARIANT_SEPARATOR)
+    if base_name not in CONTESTANTS:
+        raise ValueError(
+            f"unknown contestant '{base_name}'; choose from {', '.join(CONTESTANTS)}, or a variant "
+            f"such as nft{VARIANT_SEPARATOR}algorithm.adv_per_reward=true"
+        )
+    base = CONTESTANTS[base_name]
+    if not changes:
+        return base
+    bad = [c for c in changes if "=" not in c or not c.split("=", 1)[0]]
+    if bad:
+        raise ValueError(f"contestant '{name}': {bad} must be section.key=value overrides")
+    variant = Contestant(base.config, (*base.overrides, *changes), f"{base.about}, with {', '.join(changes)}")
+    try:
+        load_config(variant.config, list(variant.overrides))
+    except ValueError as e:
+        raise ValueError(f"contestant '{name}': {e}") from e
+    return variant
+
+
+def run_name(name: str) -> str:
+    """A contestant's name as a folder name."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
 
 
 def read_curve(run_dir: Path) -> list[dict[str, float]]:
@@ -159,9 +195,7 @@ def run_algorithms_bench(
 ) -> dict[str, Any]:
     """Train every contestant with every seed (interleaved, `jobs` at a time, each on its share of
     the cores), then summarise and compare."""
-    unknown = [c for c in contestants if c not in CONTESTANTS]
-    if unknown:
-        raise ValueError(f"unknown contestants {unknown}; choose from {', '.join(CONTESTANTS)}")
+    entrants = {name: contestant(name) for name in contestants}
     if not seeds:
         raise ValueError("give at least one seed")
     if jobs < 1:
@@ -170,8 +204,8 @@ def run_algorithms_bench(
     order = [(seed, name) for seed in seeds for name in contestants]
 
     def train(seed: int, name: str) -> list[dict[str, float]]:
-        run_dir = output.parent / f"algorithms_{name}_seed{seed}"
-        _train(CONTESTANTS[name], run_dir, seed, steps, eval_every, list(overrides or []), threads)
+        run_dir = output.parent / f"algorithms_{run_name(name)}_seed{seed}"
+        _train(entrants[name], run_dir, seed, steps, eval_every, list(overrides or []), threads)
         curve = read_curve(run_dir)
         last = curve[-1]
         print(
@@ -205,7 +239,7 @@ def race_result(
     return {
         "machine": machine_info(),
         "thresholds": list(thresholds),
-        "contestants": {name: CONTESTANTS[name].about for name in curves},
+        "contestants": {name: contestant(name).about for name in curves},
         "per_contestant": per,
         "curves": curves,
         "within_seed_spread_of_nft": {f"{t:g}": _spreads(per, t) for t in thresholds},
