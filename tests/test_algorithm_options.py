@@ -66,6 +66,7 @@ OLD_SECTION: dict[str, Any] = {  # the algorithm section every config and checkp
 }
 ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defaults that change nothing
     "adv_per_reward": False,
+    "timestep_choice": "random",
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},

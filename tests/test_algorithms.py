@@ -500,3 +500,33 @@ def test_copy_adapter_makes_old_equal_default() -> None:
         assert torch.equal(_output(model, x), default_out)
     with lora.adapters_disabled(model):
         assert torch.equal(_output(model, x), base_out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which timesteps NFT trains
+
+
+@pytest.mark.parametrize("fraction", [0.6, 1.0])
+def test_noisiest_trains_the_highest_noise_times_random_draws_them_per_sample(fraction: float) -> None:
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.experience.rollout import Rollout
+    from omni_diffusion_rl.trainers.algorithms import noised_inputs
+
+    cfg = load_config(None, ["data.group_size=2", f"algorithm.timestep_fraction={fraction}"])
+    grid = torch.linspace(1, 0, 11)
+    x0 = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    rollout = Rollout(["a"] * 4, torch.tensor([0, 0, 1, 1]), x0, {}, grid)
+    noisiest = noised_inputs(cfg, rollout, step=3, choice="noisiest")
+    drawn = noised_inputs(cfg, rollout, step=3)
+    trained = int(10 * fraction)
+    assert len(noisiest) == len(drawn) == trained
+    times = torch.stack([t for t, _, _ in noisiest], dim=1)  # [N, trained]
+    assert torch.equal(times, grid[:trained].expand(4, trained))  # every sample: the noisiest first
+    random_times = torch.stack([t for t, _, _ in drawn], dim=1)
+    if fraction < 1:
+        assert not torch.equal(random_times.sort(dim=1).values, times.sort(dim=1).values)
+    for (t, noise, x_t), (_, drawn_noise, _) in zip(noisiest, drawn, strict=True):
+        assert torch.equal(noise, drawn_noise)  # the same noise, whichever times are trained
+        torch.testing.assert_close(x_t, (1 - t[:, None]) * x0 + t[:, None] * noise)
+    with pytest.raises(ValueError, match="unknown timestep choice 'latest'; choose one of random, noisiest"):
+        noised_inputs(cfg, rollout, step=3, choice="latest")

@@ -82,6 +82,24 @@ def test_per_reward_advantages_reach_the_update_and_change_what_is_learned(
         bare.advantages(per_reward=True)
 
 
+def test_timestep_choice_noisiest_reaches_the_plan(model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        fast_overrides(model_dir, tmp_path / "run", 1)
+        + ["algorithm.timestep_choice=noisiest", "algorithm.timestep_fraction=0.7"],
+    )
+    trainer = Trainer(cfg)
+    plans = []
+    plan = trainer.algorithm.plan
+    trainer.algorithm.plan = lambda batch: plans.append(plan(batch)) or plans[-1]
+    trainer.fit()
+    times = [t for t, _, _ in plans[0].data["inputs"]]
+    assert len(times) == 2  # 0.7 of 3 steps
+    assert all(torch.equal(t, t[:1].expand_as(t)) for t in times)  # every sample trains the same times
+    firsts = [float(t[0]) for t in times]
+    assert firsts[0] == 1.0 and firsts == sorted(firsts, reverse=True)  # from pure noise down
+
+
 @pytest.mark.slow  # starts training or launcher processes
 def test_resume_after_kill_replays_the_uninterrupted_run(model_dir: Path, tmp_path: Path) -> None:
     steps = 6

@@ -325,12 +325,18 @@ class Algorithm:
         return 0.0
 
 
+TIMESTEP_CHOICES = ("random", "noisiest")
+
+
 def noised_inputs(
-    cfg: ExperimentConfig, rollout: Rollout, step: int
+    cfg: ExperimentConfig, rollout: Rollout, step: int, choice: str = "random"
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(t, noise, x_t) per trained timestep: `timestep_fraction` of the sampler grid (t > 0), in a
-    random order per sample, x_t forward-noised from x0 with fresh noise. Every draw is keyed by
-    (seed, step, prompt group), so it does not depend on how groups spread over processes."""
+    random order per sample (choice "random") or the noisiest first (choice "noisiest": every sample
+    trains the same, highest-noise times), x_t forward-noised from x0 with fresh noise. Every draw is
+    keyed by (seed, step, prompt group), so it does not depend on how groups spread over processes."""
+    if choice not in TIMESTEP_CHOICES:
+        raise ValueError(f"unknown timestep choice '{choice}'; choose one of {', '.join(TIMESTEP_CHOICES)}")
     train_times = rollout.grid[:-1]
     num_train = max(1, int(len(train_times) * cfg.algorithm.timestep_fraction))
     k = cfg.data.group_size
@@ -340,6 +346,8 @@ def noised_inputs(
         orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
         noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
     order = torch.stack(orders)
+    if choice == "noisiest":  # the grid runs from the noisiest time down
+        order = torch.arange(len(train_times)).expand_as(order)
     all_noise = torch.cat(noises, dim=1).to(rollout.x0.device)
     inputs = []
     for j in range(num_train):
@@ -373,6 +381,12 @@ class NFTOptions:
         ge=0,
     )
     decay_schedule: str = option("linear_to_0_5", "soft update of `old`", choices=DECAY_SCHEDULES)
+    timestep_choice: str = option(
+        "random",
+        "which timesteps are trained: random (timestep_fraction of the grid, drawn per sample) | noisiest "
+        "(the noisiest timestep_fraction, where the layout and the shape are decided)",
+        choices=TIMESTEP_CHOICES,
+    )
 
 
 @algorithms.register("nft")
@@ -414,7 +428,7 @@ class DiffusionNFT(Algorithm):
     def nft_plan(self, rollout: Rollout, r: torch.Tensor, step: int, trained: torch.Tensor | None) -> Plan:
         """The NFT loss toward `r` [n] on the `trained` samples (None: all), one pass per trained
         timestep; the noise every sample draws does not depend on which are trained."""
-        inputs = noised_inputs(self.learner.cfg, rollout, step)
+        inputs = noised_inputs(self.learner.cfg, rollout, step, self.options.timestep_choice)
         return Plan(trained, {"r": r, "inputs": inputs}, len(inputs), {"old_decay": self.old_decay(step)})
 
     def train_on(
