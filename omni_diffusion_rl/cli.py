@@ -187,7 +187,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
             f"{args.checkpoint} is an answering model (GSPO): `odrl sample` generates media; the run's "
             "previews and the notebook (make notebook) show its answers"
         )
-    media = generate_media(policy, prompts, steps=args.steps, solver=args.solver, seed=args.seed)
+    if args.cfg_scale != 1.0:
+        from .experience.guidance import checked_guidance
+
+        checked_guidance(policy, args.cfg_scale)
+    media = generate_media(
+        policy, prompts, steps=args.steps, solver=args.solver, seed=args.seed, cfg_scale=args.cfg_scale
+    )
     files = save_previews(args.output, media, prompts, None)
     print(json.dumps({"output": str(args.output), "files": sorted(files)}))
     return 0
@@ -576,6 +582,16 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _guidance_scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 1 (1 is off), got {text!r}")
+    return value
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in _names(text))
@@ -748,6 +764,13 @@ def _add_sample(sub: Subcommands) -> None:
     sample.add_argument("--steps", type=_positive_int, default=20, help="sampling steps")
     sample.add_argument("--solver", default="euler", choices=("euler", "heun"))
     sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument(
+        "--cfg-scale",
+        type=_guidance_scale,
+        default=1.0,
+        help="classifier-free guidance, v(empty) + s (v(prompt) - v(empty)); 1 (default) is off; use the "
+        "run's sampling.cfg_scale for a policy trained with it",
+    )
     sample.add_argument("--output", type=Path, default=Path("runs/samples"))
     sample.set_defaults(func=cmd_sample)
 

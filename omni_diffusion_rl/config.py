@@ -194,6 +194,12 @@ class SamplingConfig:
         "split each step's rollout into chunks of prompt groups; a chunk is scored while the next generates",
         ge=1,
     )
+    cfg_scale: float = _spec(
+        1.0,
+        "classifier-free guidance of rollouts, evaluation and previews, v = v(empty) + s (v(prompt) - "
+        "v(empty)) (1: off; two forwards per step otherwise); only flow_grpo trains with it",
+        ge=1,
+    )
 
 
 option = _spec
@@ -768,6 +774,14 @@ def check_consistency(cfg: ExperimentConfig) -> None:
     if not cfg.train.output_dir.strip():
         raise ConfigError("train.output_dir is empty; give a folder for the run, e.g. runs/my_run")
     algorithm_type(cfg.algorithm.name).check(cfg)  # the algorithm's own checks (its options vs the rest)
+    if cfg.sampling.cfg_scale != 1.0 and not getattr(
+        algorithm_type(cfg.algorithm.name), "trains_guided", False
+    ):
+        raise ConfigError(
+            f"sampling.cfg_scale={cfg.sampling.cfg_scale:g}: algorithm.name={cfg.algorithm.name} trains the "
+            "unguided velocity, so guided rollouts would not be its own samples; use sampling.cfg_scale=1, "
+            "or algorithm.name=flow_grpo, which trains the guided policy"
+        )
     if cfg.train.sharding == "fsdp" and cfg.execution.mode == "auto":
         raise ConfigError(
             "execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "

@@ -110,7 +110,11 @@ def generate_media(
     solver: str = "euler",
     seed: int = 0,
     shift: float = 1.0,
+    cfg_scale: float = 1.0,
 ) -> MediaBatch:
-    """One sample per prompt from seeded noise."""
+    """One sample per prompt from seeded noise (cfg_scale: classifier-free guidance, 1 is off)."""
     noise = torch.randn((len(prompts), *policy.latent_shape), generator=torch.Generator().manual_seed(seed))
-    return policy.decode(generate(policy, prompts, list(range(len(prompts))), noise, steps, shift, solver).x0)
+    rollout = generate(
+        policy, prompts, list(range(len(prompts))), noise, steps, shift, solver, cfg_scale=cfg_scale
+    )
+    return policy.decode(rollout.x0)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from omni_diffusion_rl.algorithms.guidance import guided_velocity
 from omni_diffusion_rl.config import ConfigError, ModelConfig
 from omni_diffusion_rl.registry import teachers
 from omni_diffusion_rl.teacher import CONVENTION, TeacherInfo, latent_layout
@@ -101,7 +102,7 @@ class FlowPolicyTeacher:
         if self.cfg_scale != 1.0:
             empty = {k: v.to(self.device) for k, v in self.policy.encode_prompts([""] * len(prompts)).items()}
             v_empty = self.policy.velocity(x_t, t, empty).float()
-            v = v_empty + self.cfg_scale * (v - v_empty)
+            v = guided_velocity(v, v_empty, self.cfg_scale)
         return v.cpu()
 
 

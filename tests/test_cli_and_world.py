@@ -94,6 +94,17 @@ def test_sample_command_writes_previews(tmp_path: Path) -> None:
     assert index["prompts"] == world.HELDOUT_PROMPTS[:2]
 
 
+def test_guided_samples_differ_and_scale_one_is_the_plain_sampler(tmp_path: Path) -> None:
+    from omni_diffusion_rl.inference import generate_media, load_policy
+
+    policy = load_policy(None, str(tiny_model_dir(tmp_path / "model")))
+    prompts = world.HELDOUT_PROMPTS[:2]
+    plain = generate_media(policy, prompts, steps=3)
+    assert torch.equal(generate_media(policy, prompts, steps=3, cfg_scale=1.0).video, plain.video)
+    guided = generate_media(policy, prompts, steps=3, cfg_scale=4.0)
+    assert not torch.allclose(guided.video, plain.video, atol=1e-3)
+
+
 def test_every_tiny_world_prompt_parses_back_to_its_scene() -> None:
     for scene in world.ALL_SCENES:
         assert world.parse_prompt(scene.prompt) == scene

@@ -273,6 +273,13 @@ def test_the_listed_crashes_are_sentences_in_a_real_process(tmp_path: Path, list
         ("serve-teacher", "policy", "--options", '{"cfg_scale": 0}'): "cfg_scale must be a number >= 1",
         ("serve-teacher", "policy", "--port", str(listening)): f"port {listening} on 127.0.0.1 is in use",
         ("sample", "--prompt", "a red circle", "--output", "/proc/x"): "--output /proc/x: cannot write there",
+        (
+            "sample",
+            "--prompt",
+            "a red circle",
+            "--cfg-scale",
+            "0.5",
+        ): "expected a finite number >= 1 (1 is off)",
     }
     for args, message in cases.items():
         _sentence(_odrl(*args, timeout=120), message)

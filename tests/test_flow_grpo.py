@@ -240,6 +240,56 @@ def test_flow_grpo_trains_on_the_loop_on_policy(model_dir: Path, tmp_path: Path)
     )
 
 
+def test_guidance_is_the_two_velocities_mix_and_off_at_scale_one() -> None:
+    from omni_diffusion_rl.algorithms.guidance import guided_velocity
+
+    v_prompt, v_empty = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    assert guided_velocity(v_prompt, v_empty, 1.0) is v_prompt
+    torch.testing.assert_close(guided_velocity(v_prompt, v_empty, 4.5), v_empty + 4.5 * (v_prompt - v_empty))
+
+
+def test_guided_rollouts_record_the_guided_steps_log_probabilities(model_dir: Path) -> None:
+    """The behaviour log-probability of a guided SDE rollout is the guided velocity's: recomputed
+    with guidance it matches, recomputed without it does not (a loss on the plain velocity would
+    train a policy that never sampled)."""
+    from omni_diffusion_rl.experience.guidance import empty_condition, guided
+    from omni_diffusion_rl.experience.rollout import SDEDraw, generate
+    from omni_diffusion_rl.models import build_policy
+
+    cfg = load_config(None, fast_overrides(model_dir, Path("unused"), 1))
+    policy, _ = build_policy(cfg.model)
+    steps = torch.tensor([True, True, False])
+    draw = SDEDraw(
+        0.7, steps, torch.randn(4, 2, *policy.latent_shape, generator=torch.Generator().manual_seed(0))
+    )
+    noise = torch.randn(4, *policy.latent_shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        rollout = generate(
+            policy, ["a red circle", "a blue square"], [0, 1], noise, 3, 1.0, "euler", sde=draw, cfg_scale=3.0
+        )
+        plain = generate(policy, ["a red circle", "a blue square"], [0, 1], noise, 3, 1.0, "euler", sde=draw)
+        assert not torch.allclose(rollout.x0, plain.x0, atol=1e-3), "guidance changes the samples"
+        grid, states = rollout.grid, rollout.extras[STATES]
+        t, t_next, cap = grid[1].expand(4), grid[2].expand(4), float(grid[1])
+        empty = empty_condition(policy, 4, "cpu")
+        gaps = {}
+        for scale in (3.0, 1.0):
+            v = guided(policy, states[:, 1], t, rollout.cond, empty, scale)
+            _, logp, _, _ = sde_step(v, states[:, 1], t, t_next, 0.7, cap, x_next=states[:, 2])
+            gaps[scale] = float((logp - rollout.extras[BEHAVIOUR_LOGP][:, 1]).abs().max())
+    assert gaps[3.0] < 1e-3 < gaps[1.0]
+
+
+def test_guidance_is_refused_where_it_would_not_be_trained() -> None:
+    with pytest.raises(
+        ConfigError, match="sampling.cfg_scale=2: algorithm.name=nft trains the unguided velocity"
+    ):
+        load_config(None, ["sampling.cfg_scale=2"])
+    with pytest.raises(ConfigError, match="sampling.cfg_scale"):
+        load_config(None, ["algorithm.name=flow_grpo", "sampling.cfg_scale=0.5"])
+    assert load_config(None, ["algorithm.name=flow_grpo", "sampling.cfg_scale=4.5"]).sampling.cfg_scale == 4.5
+
+
 def test_a_window_trains_only_its_steps_and_records_them(model_dir: Path, tmp_path: Path) -> None:
     overrides = [
         *fast_overrides(model_dir, tmp_path / "run", 1),
@@ -356,6 +406,13 @@ def test_flow_grpo_trains_every_model_family(family: str, tmp_path: Path) -> Non
         "algorithm.name=flow_grpo",
         "algorithm.kl_coef=0.04",
     ]
+    if family == "minimax_h3":  # guidance-distilled: it refuses the empty prompt guidance needs
+        with pytest.raises(
+            ConfigError, match="sampling.cfg_scale=2 needs the empty prompt, which this model"
+        ):
+            Trainer(load_config(str(path), [*overrides, "sampling.cfg_scale=2.0"]))
+    else:  # guidance: the rollouts' and the loss's velocities are both guided
+        overrides.append("sampling.cfg_scale=2.0")
     trainer = Trainer(load_config(str(path), overrides))
     before = {k: v.clone() for k, v in lora.adapter_state_dict(trainer.transformer, lora.TRAINED).items()}
     summary = trainer.fit()

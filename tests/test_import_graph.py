@@ -55,6 +55,7 @@ LAYERS: list[list[str]] = [
     # generating and scoring batches, evaluation
     [
         f"{PACKAGE}.experience.rollout",
+        f"{PACKAGE}.experience.guidance",
         f"{PACKAGE}.experience.text_rollout",
         f"{PACKAGE}.experience.teacher_targets",
         f"{PACKAGE}.experience.answer_backends",

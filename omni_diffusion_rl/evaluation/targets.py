@@ -126,7 +126,14 @@ def _policy_maker(policy: Any, s: SamplingConfig) -> MediaMaker:
     @torch.no_grad()
     def make(prompts: list[str], noise: torch.Tensor) -> MediaBatch:
         rollout = generate(
-            policy, prompts, list(range(len(prompts))), noise, s.eval_num_steps, s.time_shift, s.solver
+            policy,
+            prompts,
+            list(range(len(prompts))),
+            noise,
+            s.eval_num_steps,
+            s.time_shift,
+            s.solver,
+            cfg_scale=s.cfg_scale,
         )
         return policy.decode(rollout.x0)
 

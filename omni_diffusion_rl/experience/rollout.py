@@ -17,10 +17,17 @@ from typing import Protocol
 
 import torch
 
-from ..models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
+from ..models.policy import (
+    Condition,
+    FlowPolicy,
+    cat_conditions,
+    index_condition,
+    repeat_condition,
+)
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
 from ..runtime.sharding import compute_device
+from .guidance import empty_condition, guided
 from .sampling import policy_time_grid, sample_ode, sample_sde
 
 _STREAMS = {
@@ -261,6 +268,7 @@ def generate(
     solver: str,
     record_states: bool = False,
     sde: SDEDraw | None = None,
+    cfg_scale: float = 1.0,
 ) -> Rollout:
     """len(noise) / len(prompts) samples per prompt (consecutive), integrated from `noise`.
 
@@ -270,6 +278,7 @@ def generate(
     `extras["states"]` [N, T, *latent].
     sde: sample with Flow-GRPO's SDE on its steps (Euler only) and record the states, each step's
     log-probability and the SDE steps (STATES, BEHAVIOUR_LOGP, SDE_STEPS).
+    cfg_scale: classifier-free guidance toward each prompt away from the empty one (1: off).
     """
     group_size = len(noise) // len(prompts)
     if group_size * len(prompts) != len(noise):
@@ -280,7 +289,8 @@ def generate(
     noise = noise.to(device)
     grid = policy_time_grid(policy, num_steps, time_shift)  # the diffusers scheduler's or uniform
     states: list[torch.Tensor] | None = [] if record_states else None
-    velocity = lambda x, t: policy.velocity(x, t.to(device), cond)  # noqa: E731
+    empty = empty_condition(policy, len(noise), device) if cfg_scale != 1.0 else None
+    velocity = lambda x, t: guided(policy, x, t.to(device), cond, empty, cfg_scale)  # noqa: E731
     extras: dict[str, torch.Tensor] = {}
     if sde is not None:
         if solver != "euler":
@@ -363,9 +373,11 @@ class ExperienceMaker:
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         annotator: Annotator | None = None,
         sde: SDESampling | None = None,
+        cfg_scale: float = 1.0,
     ) -> None:
         self.policy, self.reward, self.prompts, self.seed = policy, reward, prompts, seed
         self.sde = sde  # sample with the SDE and record log-probabilities (Flow-GRPO); None: the ODE
+        self.cfg_scale = cfg_scale  # classifier-free guidance of the rollouts (1: off)
         self.policy_step = 0  # updates the rollout weights have had: where MixGRPO's window is
         self.annotator = annotator  # an algorithm's per-chunk extras (teacher targets), made alongside
         self.last_pending: PendingExtras | None = None  # the last make_step's extras still being made
@@ -401,7 +413,16 @@ class ExperienceMaker:
         sde = self._sde_draw(group_ids, len(noise) // len(prompts), num_steps, key_step)
         with self.rollout_weights(), self.autocast():
             return generate(
-                self.policy, prompts, group_ids, noise, num_steps, self.time_shift, self.solver, record, sde
+                self.policy,
+                prompts,
+                group_ids,
+                noise,
+                num_steps,
+                self.time_shift,
+                self.solver,
+                record,
+                sde,
+                self.cfg_scale,
             )
 
     def _sde_draw(

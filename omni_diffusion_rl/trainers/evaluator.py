@@ -161,6 +161,7 @@ class HeldOut:
                 s.eval_num_steps,
                 s.time_shift,
                 s.solver,
+                cfg_scale=s.cfg_scale,
             )
 
     @torch.no_grad()

@@ -24,8 +24,9 @@ import torch
 
 from ..algorithms.flow_grpo import clipped_policy_loss, gaussian_step_kl, sde_step
 from ..config import ConfigError, ExperimentConfig, option
+from ..experience.guidance import guided
 from ..experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, Rollout, SDESampling, step_generator
-from ..models.policy import index_condition
+from ..models.policy import Condition, index_condition, repeat_condition
 from ..registry import algorithms
 from .algorithms import (
     Algorithm,
@@ -78,6 +79,7 @@ class FlowGRPO(Algorithm):
     module docstring)."""
 
     display_name = "Flow-GRPO"
+    trains_guided = True  # with sampling.cfg_scale > 1 the rollouts and the loss use the guided velocity
     options_type = FlowGRPOOptions
 
     @classmethod
@@ -137,6 +139,7 @@ class FlowGRPO(Algorithm):
             logp = finite_if_dropped(rollout.extras[BEHAVIOUR_LOGP][part].to(device), w)
             rows = torch.arange(len(states), device=device)
             cond = index_condition(rollout.cond, part)
+            empty = self.empty_condition(len(states), device)
             for j in range(chosen.shape[1]):
                 k = chosen[part, j]
                 data = {
@@ -146,6 +149,7 @@ class FlowGRPO(Algorithm):
                     "t_next": grid[k + 1],
                     "logp_old": logp[rows, k],
                     "cond": cond,
+                    "empty": empty,
                 }
                 yield MicroBatch(work, part, j, chosen.shape[1], data)
 
@@ -153,8 +157,9 @@ class FlowGRPO(Algorithm):
         a, learner, d = self.options, self.learner, micro.data
         policy, t_cap = learner.policy, float(micro.work.rollout.grid[1])
         x, x_next = d["x"].float(), d["x_next"].float()
+        scale = learner.cfg.sampling.cfg_scale
         with learner.autocast():
-            v = policy.velocity(d["x"], d["t"], d["cond"])
+            v = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale)
         _, logp, mean, std = sde_step(v.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next)
         w = micro.weight(x.device)
         adv = micro.rows("adv").to(x.device)
@@ -162,7 +167,7 @@ class FlowGRPO(Algorithm):
         if a.kl_coef > 0:
             lora = _lora()
             with torch.no_grad(), learner.autocast(), lora.adapters_disabled(learner.transformer):
-                v_ref = policy.velocity(d["x"], d["t"], d["cond"])
+                v_ref = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale)
             _, _, mean_ref, _ = sde_step(
                 v_ref.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next
             )
@@ -171,6 +176,16 @@ class FlowGRPO(Algorithm):
             metrics["loss/kl"] = kl.detach()
             loss = loss + a.kl_coef * kl
         return loss, {"loss/total": loss.detach(), **metrics}
+
+    _empty_row: Condition | None = None
+
+    def empty_condition(self, count: int, device: torch.device) -> Condition | None:
+        """The empty prompt's condition for `count` samples when guidance is on (None: off)."""
+        if self.learner.cfg.sampling.cfg_scale == 1.0:
+            return None
+        if self._empty_row is None:  # encoded once: a text encoder's pass is not free
+            self._empty_row = self.learner.policy.encode_prompts([""])
+        return {k: v.to(device) for k, v in repeat_condition(self._empty_row, count).items()}
 
 
 def trained_sde_steps(rollout: Rollout, seed: int, step: int, fraction: float) -> torch.Tensor:

@@ -33,6 +33,7 @@ from ..config import ConfigError, ExperimentConfig
 from ..evaluation.heldout import (
     before_after_summary,
 )
+from ..experience.guidance import checked_guidance
 from ..experience.rollout import ExperienceMaker, Rollout
 from ..models import build_nft_policy
 from ..models.policy import FlowPolicy
@@ -108,6 +109,7 @@ def experience_maker(
         autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
         annotator=algorithm.experience_annotator(cfg, policy, sharder),
         sde=algorithm.sde_sampling(cfg),
+        cfg_scale=checked_guidance(policy, s.cfg_scale),
     )
 
 
@@ -288,13 +290,12 @@ class Trainer:
         local = slice(self.rank * len(rollout), (self.rank + 1) * len(rollout))
         path = failures_path(self.output_dir, self.rank)
         record_dropped(path, step, self.rank, rollout, scored, keep_all[local])
-        all_parts = self.learner.gather_named(scored.parts)
+        all_parts = self.learner.gather_named(scored.parts)  # each reward's own scores ride along too
         if keep_all.any():
-            weights = self.reward.weights  # each reward's own scores ride along, for per-reward advantages
+            weights = self.reward.weights
             parts = {name: all_parts[name] for name in weights if name in all_parts}
-            metrics = self.algorithm.update(
-                UpdateBatch(rollout, all_rewards, all_groups, keep_all, local, step, parts, weights)
-            )
+            update = UpdateBatch(rollout, all_rewards, all_groups, keep_all, local, step, parts, weights)
+            metrics = self.algorithm.update(update)
         else:  # every process agrees (keep_all is gathered): nothing to learn from, no update at all
             metrics = {"step_skipped": 1.0}
         t3 = time.perf_counter()

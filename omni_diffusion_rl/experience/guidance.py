@@ -1,0 +1,44 @@
+"""Classifier-free guidance on a policy: the guided velocity, the empty prompt's condition, and the
+check that a model takes the empty prompt at all (sampling.cfg_scale)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..algorithms.guidance import guided_velocity
+from ..config import ConfigError
+from ..models.policy import Condition, FlowPolicy, repeat_condition
+
+
+def guided(
+    policy: FlowPolicy,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+    cond: Condition,
+    empty: Condition | None,
+    scale: float,
+) -> torch.Tensor:
+    """The policy's velocity with classifier-free guidance toward `cond` away from `empty` (the empty
+    prompt's condition, one row per sample); scale 1 (or no `empty`) is one plain forward."""
+    v = policy.velocity(x_t, t, cond)
+    if scale == 1.0 or empty is None:
+        return v
+    return guided_velocity(v, policy.velocity(x_t, t, empty), scale)
+
+
+def checked_guidance(policy: FlowPolicy, scale: float) -> float:
+    """`scale`, once the policy is known to take the empty prompt guidance needs (ConfigError if not)."""
+    if scale != 1.0:
+        try:
+            policy.encode_prompts([""])
+        except ValueError as e:
+            raise ConfigError(
+                f"sampling.cfg_scale={scale:g} needs the empty prompt, which this model refuses ({e}); "
+                "use sampling.cfg_scale=1"
+            ) from e
+    return scale
+
+
+def empty_condition(policy: FlowPolicy, count: int, device: torch.device | str) -> Condition:
+    """The empty prompt's condition repeated `count` times, on `device` (guidance's other half)."""
+    return {k: v.to(device) for k, v in repeat_condition(policy.encode_prompts([""]), count).items()}
