@@ -290,6 +290,28 @@ def test_guidance_is_refused_where_it_would_not_be_trained() -> None:
     assert load_config(None, ["algorithm.name=flow_grpo", "sampling.cfg_scale=4.5"]).sampling.cfg_scale == 4.5
 
 
+def test_several_updates_per_batch_step_the_optimizer_on_each_share(model_dir: Path, tmp_path: Path) -> None:
+    """updates_per_batch=2: two optimizer steps per step of experience, each on half of the prompt
+    groups; the second is off-policy by the first's change, so the logged gap is above 0."""
+    runs = {}
+    for updates in (1, 2):
+        overrides = [
+            *fast_overrides(model_dir, tmp_path / f"run{updates}", 2),
+            "algorithm.name=flow_grpo",
+            "train.eval_at_start_and_end=false",
+            f"algorithm.updates_per_batch={updates}",
+        ]
+        trainer = Trainer(load_config(None, overrides))
+        trainer.fit()
+        adam_steps = {int(state["step"]) for state in trainer.learner.optimizer.state.values()}
+        runs[updates] = (adam_steps, step_records(tmp_path / f"run{updates}"))
+    assert runs[1][0] == {2} and runs[2][0] == {4}
+    assert all(r["grpo/logp_gap"] < 1e-4 for r in runs[1][1])
+    assert all(r["grpo/logp_gap"] > 1e-6 and math.isfinite(r["loss/total"]) for r in runs[2][1])
+    with pytest.raises(ConfigError, match="algorithm.updates_per_batch=3 splits data.prompts_per_step=2"):
+        load_config(None, [*overrides[:-1], "algorithm.updates_per_batch=3"])
+
+
 def test_a_window_trains_only_its_steps_and_records_them(model_dir: Path, tmp_path: Path) -> None:
     overrides = [
         *fast_overrides(model_dir, tmp_path / "run", 1),

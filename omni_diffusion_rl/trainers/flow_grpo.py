@@ -71,6 +71,12 @@ class FlowGRPOOptions:
     )
     sde_window_stride: int = option(1, "MixGRPO: steps the window moves each time", ge=1)
     sde_window_every: int = option(1, "MixGRPO: updates between moves of the window", ge=1)
+    updates_per_batch: int = option(
+        1,
+        "flow_grpo: optimizer steps per step of experience, each on its share of the prompt groups (the "
+        "reference makes 2); after the first the ratio departs from 1 and the clip acts",
+        ge=1,
+    )
 
 
 @algorithms.register("flow_grpo")
@@ -95,6 +101,11 @@ class FlowGRPO(Algorithm):
                 f"sampling.num_steps={s.num_steps}: flow_grpo needs at least 2 steps (the last one stays "
                 "deterministic, so one step leaves nothing to train)"
             )
+        if a.updates_per_batch > cfg.data.prompts_per_step:
+            raise ConfigError(
+                f"algorithm.updates_per_batch={a.updates_per_batch} splits data.prompts_per_step="
+                f"{cfg.data.prompts_per_step} prompt groups: each update needs at least one; use fewer"
+            )
         if a.sde_window_size > s.num_steps - 1:
             raise ConfigError(
                 f"algorithm.sde_window_size={a.sde_window_size} is larger than the {s.num_steps - 1} steps "
@@ -109,6 +120,27 @@ class FlowGRPO(Algorithm):
     def metric_names(self) -> list[str]:
         names = ["loss/total", "loss/policy", "grpo/clip_fraction", "grpo/approx_kl", "grpo/logp_gap"]
         return sorted([*names, "loss/kl"] if self.options.kl_coef > 0 else names)
+
+    def update(self, batch: UpdateBatch) -> dict[str, float]:
+        """`updates_per_batch` optimizer steps, each on its share of the step's prompt groups (in
+        the order of their ids, dealt round-robin); the metrics are their means weighted by samples."""
+        plan, parts = self.plan(batch), self.options.updates_per_batch
+        if parts == 1:
+            return self.run(batch.rollout, batch.step, plan)
+        _, order = torch.unique(batch.groups, return_inverse=True)  # every process agrees on it
+        deal = order % parts
+        mine = plan.trained if plan.trained is not None else torch.ones(len(batch.rollout), dtype=torch.bool)
+        totals: dict[str, float] = {}
+        trained = 0
+        for j in range(parts):
+            count = int((batch.keep & (deal == j)).sum())
+            if count == 0:  # every process skips it alike: nothing of this share is trainable
+                continue
+            sub = Plan(mine & (deal[batch.local] == j), plan.data, plan.passes, plan.metrics)
+            for name, value in self.run(batch.rollout, batch.step, sub).items():
+                totals[name] = totals.get(name, 0.0) + value * count
+            trained += count
+        return {name: value / trained for name, value in totals.items()}
 
     def plan(self, batch: UpdateBatch) -> Plan:
         rollout, cfg = batch.rollout, self.learner.cfg
