@@ -17,13 +17,7 @@ from typing import Protocol
 
 import torch
 
-from ..models.policy import (
-    Condition,
-    FlowPolicy,
-    cat_conditions,
-    index_condition,
-    repeat_condition,
-)
+from ..models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
 from ..runtime.sharding import compute_device
