@@ -25,7 +25,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q --durations=40
 
 # The inner loop: everything but the tests that start training, launcher or benchmark processes
 # (about 110 s on 2 cores).
