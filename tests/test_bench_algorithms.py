@@ -83,7 +83,7 @@ def test_a_variant_is_its_base_with_overrides_checked_before_any_run(monkeypatch
     monkeypatch.chdir(REPO)
     variant = contestant("raft@optim.lr=3e-3@algorithm.raft_keep=2")
     assert variant.config == CONTESTANTS["raft"].config
-    assert variant.overrides == ("algorithm.name=raft", "optim.lr=3e-3", "algorithm.raft_keep=2")
+    assert variant.overrides == (*CONTESTANTS["raft"].overrides, "optim.lr=3e-3", "algorithm.raft_keep=2")
     assert "with optim.lr=3e-3" in variant.about
     assert contestant("nft") is CONTESTANTS["nft"]
     assert (
