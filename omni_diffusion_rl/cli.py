@@ -413,6 +413,7 @@ def cmd_serve_teacher(args: argparse.Namespace) -> int:
         raise ConfigError("--options must be a JSON object of the teacher's keyword arguments")
     settings = _serve_settings(args, service_ms=args.service_ms)
     _check_can_listen(settings)  # before the teacher loads
+    _thread_budget(args)
     for key, value in (("checkpoint", args.checkpoint), ("device", args.device)):
         if value:
             options.setdefault(key, value)
@@ -436,6 +437,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
         raise ConfigError(f"--options names rewards that are not served: {unknown}")
     settings = _serve_settings(args)
     _check_can_listen(settings)  # before the rewards load
+    _thread_budget(args)
     served = {}
     for name in args.names:
         kwargs = dict(options.get(name, {}))
@@ -451,6 +453,16 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
                 "own keyword arguments with --options"
             ) from e
     return _serve(served, settings)
+
+
+def _thread_budget(args: argparse.Namespace) -> int:
+    """Set the server's thread budget before its models load: --threads, else OMP_NUM_THREADS when
+    set, else its share of the host's cores; the ready line reports it."""
+    from .runtime.threads import apply_thread_budget, thread_share
+
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    default = int(given) if given.isdigit() and int(given) > 0 else thread_share(args.replicas_on_host)
+    return apply_thread_budget(args.threads or default)
 
 
 def _serve(rewards: dict, settings: ServeSettings, teachers: dict | None = None) -> int:
@@ -666,6 +678,18 @@ def add_server_arguments(parser: argparse.ArgumentParser, token_env: str, port: 
         "--shutdown-timeout-s", type=float, default=2.0, help="on Ctrl-C, time for requests being answered"
     )
     parser.add_argument("--token-env", default=token_env, help="environment variable with the token")
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="threads the model computes on (default: OMP_NUM_THREADS when set, else the host's cores / "
+        "--replicas-on-host)",
+    )
+    parser.add_argument(
+        "--replicas-on-host",
+        type=_positive_int,
+        default=1,
+        help="servers computing on this host at once, sharing its cores (sets the default --threads)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -125,6 +125,7 @@ def test_teacher_bench_compares_schedules_and_replicas(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from omni_diffusion_rl.benchmarks.teacher import SCHEDULES, run_teacher_bench
+    from omni_diffusion_rl.runtime.threads import thread_share
 
     from .helpers import fast_overrides, tiny_model_dir
 
@@ -145,4 +146,7 @@ def test_teacher_bench_compares_schedules_and_replicas(
     }
     for row in report["replicas"].values():
         assert row["1 replica states/s"]["median"] > 0 and row["2 replicas states/s"]["median"] > 0
-    assert "teacher time hidden" in capsys.readouterr().out
+        # the lone replica computes on the host's cores, each of two on half of them
+        assert row["threads"] == {"1 replica": thread_share(1), "2 replicas, each": thread_share(2)}
+    out = capsys.readouterr().out
+    assert "teacher time hidden" in out and f"| {thread_share(1)} / {thread_share(2)} |" in out

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_diffusion_rl.runtime.threads import thread_share
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.serving.teacher_client import RemoteTeacher, TeacherUnavailable
 from omni_diffusion_rl.serving.teacher_wire import encode_states
@@ -89,6 +90,23 @@ def test_answers_equal_the_teacher_in_process_and_requests_spread_over_replicas(
         assert stats["teacher/replica0/samples"] + stats["teacher/replica1/samples"] == 16
         assert stats["teacher/replica0/samples"] > 0 and stats["teacher/replica1/samples"] > 0, stats
         remote.close()
+
+
+def test_a_server_computes_on_its_thread_budget_and_says_so(model_dir: Path) -> None:
+    """--threads wins; without it OMP_NUM_THREADS; without both, the host's cores shared by
+    --replicas-on-host (two servers with torch's default threads each oversubscribed 2 cores)."""
+    options = json.dumps({"pretrained": str(model_dir)})
+    bare = {**ENV, "OMP_NUM_THREADS": ""}  # empty counts as unset
+    cases = [
+        (["--threads", "3"], {**bare, "OMP_NUM_THREADS": "1"}, 3),
+        ([], {**bare, "OMP_NUM_THREADS": "1"}, 1),
+        (["--replicas-on-host", "2"], bare, thread_share(2)),
+    ]
+    for extra, env, expected in cases:
+        with ServerProcess(
+            ["policy"], "--options", options, *extra, command="serve-teacher", env=env
+        ) as server:
+            assert server.ready["threads"] == expected, (extra, server.ready)
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(model_dir: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.subprocesses import run_process_tree
+from ..runtime.threads import thread_share
 from .common import LAUNCH_TIMEOUT_S, machine_info, median, publish
 
 ACCURACY = "eval/tiny_world_judge"
@@ -254,8 +255,8 @@ def race_result(
 def thread_budget(jobs: int) -> int:
     """Threads for each of `jobs` concurrent runs: OMP_NUM_THREADS when set, else an equal share of
     the cores (at least 1)."""
-    cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    return max(1, cores // jobs)
+    given = os.environ.get("OMP_NUM_THREADS")
+    return thread_share(jobs, int(given) if given else None)
 
 
 def _train(

@@ -8,7 +8,9 @@ replica adds.
    teacher time the overlap hid: (blocking - overlap) / teacher seconds per step.
 2. Replicas: teacher throughput (states per second) through 1 and 2 `odrl serve-teacher` processes
    on 127.0.0.1, compute-bound and with `--service-ms` (a fixed time per batch standing in for a
-   remote accelerator: on 2 CPU cores two compute-bound replicas share the same cores).
+   remote accelerator: on 2 CPU cores two compute-bound replicas share the same cores). Each server
+   computes on its thread budget: the lone replica on the host's cores, each of the two on half
+   (`--replicas-on-host 2`); the report states the budgets.
 """
 
 from __future__ import annotations
@@ -106,22 +108,27 @@ def run_teacher_bench(
     )
     schedule["hidden_share_of_teacher_time"] = spread(hidden)
     replicas: dict[str, Any] = {}
+    # Each server's budget is its own flags' (an OMP_NUM_THREADS of this shell must not set it).
+    server: dict[str, Any] = {"command": "serve-teacher", "env": {"OMP_NUM_THREADS": ""}}
     for label, extra in (
         ("compute-bound", []),
         ("service 100 ms per batch (remote accelerator stand-in)", ["--service-ms", "100"]),
     ):
+        alone, shared = ["--replicas-on-host", "1"], ["--replicas-on-host", "2"]
         with (
-            ServerProcess(["policy"], "--max-batch", "16", *extra, command="serve-teacher") as one,
-            ServerProcess(["policy"], "--max-batch", "16", *extra, command="serve-teacher") as two,
+            ServerProcess(["policy"], "--max-batch", "16", *alone, *extra, **server) as solo,
+            ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **server) as one,
+            ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **server) as two,
         ):
             single, double = [], []
             for _ in range(repeats):  # alternate the arms
-                single += _throughput([one.url], states, 16, 1)
+                single += _throughput([solo.url], states, 16, 1)
                 double += _throughput([one.url, two.url], states, 16, 1)
         replicas[label] = {
             "1 replica states/s": spread(single),
             "2 replicas states/s": spread(double),
             "speed-up": spread([d / s for s, d in zip(single, double, strict=True)]),
+            "threads": {"1 replica": solo.ready["threads"], "2 replicas, each": one.ready["threads"]},
         }
     result = {
         "machine": machine_info(),
@@ -155,12 +162,14 @@ def _table(result: dict[str, Any]) -> str:
         f"({versus['verdict']}); teacher time hidden: {_fmt(s['hidden_share_of_teacher_time'], pct=True)}\n"
     )
     lines += [
-        "| teacher servers | 1 replica states/s | 2 replicas states/s | speed-up |",
-        "| --- | --- | --- | --- |",
+        "| teacher servers | 1 replica states/s | 2 replicas states/s | speed-up | threads (1 / each of 2) |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for label, r in result["replicas"].items():
         one, two = _fmt(r["1 replica states/s"]), _fmt(r["2 replicas states/s"])
-        lines.append(f"| {label} | {one} | {two} | {_fmt(r['speed-up'])} |")
+        threads = r.get("threads", {})
+        budget = f"{threads.get('1 replica', '?')} / {threads.get('2 replicas, each', '?')}"
+        lines.append(f"| {label} | {one} | {two} | {_fmt(r['speed-up'])} | {budget} |")
     return "\n".join(lines)
 
 

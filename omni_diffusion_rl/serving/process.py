@@ -37,6 +37,7 @@ class ServerProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
+        self.ready: dict[str, object] = {}  # the ready line: url, what it serves, its threads
         self.output: list[str] = []
 
     def start(self) -> ServerProcess:
@@ -66,7 +67,8 @@ class ServerProcess:
                     f"{self.command[3]} exited with {self.proc.wait()}:\n{''.join(self.output)[-3000:]}"
                 )
             if line.startswith('{"event": "ready"'):
-                self.url = json.loads(line)["url"]
+                self.ready = json.loads(line)
+                self.url = str(self.ready["url"])
                 return self
         self.stop()
         raise TimeoutError(

@@ -816,7 +816,8 @@ async def serve(
     port = sockets[0].getsockname()[1] if sockets else settings.port
     url = f"http://{settings.host}:{port}"
     served = {"rewards": sorted(rewards), "teachers": sorted(teachers or {})}
-    print(json.dumps({"event": "ready", "url": url, **served}), flush=True)
+    threads = torch.get_num_threads()  # the budget it computes on (odrl serve-* --threads)
+    print(json.dumps({"event": "ready", "url": url, **served, "threads": threads}), flush=True)
     if ready is not None:
         ready(url)
     try:
