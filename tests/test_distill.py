@@ -53,11 +53,20 @@ def test_self_distillation_gives_loss_zero_exactly(model_dir: Path, tmp_path: Pa
     assert [r["loss/distill"] for r in rows] == [0.0, 0.0] and [r["loss/total"] for r in rows] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [
+        [],
+        ["algorithm.distill_weighting=x0", "algorithm.distill_focus=1.0"],
+        ["algorithm.distill_weighting=sde_kl"],
+    ],
+    ids=["velocity", "x0-focus", "sde-kl"],
+)
 def test_a_different_teacher_pulls_the_student_toward_itself(
-    model_dir: Path, other_dir: Path, tmp_path: Path
+    model_dir: Path, other_dir: Path, tmp_path: Path, loss: list[str]
 ) -> None:
     run = tmp_path / "run"
-    overrides = _distill(model_dir, run, 10, str(other_dir), "optim.lr=2e-2", "model.lora_rank=16")
+    overrides = _distill(model_dir, run, 10, str(other_dir), "optim.lr=2e-2", "model.lora_rank=16", *loss)
     trainer = Trainer(load_config(None, overrides))
     trainer.fit()
     assert all(r["loss/distill"] > 0 for r in step_records(run))
@@ -155,6 +164,65 @@ def test_step_weights_follow_the_squared_step_and_average_one() -> None:
     torch.testing.assert_close(weights, torch.tensor([0.01, 0.09, 0.36]) / 0.46 * 3)
     assert float(weights.mean()) == pytest.approx(1.0)
     assert torch.equal(state_weights(grid, "uniform"), torch.ones(3))
+
+
+def test_x0_weights_are_the_x0_predictions_gap() -> None:
+    """x0 weighting: t_k^2, so that w_k ||v_s - v_T||^2 is ||x0_s - x0_T||^2 (x0 = x_t - t v) up to
+    the mean-one scale."""
+    grid = torch.tensor([1.0, 0.75, 0.4, 0.1, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    x, v_s, v_t = (torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    weights = state_weights(grid, "x0").double()
+    gaps = []
+    for k in range(4):
+        t = grid[k].double()
+        gaps.append(float((((x - t * v_s) - (x - t * v_t)) ** 2).mean() / ((v_s - v_t) ** 2).mean()))
+    torch.testing.assert_close(weights, torch.tensor(gaps, dtype=torch.float64) / (sum(gaps) / 4))
+
+
+def test_sde_kl_weights_are_the_kl_of_the_two_samplers_steps() -> None:
+    """sde_kl weighting: proportional to the closed-form KL of the student's and the teacher's
+    Gaussian SDE steps per unit squared velocity gap."""
+    from omni_diffusion_rl.algorithms.distill import SDE_KL_NOISE
+    from omni_diffusion_rl.algorithms.flow_grpo import gaussian_step_kl, sde_step
+
+    grid = torch.tensor([1.0, 0.75, 0.4, 0.1, 0.0], dtype=torch.float64)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    v_t = torch.randn_like(x)
+    v_s = v_t + 0.1
+    kls = []
+    for k in range(4):
+        t, t_next = grid[k].expand(3), grid[k + 1].expand(3)
+        _, _, mean_s, std = sde_step(v_s, x, t, t_next, SDE_KL_NOISE, float(grid[1]), x_next=x)
+        _, _, mean_t, _ = sde_step(v_t, x, t, t_next, SDE_KL_NOISE, float(grid[1]), x_next=x)
+        kls.append(float(gaussian_step_kl(mean_s, mean_t, std).mean()))
+    expected = torch.tensor(kls) / (sum(kls) / 4)
+    torch.testing.assert_close(state_weights(grid, "sde_kl"), expected.float(), rtol=1e-5, atol=1e-6)
+    assert state_weights(grid, "sde_kl").argmax() == 3  # the clean end weighs most, x0 the noisy one
+    assert state_weights(grid, "x0").argmax() == 0
+    with pytest.raises(ValueError, match="unknown distill weighting 'late'"):
+        state_weights(grid, "late")
+
+
+def test_focus_moves_the_loss_to_where_the_teacher_disagrees_most() -> None:
+    from omni_diffusion_rl.algorithms.distill import distillation_loss
+
+    v_t = torch.zeros(2, 4)
+    v_s = torch.tensor([[0.1, 0.1, 0.1, 1.0], [0.2, 0.2, 0.2, 0.2]], requires_grad=True)
+    weight = torch.ones(2)
+    plain = distillation_loss(v_s, v_t, weight)
+    assert distillation_loss(v_s, v_t, weight, focus=0.0).item() == plain.item()
+    focused = distillation_loss(v_s, v_t, weight, focus=1.0)
+    # sample 0: the shares 1/3.25 x (0.1, 0.1, 0.1, 1.0) give its outlier 1/1.3 of the weight
+    share = torch.tensor([0.1, 0.1, 0.1, 1.0]) / 0.325
+    expected0 = float((share / share.mean() * torch.tensor([0.01, 0.01, 0.01, 1.0])).mean())
+    assert focused.item() == pytest.approx((expected0 + 0.04) / 2, rel=1e-6)
+    assert focused.item() > plain.item()  # sample 1 (equal gaps) is unchanged, sample 0 weighs its outlier
+    (grad,) = torch.autograd.grad(focused, v_s)
+    torch.testing.assert_close(grad[1], torch.full((4,), 2 * 0.2 / 4 / 2))  # the weights are constants
+    assert distillation_loss(v_t.clone(), v_t, weight, focus=2.0).item() == 0.0  # no gap: no loss, no NaN
+    with pytest.raises(ValueError, match="focus must be >= 0"):
+        distillation_loss(v_s, v_t, weight, focus=-1.0)
 
 
 @pytest.mark.slow  # starts training or launcher processes

@@ -1,13 +1,66 @@
-"""On-policy distillation's loss, a pure tensor function (the algorithm is trainers/algorithms.py)."""
+"""On-policy distillation's loss and its weightings, pure tensor functions (the algorithm is
+trainers/algorithms.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from .flow_grpo import sde_sigma
 
-def distillation_loss(v_student: torch.Tensor, v_teacher: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """mean over samples of weight * mean_d (v_student - sg v_teacher)^2; weight has shape [B].
+DISTILL_WEIGHTINGS = ("uniform", "step", "x0", "sde_kl")
+"""algorithm.distill_weighting: the weight of the state at each sampler time (`state_weights`)."""
+SDE_KL_NOISE = 0.7
+"""The SDE noise level of the sde_kl weighting (Flow-GRPO's default)."""
 
-    Exactly 0 when the student's velocity equals the teacher's (self-distillation at the start)."""
-    per_sample = ((v_student - v_teacher.detach()) ** 2).flatten(1).mean(dim=1)
+
+def distillation_loss(
+    v_student: torch.Tensor, v_teacher: torch.Tensor, weight: torch.Tensor, focus: float = 0.0
+) -> torch.Tensor:
+    """mean over samples of weight * mean_d f_d (v_student - sg v_teacher)^2; weight has shape [B].
+
+    focus 0: f_d = 1. focus > 0: f_d = (|e_d| / mean_d |e_d|)^focus with e = v_student - v_teacher,
+    then scaled to mean 1 over each sample's entries and detached (no gradient through the weights):
+    more of the loss where the two disagree most, such as the few pixels that tell a circle from a
+    square. Exactly 0 when the student's velocity equals the teacher's (self-distillation at the start).
+    """
+    if focus < 0:
+        raise ValueError(f"focus must be >= 0, got {focus}")
+    squared = (v_student - v_teacher.detach()) ** 2
+    per_entry = squared.flatten(1)
+    if focus > 0:
+        gap = per_entry.detach().sqrt()
+        share = (gap / gap.mean(dim=1, keepdim=True).clamp_min(1e-12)) ** focus
+        per_entry = per_entry * (share / share.mean(dim=1, keepdim=True).clamp_min(1e-12))
+    per_sample = per_entry.mean(dim=1)
     return (weight.to(per_sample.dtype) * per_sample).mean()
+
+
+def state_weights(grid: torch.Tensor, weighting: str) -> torch.Tensor:
+    """[T] weight of the state at each sampler time t_k (step k goes to t_{k+1}), scaled to mean 1 so
+    that the learning rate keeps its meaning:
+
+    - uniform: 1;
+    - step: dt_k^2, the transition-mean form of an Euler step;
+    - x0: t_k^2, matching the two x0 predictions x_t - t v (||x0_s - x0_T||^2 = t^2 ||v_s - v_T||^2):
+      the noisy states, where the layout is decided, weigh most;
+    - sde_kl: c_k^2 |dt_k| / sigma_k^2, the closed-form KL of the student's and the teacher's
+      Gaussian steps of Flow-GRPO's SDE (noise level `SDE_KL_NOISE`) per unit squared velocity gap,
+      sigma_k = a sqrt(t_k / (1 - t_k)) (t = 1 takes the grid's second time, as the SDE does) and
+      c_k = 1 + sigma_k^2 (1 - t_k) / (2 t_k) the velocity's factor in the step's mean: the clean
+      end weighs most.
+    """
+    if weighting not in DISTILL_WEIGHTINGS:
+        raise ValueError(
+            f"unknown distill weighting '{weighting}'; choose one of {', '.join(DISTILL_WEIGHTINGS)}"
+        )
+    t, t_next = grid[:-1].double(), grid[1:].double()
+    if weighting == "uniform":
+        weights = torch.ones_like(t)
+    elif weighting == "step":
+        weights = (t - t_next) ** 2
+    elif weighting == "x0":
+        weights = t**2
+    else:
+        sigma2 = sde_sigma(t, SDE_KL_NOISE, float(grid[1])) ** 2
+        weights = (1 + sigma2 * (1 - t) / (2 * t)) ** 2 * (t - t_next) / sigma2
+    return (weights / weights.mean()).float()

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..algorithms.advantages import ADV_MODES, optimality_probability
-from ..algorithms.distill import distillation_loss
+from ..algorithms.distill import DISTILL_WEIGHTINGS, distillation_loss, state_weights
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from ..config import ConfigError, ExperimentConfig, check_registered_name, option
@@ -477,8 +477,6 @@ class DiffusionNFT(Algorithm):
 # ---------------------------------------------------------------------------------------------
 # On-policy distillation
 
-DISTILL_WEIGHTINGS = ("uniform", "step")
-
 
 @dataclass
 class DistillOwnOptions:
@@ -492,8 +490,16 @@ class DistillOwnOptions:
     )
     distill_weighting: str = option(
         "uniform",
-        "weight per state: uniform | step (dt_k^2, the transition-mean form, scaled to mean 1 over the grid)",
+        "weight per state, scaled to mean 1 over the grid: uniform | step (dt_k^2, the transition-mean "
+        "form) | x0 (t_k^2: the x0 predictions matched, the noisy states weigh most) | sde_kl (the KL of "
+        "the two samplers' Gaussian SDE steps: the clean end weighs most)",
         choices=DISTILL_WEIGHTINGS,
+    )
+    distill_focus: float = option(
+        0.0,
+        "weight each latent entry by (its |v_student - v_teacher| / the sample's mean)^focus, detached, "
+        "mean 1 per sample: more loss where the teacher disagrees most (a shape's corners); 0: off",
+        ge=0,
     )
     nft_coef: float = option(
         0.0,
@@ -506,15 +512,6 @@ class DistillOwnOptions:
 class DistillOptions(NFTOptions, DistillOwnOptions):
     """What on-policy distillation reads (algorithm.name=distill): its own options and, for
     nft_coef > 0, DiffusionNFT's."""
-
-
-def state_weights(grid: torch.Tensor, weighting: str) -> torch.Tensor:
-    """[T] weight of the state at each sampler time: 1 (uniform), or dt_k^2 (the transition-mean form
-    of an Euler step), scaled to mean 1 so that the learning rate keeps its meaning."""
-    if weighting == "uniform":
-        return torch.ones(len(grid) - 1)
-    dt2 = (grid[:-1] - grid[1:]).float() ** 2
-    return dt2 / dt2.mean()
 
 
 def trained_state_order(cfg: ExperimentConfig, rollout: Rollout, step: int) -> torch.Tensor:
@@ -618,7 +615,7 @@ class OnPolicyDistillation(DiffusionNFT):
         d = micro.data
         with self.learner.autocast():
             v = self.learner.policy.velocity(d["x"], d["t"], d["cond"])
-        loss = distillation_loss(v.float(), d["target"], d["weight"])
+        loss = distillation_loss(v.float(), d["target"], d["weight"], self.options.distill_focus)
         return loss, {"loss/distill": loss.detach()}
 
 
