@@ -774,14 +774,6 @@ def check_consistency(cfg: ExperimentConfig) -> None:
     if not cfg.train.output_dir.strip():
         raise ConfigError("train.output_dir is empty; give a folder for the run, e.g. runs/my_run")
     algorithm_type(cfg.algorithm.name).check(cfg)  # the algorithm's own checks (its options vs the rest)
-    if cfg.sampling.cfg_scale != 1.0 and not getattr(
-        algorithm_type(cfg.algorithm.name), "trains_guided", False
-    ):
-        raise ConfigError(
-            f"sampling.cfg_scale={cfg.sampling.cfg_scale:g}: algorithm.name={cfg.algorithm.name} trains the "
-            "unguided velocity, so guided rollouts would not be its own samples; use sampling.cfg_scale=1, "
-            "or algorithm.name=flow_grpo, which trains the guided policy"
-        )
     if cfg.train.sharding == "fsdp" and cfg.execution.mode == "auto":
         raise ConfigError(
             "execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "

@@ -100,6 +100,48 @@ def test_a_variant_is_its_base_with_overrides_checked_before_any_run(monkeypatch
         run_algorithms_bench(Path("unused.json"), [], ("nft", "nft@algorithm.no_such=1"), seeds=(0,))
 
 
+def test_a_failed_run_kills_the_runs_in_progress_and_twins_are_refused() -> None:
+    import subprocess
+    import sys
+    import threading
+
+    from omni_diffusion_rl.benchmarks.algorithms import _in_parallel
+    from omni_diffusion_rl.runtime.subprocesses import run_process_tree
+
+    procs: list[subprocess.Popen[str]] = []
+    running = threading.Event()
+    outcome: dict[str, int] = {}
+
+    def train(seed: int, name: str) -> list[dict[str, float]]:
+        if seed == 0:
+            assert running.wait(timeout=60)
+            raise RuntimeError("race run failed")
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        done = run_process_tree(sleeper, 900, started=lambda p: (procs.append(p), running.set()))
+        outcome["returncode"] = done.returncode
+        return []
+
+    with pytest.raises(RuntimeError, match="race run failed"):
+        _in_parallel(train, [(0, "nft"), (1, "nft")], 2, procs)
+    assert outcome["returncode"] == -9  # killed, not waited for
+    with pytest.raises(ValueError, match=r"named twice .*\['nft'\]"):
+        run_algorithms_bench(Path("unused.json"), [], ("nft", "flow_grpo", "nft"), seeds=(0,))
+
+
+def test_a_variants_own_overrides_win_over_the_races(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_diffusion_rl.benchmarks.algorithms import train_command
+
+    args = train_command(CONTESTANTS["raft"], Path("run"), 0, 2, 1, ["optim.lr=1e-2"])
+    assert args.index("optim.lr=1e-2") < args.index("optim.lr=3e-4")  # the later one is what loads
+    monkeypatch.chdir(REPO)
+    from omni_diffusion_rl.config import load_config
+
+    assert load_config(args[args.index("train") + 1], args[args.index("train") + 2 :]).optim.lr == 3e-4
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='two' is not a positive whole number"):
+        thread_budget(2)
+
+
 def test_each_concurrent_run_gets_an_equal_share_of_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     assert [thread_budget(j) for j in (1, 2, 3, 16)] == [8, 4, 2, 1]

@@ -280,14 +280,22 @@ def test_guided_rollouts_record_the_guided_steps_log_probabilities(model_dir: Pa
     assert gaps[3.0] < 1e-3 < gaps[1.0]
 
 
-def test_guidance_is_refused_where_it_would_not_be_trained() -> None:
+def test_guidance_is_refused_where_it_would_not_be_trained_and_a_guided_checkpoint_evaluates(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.evaluation.targets import target_config
+
     with pytest.raises(
         ConfigError, match="sampling.cfg_scale=2: algorithm.name=nft trains the unguided velocity"
     ):
-        load_config(None, ["sampling.cfg_scale=2"])
+        Trainer(load_config(None, [*fast_overrides(model_dir, tmp_path / "nft", 1), "sampling.cfg_scale=2"]))
     with pytest.raises(ConfigError, match="sampling.cfg_scale"):
         load_config(None, ["algorithm.name=flow_grpo", "sampling.cfg_scale=0.5"])
-    assert load_config(None, ["algorithm.name=flow_grpo", "sampling.cfg_scale=4.5"]).sampling.cfg_scale == 4.5
+    run = tmp_path / "guided"
+    overrides = [*fast_overrides(model_dir, run, 1), "algorithm.name=flow_grpo", "sampling.cfg_scale=2"]
+    Trainer(load_config(None, [*overrides, "train.eval_at_start_and_end=false"])).fit()
+    # odrl eval reads the run's sampling section (guided) and evaluates it as it was trained
+    assert target_config(str(run / "checkpoints"), None, []).sampling.cfg_scale == 2.0
 
 
 def test_several_updates_per_batch_step_the_optimizer_on_each_share(model_dir: Path, tmp_path: Path) -> None:

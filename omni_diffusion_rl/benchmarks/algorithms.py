@@ -24,14 +24,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..runtime.subprocesses import run_process_tree
+from ..runtime.subprocesses import kill_session, run_process_tree
 from ..runtime.threads import thread_share
 from .common import LAUNCH_TIMEOUT_S, machine_info, median, publish
 
@@ -71,9 +72,9 @@ CONTESTANTS = {
 VARIANT_SEPARATOR = "@"
 
 
-def contestant(name: str) -> Contestant:
+def contestant(name: str, shared: Sequence[str] = ()) -> Contestant:
     """A contestant by name: one of CONTESTANTS, or `base@section.key=value@...`, the base with
-    those overrides (checked against the config now, before any run starts)."""
+    those overrides, checked now (with the race's `shared` overrides first), before any run starts."""
     from ..config import load_config
 
     base_name, *changes = name.split(VARIANT_SEPARATOR)
@@ -83,14 +84,15 @@ def contestant(name: str) -> Contestant:
             f"such as nft{VARIANT_SEPARATOR}algorithm.adv_per_reward=true"
         )
     base = CONTESTANTS[base_name]
-    if not changes:
+    if not changes and not shared:
         return base
     bad = [c for c in changes if "=" not in c or not c.split("=", 1)[0]]
     if bad:
         raise ValueError(f"contestant '{name}': {bad} must be section.key=value overrides")
-    variant = Contestant(base.config, (*base.overrides, *changes), f"{base.about}, with {', '.join(changes)}")
+    about = f"{base.about}, with {', '.join(changes)}" if changes else base.about
+    variant = Contestant(base.config, (*base.overrides, *changes), about)
     try:
-        load_config(variant.config, list(variant.overrides))
+        load_config(variant.config, [*shared, *variant.overrides])
     except ValueError as e:
         raise ValueError(f"contestant '{name}': {e}") from e
     return variant
@@ -200,7 +202,12 @@ def run_algorithms_bench(
 ) -> dict[str, Any]:
     """Train every contestant with every seed (interleaved, `jobs` at a time, each on its share of
     the cores), then summarise and compare."""
-    entrants = {name: contestant(name) for name in contestants}
+    twins = sorted(
+        {run_name(c) for c in contestants if [run_name(o) for o in contestants].count(run_name(c)) > 1}
+    )
+    if twins:
+        raise ValueError(f"contestants named twice (their runs would share a folder): {twins}")
+    entrants = {name: contestant(name, list(overrides or [])) for name in contestants}
     if not seeds:
         raise ValueError("give at least one seed")
     if jobs < 1:
@@ -208,9 +215,11 @@ def run_algorithms_bench(
     threads = thread_budget(jobs)
     order = [(seed, name) for seed in seeds for name in contestants]
 
+    procs: list[subprocess.Popen[str]] = []
+
     def train(seed: int, name: str) -> list[dict[str, float]]:
         run_dir = output.parent / f"algorithms_{run_name(name)}_seed{seed}"
-        _train(entrants[name], run_dir, seed, steps, eval_every, list(overrides or []), threads)
+        _train(entrants[name], run_dir, seed, steps, eval_every, list(overrides or []), threads, procs.append)
         curve = read_curve(run_dir)
         last = curve[-1]
         print(
@@ -218,9 +227,10 @@ def run_algorithms_bench(
         )
         return curve
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(train, seed, name) for seed, name in order]
-        done = [f.result() for f in futures]
+    if jobs == 1:  # in this thread: Ctrl-C stops the run in progress and the race
+        done = [train(seed, name) for seed, name in order]
+    else:
+        done = _in_parallel(train, order, jobs, procs)
     curves: dict[str, list[list[dict[str, float]]]] = {c: [] for c in contestants}
     for (_, name), curve in zip(order, done, strict=True):
         curves[name].append(curve)
@@ -252,22 +262,60 @@ def race_result(
     }
 
 
+def _in_parallel(
+    train: Callable[[int, str], list[dict[str, float]]],
+    order: list[tuple[int, str]],
+    jobs: int,
+    procs: list[subprocess.Popen[str]],
+) -> list[list[dict[str, float]]]:
+    """Each (seed, name) of `order` trained `jobs` at a time; on a failure or Ctrl-C the queued runs
+    are cancelled and the running ones killed (`procs`: every run's process, as it starts)."""
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        futures = [pool.submit(train, seed, name) for seed, name in order]
+        return [f.result() for f in futures]
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            kill_session(proc)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
 def thread_budget(jobs: int) -> int:
-    """Threads for each of `jobs` concurrent runs: OMP_NUM_THREADS when set, else an equal share of
-    the cores (at least 1)."""
-    given = os.environ.get("OMP_NUM_THREADS")
+    """Threads for each of `jobs` concurrent runs: an equal share (at least 1) of the race's budget,
+    OMP_NUM_THREADS when set, else the host's CPUs."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given and not (given.isdigit() and int(given) > 0):
+        raise ValueError(f"OMP_NUM_THREADS={given!r} is not a positive whole number of threads")
     return thread_share(jobs, int(given) if given else None)
 
 
-def _train(
-    contestant: Contestant, run_dir: Path, seed: int, steps: int, every: int, extra: list[str], threads: int
-) -> None:
-    args = [*contestant.overrides, *extra, f"train.output_dir={run_dir}", f"train.steps={steps}"]
+def train_command(
+    contestant: Contestant, run_dir: Path, seed: int, steps: int, every: int, extra: list[str]
+) -> list[str]:
+    """The `odrl train` command of one run: the race's overrides (`extra`), then the contestant's own
+    (a variant's lr wins over a shared one), then the race's fixed settings."""
+    args = [*extra, *contestant.overrides, f"train.output_dir={run_dir}", f"train.steps={steps}"]
     args += [f"train.seed={seed}", f"eval.every={every}", "train.overwrite=true", "train.progress=false"]
     args += ["train.preview_every=0", "train.checkpoint_every=0", "tracking.wandb=false"]
-    command = [sys.executable, "-m", "omni_diffusion_rl.cli", "train", contestant.config, *args]
+    return [sys.executable, "-m", "omni_diffusion_rl.cli", "train", contestant.config, *args]
+
+
+def _train(
+    contestant: Contestant,
+    run_dir: Path,
+    seed: int,
+    steps: int,
+    every: int,
+    extra: list[str],
+    threads: int,
+    started: Callable[[subprocess.Popen[str]], None] | None = None,
+) -> None:
+    command = train_command(contestant, run_dir, seed, steps, every, extra)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env)
+    done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env, started=started)
     if done.returncode != 0:
         raise RuntimeError(f"race run {run_dir.name} failed:\n{done.stderr[-3000:]}")
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..runtime.threads import thread_share
 from .common import DEFAULT_CONFIG, QUIET, compare_paired, machine_info, median, spread
 
 SCHEDULES = {"overlap": "teacher.overlap=true", "blocking": "teacher.overlap=false"}
@@ -108,13 +109,12 @@ def run_teacher_bench(
     )
     schedule["hidden_share_of_teacher_time"] = spread(hidden)
     replicas: dict[str, Any] = {}
-    # Each server's budget is its own flags' (an OMP_NUM_THREADS of this shell must not set it).
-    server: dict[str, Any] = {"command": "serve-teacher", "env": {"OMP_NUM_THREADS": ""}}
+    server: dict[str, Any] = {"command": "serve-teacher"}
     for label, extra in (
         ("compute-bound", []),
         ("service 100 ms per batch (remote accelerator stand-in)", ["--service-ms", "100"]),
     ):
-        alone, shared = ["--replicas-on-host", "1"], ["--replicas-on-host", "2"]
+        alone, shared = ["--threads", str(thread_share(1))], ["--threads", str(thread_share(2))]
         with (
             ServerProcess(["policy"], "--max-batch", "16", *alone, *extra, **server) as solo,
             ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **server) as one,

@@ -26,8 +26,17 @@ def guided(
     return guided_velocity(v, policy.velocity(x_t, t, empty), scale)
 
 
-def checked_guidance(policy: FlowPolicy, scale: float) -> float:
-    """`scale`, once the policy is known to take the empty prompt guidance needs (ConfigError if not)."""
+def checked_guidance(
+    policy: FlowPolicy, scale: float, algorithm: str = "", trains_guided: bool = True
+) -> float:
+    """`scale`, once the algorithm is known to train the guided velocity (else its rollouts would not
+    be its own samples) and the policy to take the empty prompt guidance needs (ConfigError if not)."""
+    if scale != 1.0 and not trains_guided:
+        raise ConfigError(
+            f"sampling.cfg_scale={scale:g}: algorithm.name={algorithm} trains the unguided velocity, so "
+            "guided rollouts would not be its own samples; use sampling.cfg_scale=1, or "
+            "algorithm.name=flow_grpo, which trains the guided policy"
+        )
     if scale != 1.0:
         try:
             policy.encode_prompts([""])
@@ -39,6 +48,16 @@ def checked_guidance(policy: FlowPolicy, scale: float) -> float:
     return scale
 
 
-def empty_condition(policy: FlowPolicy, count: int, device: torch.device | str) -> Condition:
-    """The empty prompt's condition repeated `count` times, on `device` (guidance's other half)."""
-    return {k: v.to(device) for k, v in repeat_condition(policy.encode_prompts([""]), count).items()}
+def encode_empty(policy: FlowPolicy, device: torch.device | str) -> Condition:
+    """The empty prompt's condition (one row) on `device`, encoded with autocast off: the rollout
+    and the loss (on whichever process) get the same tensors."""
+    with torch.autocast(device_type=torch.device(device).type, enabled=False):
+        return {k: v.to(device) for k, v in policy.encode_prompts([""]).items()}
+
+
+def empty_condition(
+    policy: FlowPolicy, count: int, device: torch.device | str, row: Condition | None = None
+) -> Condition:
+    """The empty prompt's condition repeated `count` times on `device` (guidance's other half);
+    `row`: an `encode_empty` made before."""
+    return repeat_condition(row if row is not None else encode_empty(policy, device), count)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from .lifeline import parent_death_preexec
@@ -19,9 +19,11 @@ def run_process_tree(
     timeout_s: float,
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
+    started: Callable[[subprocess.Popen[str]], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `command` in its own session and capture its text output. Past `timeout_s`, every
-    process of the session is killed and subprocess.TimeoutExpired is raised (with the output)."""
+    process of the session is killed and subprocess.TimeoutExpired is raised (with the output).
+    `started` is told the process as it starts (a caller on another thread may `kill_session` it)."""
     proc = subprocess.Popen(
         list(command),
         cwd=cwd,
@@ -32,21 +34,24 @@ def run_process_tree(
         start_new_session=True,
         preexec_fn=parent_death_preexec(),
     )
+    if started is not None:
+        started(proc)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_session(proc)
+        kill_session(proc)
         stdout, stderr = proc.communicate()
         raise subprocess.TimeoutExpired(proc.args, timeout_s, stdout, stderr) from None
     except BaseException:  # interrupted: leave nothing behind
-        _kill_session(proc)
+        kill_session(proc)
         proc.communicate()
         raise
-    _kill_session(proc)  # processes the launcher left behind
+    kill_session(proc)  # processes the launcher left behind
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def _kill_session(proc: subprocess.Popen[str]) -> None:
+def kill_session(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL every process of `proc`'s session (started with start_new_session)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:  # the session has no process left

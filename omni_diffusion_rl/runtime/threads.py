@@ -1,6 +1,7 @@
-"""Thread budgets: every process this project starts computes on its share of the host's cores, so
+"""Thread budgets: the servers and the race's runs compute on their share of the host's CPUs, so
 that processes sharing a host do not oversubscribe it (two teacher servers with torch's default
-thread count each ran at 0.07x of one on 2 cores)."""
+thread count each ran at 0.07x of one on 2 cores). CPUs are the OS's (the affinity mask): on a host
+with SMT that is twice the physical cores torch would take."""
 
 from __future__ import annotations
 

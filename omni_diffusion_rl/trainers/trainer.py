@@ -74,6 +74,7 @@ def experience_maker(
             f"algorithm.name={cfg.algorithm.name} does not train {kind} (model.family={cfg.model.family}): "
             "gspo trains answering models (tiny_omni); nft, flow_grpo, raft and distill train generators"
         )
+    cfg_scale = checked_guidance(policy, s.cfg_scale, cfg.algorithm.name, algorithm.trains_guided)
     if is_answering(policy):
         from ..experience.answer_backends import answer_backend
         from ..experience.text_rollout import TextExperienceMaker
@@ -109,7 +110,7 @@ def experience_maker(
         autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
         annotator=algorithm.experience_annotator(cfg, policy, sharder),
         sde=algorithm.sde_sampling(cfg),
-        cfg_scale=checked_guidance(policy, s.cfg_scale),
+        cfg_scale=cfg_scale,
     )
 
 
