@@ -38,6 +38,8 @@ from .common import LAUNCH_TIMEOUT_S, machine_info, median, publish
 
 ACCURACY = "eval/tiny_world_judge"
 HEALTH = ("flooded", "recognisable_shape", "diversity")
+ATTRIBUTES = ("color", "shape", "pitch", "timing")
+"""Each attribute's held-out accuracy, kept with the curves: which one lags (the shape, for NFT)."""
 THRESHOLDS = (0.5, 0.9)
 NFT_CONFIG = "recipes/configs/tiny_t2av_nft.yaml"
 FLOW_GRPO_CONFIG = "recipes/configs/tiny_t2av_flow_grpo.yaml"
@@ -117,7 +119,7 @@ def read_curve(run_dir: Path) -> list[dict[str, float]]:
             "samples": row.get("eval/generated_samples", 0.0),
             "accuracy": row[ACCURACY],
         }
-        curve.append(point | {h: row.get(f"{ACCURACY}/{h}", float("nan")) for h in HEALTH})
+        curve.append(point | {h: row.get(f"{ACCURACY}/{h}", float("nan")) for h in (*HEALTH, *ATTRIBUTES)})
     return curve
 
 
@@ -154,6 +156,7 @@ def summarise(curves: list[list[dict[str, float]]], thresholds: Sequence[float])
     out["final_accuracy"] = _range([p["accuracy"] for p in finals])
     out["base_accuracy"] = _range([c[0]["accuracy"] for c in curves])
     out["final_health"] = {h: _range([p[h] for p in finals]) for h in HEALTH}
+    out["final_attributes"] = {a: _range([p.get(a, float("nan")) for p in finals]) for a in ATTRIBUTES}
     out["base_health"] = {h: _range([c[0][h] for c in curves]) for h in HEALTH}
     out["train_seconds"] = _range([p["seconds"] for p in finals])
     return out
