@@ -170,6 +170,18 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
+def sample_guidance(checkpoint: str | None, given: float | None) -> float:
+    """`odrl sample`'s guidance: --cfg-scale when given, else the checkpoint run's sampling.cfg_scale
+    (sample as the run did), else 1 (off)."""
+    if given is not None:
+        return given
+    if not checkpoint:
+        return 1.0
+    from .checkpoint import checkpoint_sampling, load_checkpoint
+
+    return checkpoint_sampling(load_checkpoint(checkpoint, objects=False)[2], checkpoint).cfg_scale
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from .inference import generate_media, load_policy
     from .media import save_previews
@@ -187,12 +199,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
             f"{args.checkpoint} is an answering model (GSPO): `odrl sample` generates media; the run's "
             "previews and the notebook (make notebook) show its answers"
         )
-    if args.cfg_scale != 1.0:
+    scale = sample_guidance(args.checkpoint, args.cfg_scale)
+    if scale != 1.0:
         from .experience.guidance import checked_guidance
 
-        checked_guidance(policy, args.cfg_scale)
+        checked_guidance(policy, scale)
     media = generate_media(
-        policy, prompts, steps=args.steps, solver=args.solver, seed=args.seed, cfg_scale=args.cfg_scale
+        policy, prompts, steps=args.steps, solver=args.solver, seed=args.seed, cfg_scale=scale
     )
     files = save_previews(args.output, media, prompts, None)
     print(json.dumps({"output": str(args.output), "files": sorted(files)}))
@@ -791,9 +804,8 @@ def _add_sample(sub: Subcommands) -> None:
     sample.add_argument(
         "--cfg-scale",
         type=_guidance_scale,
-        default=1.0,
-        help="classifier-free guidance, v(empty) + s (v(prompt) - v(empty)); 1 (default) is off; use the "
-        "run's sampling.cfg_scale for a policy trained with it",
+        help="classifier-free guidance, v(empty) + s (v(prompt) - v(empty)), 1 is off (default: the "
+        "checkpoint run's sampling.cfg_scale, else 1)",
     )
     sample.add_argument("--output", type=Path, default=Path("runs/samples"))
     sample.set_defaults(func=cmd_sample)

@@ -283,6 +283,7 @@ def test_guided_rollouts_record_the_guided_steps_log_probabilities(model_dir: Pa
 def test_guidance_is_refused_where_it_would_not_be_trained_and_a_guided_checkpoint_evaluates(
     model_dir: Path, tmp_path: Path
 ) -> None:
+    from omni_diffusion_rl.cli import sample_guidance
     from omni_diffusion_rl.evaluation.targets import target_config
 
     with pytest.raises(
@@ -296,6 +297,8 @@ def test_guidance_is_refused_where_it_would_not_be_trained_and_a_guided_checkpoi
     Trainer(load_config(None, [*overrides, "train.eval_at_start_and_end=false"])).fit()
     # odrl eval reads the run's sampling section (guided) and evaluates it as it was trained
     assert target_config(str(run / "checkpoints"), None, []).sampling.cfg_scale == 2.0
+    assert sample_guidance(str(run / "checkpoints"), None) == 2.0  # odrl sample samples as the run did
+    assert sample_guidance(str(run / "checkpoints"), 1.0) == 1.0 and sample_guidance(None, None) == 1.0
 
 
 def test_several_updates_per_batch_step_the_optimizer_on_each_share(model_dir: Path, tmp_path: Path) -> None:
