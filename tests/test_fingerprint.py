@@ -36,6 +36,22 @@ def test_runtime_knobs_may_change_and_the_identity_may_not() -> None:
     assert not fingerprint_matches(state, current, other), "another transformer config"
 
 
+def test_where_the_base_was_loaded_from_is_not_its_identity(tmp_path: Path) -> None:
+    """The same base saved in two folders (an install that moved, a diffusers upgrade) fits the same
+    checkpoints; a checkpoint hashed with the private entries, as before, still fits its own."""
+    torch.manual_seed(0)
+    TinyAVTransformer(dim=16, depth=1, heads=2, mlp_ratio=2).save_pretrained(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    here = TinyAVTransformer.from_pretrained(tmp_path / "a")
+    there = TinyAVTransformer.from_pretrained(tmp_path / "b")
+    assert dict(here.config)["_name_or_path"] != dict(there.config)["_name_or_path"]
+    current = dataclasses.asdict(ModelConfig())
+    state = {"model_fingerprint": model_fingerprint(current, here), "config": {"model": current}}
+    assert fingerprint_matches(state, current, there)
+    before = {"model_fingerprint": _hash(current, here), "config": {"model": current}}
+    assert fingerprint_matches(before, current, here)
+
+
 def test_a_checkpoint_from_before_the_rule_still_fits() -> None:
     """Before: the whole model config was hashed, and base_dtype did not exist yet."""
     transformer = TinyAVTransformer(dim=16, depth=1, heads=2, mlp_ratio=2)
