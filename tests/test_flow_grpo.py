@@ -23,6 +23,7 @@ from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, SDESampling
 from omni_diffusion_rl.experience.sampling import flow_match_time_grid, sample_sde
 from omni_diffusion_rl.models import lora
+from omni_diffusion_rl.models.policy import repeat_condition
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.trainers.flow_grpo import FlowGRPO, trained_sde_steps
 from omni_diffusion_rl.trainers.trainer import Trainer
@@ -252,7 +253,7 @@ def test_guided_rollouts_record_the_guided_steps_log_probabilities(model_dir: Pa
     """The behaviour log-probability of a guided SDE rollout is the guided velocity's: recomputed
     with guidance it matches, recomputed without it does not (a loss on the plain velocity would
     train a policy that never sampled)."""
-    from omni_diffusion_rl.experience.guidance import empty_condition, guided
+    from omni_diffusion_rl.experience.guidance import encode_empty, guided
     from omni_diffusion_rl.experience.rollout import SDEDraw, generate
     from omni_diffusion_rl.models import build_policy
 
@@ -271,7 +272,7 @@ def test_guided_rollouts_record_the_guided_steps_log_probabilities(model_dir: Pa
         assert not torch.allclose(rollout.x0, plain.x0, atol=1e-3), "guidance changes the samples"
         grid, states = rollout.grid, rollout.extras[STATES]
         t, t_next, cap = grid[1].expand(4), grid[2].expand(4), float(grid[1])
-        empty = empty_condition(policy, 4, "cpu")
+        empty = repeat_condition(encode_empty(policy, "cpu"), 4)
         gaps = {}
         for scale in (3.0, 1.0):
             v = guided(policy, states[:, 1], t, rollout.cond, empty, scale)

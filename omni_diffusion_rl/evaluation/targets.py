@@ -30,7 +30,7 @@ from ..config import (
     parse_override,
     read_config_file,
 )
-from ..experience.rollout import generate
+from ..experience.rollout import generate_for_eval
 from ..media import MediaBatch
 from ..prompts import load_prompts
 from ..reward_factory import reward_from_config
@@ -125,17 +125,7 @@ def target_policy(target: str, cfg: ExperimentConfig) -> Any:
 def _policy_maker(policy: Any, s: SamplingConfig) -> MediaMaker:
     @torch.no_grad()
     def make(prompts: list[str], noise: torch.Tensor) -> MediaBatch:
-        rollout = generate(
-            policy,
-            prompts,
-            list(range(len(prompts))),
-            noise,
-            s.eval_num_steps,
-            s.time_shift,
-            s.solver,
-            cfg_scale=s.cfg_scale,
-        )
-        return policy.decode(rollout.x0)
+        return policy.decode(generate_for_eval(policy, prompts, noise, s).x0)
 
     return make
 

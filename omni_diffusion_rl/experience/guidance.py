@@ -7,7 +7,7 @@ import torch
 
 from ..algorithms.guidance import guided_velocity
 from ..config import ConfigError
-from ..models.policy import Condition, FlowPolicy, repeat_condition
+from ..models.policy import Condition, FlowPolicy
 
 
 def guided(
@@ -53,11 +53,3 @@ def encode_empty(policy: FlowPolicy, device: torch.device | str) -> Condition:
     and the loss (on whichever process) get the same tensors."""
     with torch.autocast(device_type=torch.device(device).type, enabled=False):
         return {k: v.to(device) for k, v in policy.encode_prompts([""]).items()}
-
-
-def empty_condition(
-    policy: FlowPolicy, count: int, device: torch.device | str, row: Condition | None = None
-) -> Condition:
-    """The empty prompt's condition repeated `count` times on `device` (guidance's other half);
-    `row`: an `encode_empty` made before."""
-    return repeat_condition(row if row is not None else encode_empty(policy, device), count)

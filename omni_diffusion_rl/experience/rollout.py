@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,8 +21,11 @@ from ..models.policy import Condition, FlowPolicy, cat_conditions, index_conditi
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
 from ..runtime.sharding import compute_device
-from .guidance import empty_condition, guided
+from .guidance import encode_empty, guided
 from .sampling import policy_time_grid, sample_ode, sample_sde
+
+if TYPE_CHECKING:
+    from ..config import SamplingConfig
 
 _STREAMS = {
     "prompts": 1,
@@ -283,7 +286,7 @@ def generate(
     noise = noise.to(device)
     grid = policy_time_grid(policy, num_steps, time_shift)  # the diffusers scheduler's or uniform
     states: list[torch.Tensor] | None = [] if record_states else None
-    empty = empty_condition(policy, len(noise), device) if cfg_scale != 1.0 else None
+    empty = repeat_condition(encode_empty(policy, device), len(noise)) if cfg_scale != 1.0 else None
     velocity = lambda x, t: guided(policy, x, t.to(device), cond, empty, cfg_scale)  # noqa: E731
     extras: dict[str, torch.Tensor] = {}
     if sde is not None:
@@ -303,6 +306,18 @@ def generate(
         cond=cond,
         grid=grid,
         extras=extras,
+    )
+
+
+def generate_for_eval(
+    policy: FlowPolicy, prompts: list[str], noise: torch.Tensor, sampling: SamplingConfig
+) -> Rollout:
+    """One sample per noise row as a run's evaluation and previews sample: `sampling`'s eval steps,
+    time shift, solver and guidance."""
+    s = sampling
+    ids = list(range(len(prompts)))
+    return generate(
+        policy, prompts, ids, noise, s.eval_num_steps, s.time_shift, s.solver, cfg_scale=s.cfg_scale
     )
 
 

@@ -21,7 +21,7 @@ from ..evaluation.heldout import (
     score_heldout,
     summarize,
 )
-from ..experience.rollout import Rollout, generate, step_generator
+from ..experience.rollout import Rollout, generate_for_eval, step_generator
 from ..media import save_previews
 from ..registry import evaluations, preview_references
 from ..reward import WeightedReward
@@ -151,18 +151,8 @@ class HeldOut:
     def _generate_trained(self, prompts: list[str], noise: torch.Tensor) -> Rollout:
         """One sample per noise row with the trained weights at the eval sampling steps (evaluation
         and previews), in the run's precision."""
-        s = self.cfg.sampling
         with self.autocast():
-            return generate(
-                self.policy,
-                prompts,
-                list(range(len(prompts))),
-                noise,
-                s.eval_num_steps,
-                s.time_shift,
-                s.solver,
-                cfg_scale=s.cfg_scale,
-            )
+            return generate_for_eval(self.policy, prompts, noise, self.cfg.sampling)
 
     @torch.no_grad()
     def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:

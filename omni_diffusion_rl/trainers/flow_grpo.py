@@ -24,9 +24,9 @@ import torch
 
 from ..algorithms.flow_grpo import clipped_policy_loss, gaussian_step_kl, sde_step
 from ..config import ConfigError, ExperimentConfig, option
-from ..experience.guidance import empty_condition, encode_empty, guided
+from ..experience.guidance import encode_empty, guided
 from ..experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, Rollout, SDESampling, step_generator
-from ..models.policy import Condition, index_condition
+from ..models.policy import Condition, index_condition, repeat_condition
 from ..registry import algorithms
 from .algorithms import (
     Algorithm,
@@ -217,7 +217,7 @@ class FlowGRPO(Algorithm):
             return None
         if self._empty_row is None:  # encoded once: a text encoder's pass is not free
             self._empty_row = encode_empty(self.learner.policy, device)
-        return empty_condition(self.learner.policy, count, device, self._empty_row)
+        return repeat_condition(self._empty_row, count)
 
 
 def trained_sde_steps(rollout: Rollout, seed: int, step: int, fraction: float) -> torch.Tensor:
