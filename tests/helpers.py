@@ -63,6 +63,19 @@ def step_records(run_dir: Path) -> list[dict]:
     return rows
 
 
+def trained_adapter_norm(run_dir: Path) -> float:
+    """Norm of the LoRA B matrices in the run's latest checkpoint: 0 at init, > 0 once trained.
+
+    A sturdier sign that training moved the weights than a held-out reward, which a few steps
+    can leave unchanged at the 4 digits a summary keeps."""
+    from safetensors.torch import load_file
+
+    checkpoints = run_dir / "checkpoints"
+    latest = checkpoints / (checkpoints / "latest").read_text().strip()
+    tensors = load_file(str(latest / "tensors.safetensors"))
+    return sum(float(v.float().norm()) for k, v in tensors.items() if ".lora_B." in k)
+
+
 def last_json_line(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 

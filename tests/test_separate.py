@@ -14,7 +14,16 @@ from omni_diffusion_rl.benchmarks.recheck import wrong_prior
 from omni_diffusion_rl.execution.planner.pick import pick_mode
 from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
-from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
+from .helpers import (
+    ENV,
+    REPO,
+    fast_overrides,
+    last_json_line,
+    odrl,
+    step_records,
+    tiny_model_dir,
+    trained_adapter_norm,
+)
 
 pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
 
@@ -57,9 +66,7 @@ def test_separate_trains_from_the_buffer_and_accounts_for_every_sample(
     assert max(int(k) for k in buf["staleness_histogram"]) <= 1, "the staleness bound holds"
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("buffer/depth" in r for r in rows)
-    assert summary["heldout_reward_after"] != summary["heldout_reward_before"], (
-        "the trainer learned something"
-    )
+    assert trained_adapter_norm(run) > 0, "the trainer moved the adapter"
     assert (run / "checkpoints" / "latest").exists()
 
 
@@ -299,7 +306,7 @@ def test_two_trainer_processes_share_each_step(model_dir: Path, tmp_path: Path) 
     assert max(int(k) for k in ex["buffer"]["staleness_histogram"]) <= 1
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4], "one metrics writer"
-    assert summary["heldout_reward_after"] != summary["heldout_reward_before"]
+    assert trained_adapter_norm(run) > 0, "the trainers moved the adapter"
     assert not list(run.glob("failed_samples.rank*")), "no sample failed on either trainer"
 
 
