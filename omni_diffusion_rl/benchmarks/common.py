@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..runtime.launch import accelerate_command
+from ..runtime.launch import accelerate_command, free_port
 from ..runtime.subprocesses import run_process_tree
 
 # The training config of the 2-process benchmarks, relative to the working folder (as `odrl bench`'s
@@ -45,14 +45,16 @@ def launch_command(config: str | None, overrides: list[str], port: int) -> list[
     return accelerate_command(2, ["train", *([config] if config else []), *overrides], port)
 
 
-def launch_training(config: str | None, overrides: list[str], port: int) -> dict[str, Any]:
+def launch_training(config: str | None, overrides: list[str], port: int | None = None) -> dict[str, Any]:
     """One 2-process training run (on CPU unless ACCELERATE_USE_CPU says otherwise); its JSON summary.
+    The processes meet on `port`, by default a free one (two benchmarks at once never share one).
 
     The launcher runs through `run_process_tree`: it dies with this process, and whatever it leaves
     behind is killed when it ends or times out."""
     env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "true")}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    done = run_process_tree(launch_command(config, overrides, port), timeout_s=LAUNCH_TIMEOUT_S, env=env)
+    command = launch_command(config, overrides, free_port() if port is None else port)
+    done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark run failed ({' '.join(overrides[-3:])}):\n{done.stderr[-3000:]}")
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])

@@ -31,7 +31,6 @@ from .common import DEFAULT_CONFIG, QUIET, launch_training, publish
 
 REFERENCE = "colocated"
 RULE = "within noise: |mean - mean_colocated| <= 2 * sqrt(std^2/n + std_colocated^2/n_colocated)"
-FIRST_PORT = 29640
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -112,10 +111,8 @@ def run_learning_bench(
     prompts = steps * cfg.data.prompts_per_step
     quiet = [o for o in QUIET if not o.startswith("train.eval_at_start_and_end")]
     runs: list[dict[str, Any]] = []
-    port = FIRST_PORT
     for mode in modes:
         for seed in seeds:
-            port += 1
             algorithm, _, run_mode = mode.rpartition(":")  # "raft:colocated": another algorithm
             run_dir = output.parent / f"learning_{mode.replace(':', '_')}_seed{seed}"
             args = [*overrides, *quiet, f"train.output_dir={run_dir}", f"train.steps={steps}"]
@@ -126,7 +123,7 @@ def run_learning_bench(
                     f"algorithm.name={algorithm}",
                     *(f"algorithm.{k}={json.dumps(v)}" for k, v in resets.items()),
                 ]
-            summary = launch_training(config, args, port)
+            summary = launch_training(config, args)
             runs.append(_run_record(mode, seed, summary, prompts, bound))
             lends = runs[-1]["hybrid_lends"]
             print(

@@ -64,16 +64,14 @@ def run_modes_bench(
     overrides = list(overrides or [])
     settings = settings or (ANSWER_SETTINGS if _answers(config, overrides) else SETTINGS)
     rows: dict[str, Any] = {}
-    port = 29600
     for setting, setting_overrides in settings.items():
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in RUN_MODES}
         for round_index in range(repeats):
             for mode in round_order(round_index):
-                port += 1
                 run_dir = output.parent / f"modes_{setting}_{mode}_{round_index}"
                 args = [*overrides, *setting_overrides, *QUIET, f"train.steps={steps}"]
                 args += [f"train.output_dir={run_dir}", f"execution.mode={mode}", "train.overwrite=true"]
-                runs[mode].append(launch_training(config, args, port))
+                runs[mode].append(launch_training(config, args))
         rows[setting] = _setting_row(setting_overrides, runs)
     result = {"processes": 2, "steps_per_run": steps, "rounds": repeats, "settings": rows}
     publish(result, output, format_table(result), _draw, (4.5 * len(rows), 3.2), panels=len(rows))

@@ -69,14 +69,10 @@ def run_recheck_bench(
     }
     base = [*(overrides or []), *setting, *QUIET, f"train.steps={steps}", "execution.mode=auto"]
     summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in runs_args}
-    port = 29700
     for round_index in range(repeats):
         for index, (name, args) in enumerate(runs_args.items()):
-            port += 1
             run_dir = output.parent / f"recheck_{index}_{round_index}"
-            summaries[name].append(
-                launch_training(config, [*base, f"train.output_dir={run_dir}", *args], port)
-            )
+            summaries[name].append(launch_training(config, [*base, f"train.output_dir={run_dir}", *args]))
     rows = {name: _row(runs) for name, runs in summaries.items()}
     reference = rows["colocated"]["whole_s_per_prompt"]
     for row in rows.values():

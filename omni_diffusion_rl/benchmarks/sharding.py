@@ -54,7 +54,7 @@ def run_sharding_bench(
         for name in order:
             folder = output.parent / "sharding_runs" / f"{name}_{round_index}"
             args = [*(overrides or []), *QUIET, LAYOUTS[name], f"train.steps={steps}"]
-            summary = launch_training(config, [*args, f"train.output_dir={folder}"], 29500 + round_index)
+            summary = launch_training(config, [*args, f"train.output_dir={folder}"])
             runs[name].append({"s_per_prompt": steady_s_per_prompt(summary), **_phases(folder)})
     figures = {
         name: {key: spread([r[key] for r in rounds]) for key in ("s_per_prompt", "rollout_s", "train_s")}
