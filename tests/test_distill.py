@@ -257,12 +257,13 @@ def test_cost_measurement_runs_the_teacher_as_part_of_rollout(
 ) -> None:
     """auto and `odrl simulate --measure` time generation with the teacher's targets included."""
     from omni_diffusion_rl.execution.planner import measure
+    from omni_diffusion_rl.trainers.experience_kinds import MediaExperience
 
     calls = []
-    original = measure._rollout_fn
+    original = MediaExperience.cost_rollout
 
-    def counting(trainer, *args):  # noqa: ANN001, ANN002, ANN202
-        rollout = original(trainer, *args)
+    def counting(self, trainer, *args):  # noqa: ANN001, ANN002, ANN202
+        rollout = original(self, trainer, *args)
 
         def run():  # noqa: ANN202
             out = rollout()
@@ -272,7 +273,7 @@ def test_cost_measurement_runs_the_teacher_as_part_of_rollout(
         return run
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(measure, "_rollout_fn", counting)
+        patch.setattr(MediaExperience, "cost_rollout", counting)
         costs = measure.measure_costs(
             load_config(None, _distill(model_dir, tmp_path / "m", 1, str(other_dir))), 3, 3, 1
         )

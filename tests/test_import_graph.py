@@ -288,6 +288,29 @@ def test_the_loop_and_the_execution_modes_import_no_demo_world() -> None:
     assert found and not any(found.values()), {m: i for m, i in found.items() if i}
 
 
+def test_the_loop_and_the_execution_modes_never_ask_what_they_learn_from() -> None:
+    """Media or answers is decided once, in trainers/experience_kinds.py: no other module of the loop
+    or the execution modes branches on it, names the demo worlds, or imports the answer rollouts
+    (issue 27)."""
+    kinds = f"{PACKAGE}.trainers.experience_kinds"
+    loop = [
+        m
+        for m in import_graph()
+        if (_matches(f"{PACKAGE}.trainers", m) or _matches(f"{PACKAGE}.execution", m)) and m != kinds
+    ]
+    answers = (f"{PACKAGE}.experience.text_rollout", f"{PACKAGE}.evaluation.avqa")
+    graph = import_graph()
+    importers = {m: sorted(i for i in graph[m] if any(_matches(a, i) for a in answers)) for m in loop}
+    assert loop and not any(importers.values()), {m: i for m, i in importers.items() if i}
+    words = ("is_answering", "avqa", "tiny_world")
+    for module in [*loop, kinds]:
+        path = PACKAGE_DIR.parent / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        text = path.read_text().lower()
+        assert not [w for w in words if w in text], f"{module} names {[w for w in words if w in text]}"
+
+
 def test_the_package_root_imports_nothing_of_the_package() -> None:
     """Importing any module runs omni_diffusion_rl/__init__.py first: whatever it imported would sit
     below every module."""

@@ -195,7 +195,7 @@ class Algorithm:
 
     display_name = "training"  # the progress bar's label
     options_type: type | None = None  # its options dataclass: keys flat in the algorithm section
-    trains_answers = False  # True: it trains an answering language model (answer rollouts), not a generator
+    experience_kind = "media"  # what it learns from (experience_kinds.py): "media", or "answers" (GSPO)
     trains_guided = False  # True: its loss uses sampling.cfg_scale's guided velocity, so rollouts may use it
 
     def __init__(self, learner: Learner) -> None:

@@ -28,13 +28,8 @@ from ..reward import WeightedReward
 from .learner import Learner
 
 
-def is_answering(policy: Any) -> bool:
-    """Whether the policy answers questions (the autoregressive path) rather than generating media."""
-    return getattr(policy, "kind", None) == "answers"
-
-
 class HeldOut:
-    """The held-out set of a run, evaluated and previewed with the trained weights."""
+    """The held-out set of a generator's run, evaluated and previewed with the trained weights."""
 
     def __init__(
         self,
@@ -69,8 +64,6 @@ class HeldOut:
     def evaluate(self) -> dict[str, float]:
         """The training reward and the eval metrics on the held-out set (fixed prompts and noise,
         whatever the seed), generated with the trained adapter; see `evaluation`."""
-        if is_answering(self.policy):
-            return self._answers().evaluate()
         n, prompts = self.cfg.data.eval_samples, self.eval_prompts
         mine = samples_of_rank(prompts, n, self.rank, self.world_size)
         parts: list[dict[str, torch.Tensor]] = []
@@ -94,19 +87,6 @@ class HeldOut:
         summary = summarize(self.learner.gather_named(join_columns(parts)), self.metrics)
         check_scored(summary, "the held-out set", reasons)
         return summary
-
-    def _answers(self) -> Any:
-        """The held-out evaluation of an answering policy: the one registered for its model family
-        (registry.evaluations; tiny_omni: tiny AVQA, evaluation/avqa.py)."""
-        family = self.cfg.model.family
-        if family not in evaluations.names():
-            raise ConfigError(
-                f"model.family={family} answers questions, but no held-out evaluation is registered for "
-                f"it (registered: {', '.join(evaluations.names()) or 'none'}); register a class with "
-                "evaluate() and preview(folder, shown) by @omni_diffusion_rl.registry.evaluations.register"
-                f"('{family}') or the entry-point group '{evaluations.entry_point_group}'"
-            )
-        return evaluations.get(family)(self.cfg, self.policy, self.reward, self.eval_prompts)
 
     def _lockstep_eval_sizes(self, prompts: list[str], sample_prompts: list[str]) -> list[int]:
         """Sharded: the size of each held-out batch, the largest any process has at that place (each
@@ -158,13 +138,9 @@ class HeldOut:
     def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
         """Samples of held-out prompts with their rewards and eval metrics (a failed score is shown as
         failed), beside the model family's own render of each prompt when it has one (the tiny
-        world's, for tiny_av); an answering policy's preview is its registered evaluation's."""
+        world's, for tiny_av)."""
         if not self.is_main and not self.sharded:
             return None
-        if is_answering(self.policy):
-            return self._answers().preview(
-                self.output_dir / "previews" / tag, prompts_shown * samples_per_prompt
-            )
         stride = max(1, len(self.eval_prompts) // prompts_shown)
         chosen = self.eval_prompts[::stride][:prompts_shown]  # spread over the held-out set
         prompts = [p for p in chosen for _ in range(samples_per_prompt)]
@@ -201,3 +177,33 @@ class HeldOut:
             return None
         rendered = preview_references.get(family)(prompts, step_generator(0, 0, 0, "preview"))
         return None if rendered is None else rendered[0]
+
+
+class AnswerHeldOut(HeldOut):
+    """The held-out set of an answering policy's run: evaluated and previewed by the evaluation
+    registered for its model family (registry.evaluations), with the trained weights; the eval
+    metrics are the config's, as for a generator."""
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        return self._evaluation().evaluate()
+
+    @torch.no_grad()
+    def preview(self, tag: str, prompts_shown: int = 4, samples_per_prompt: int = 2) -> Path | None:
+        """The registered evaluation's preview of `prompts_shown * samples_per_prompt` answers."""
+        if not self.is_main and not self.sharded:
+            return None
+        return self._evaluation().preview(
+            self.output_dir / "previews" / tag, prompts_shown * samples_per_prompt
+        )
+
+    def _evaluation(self) -> Any:
+        family = self.cfg.model.family
+        if family not in evaluations.names():
+            raise ConfigError(
+                f"model.family={family} answers questions, but no held-out evaluation is registered for "
+                f"it (registered: {', '.join(evaluations.names()) or 'none'}); register a class with "
+                "evaluate() and preview(folder, shown) by @omni_diffusion_rl.registry.evaluations.register"
+                f"('{family}') or the entry-point group '{evaluations.entry_point_group}'"
+            )
+        return evaluations.get(family)(self.cfg, self.policy, self.reward, self.eval_prompts)

@@ -66,7 +66,7 @@ class GroupSequencePolicyOptimization(Algorithm):
 
     display_name = "GSPO"
     options_type = GSPOOptions
-    trains_answers = True
+    experience_kind = "answers"
 
     def metric_names(self) -> list[str]:
         answers = ["answers/mean_tokens", "answers/truncated"]  # of the trained answers, in every mode

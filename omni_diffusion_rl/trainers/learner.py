@@ -156,7 +156,7 @@ def build_learner(
     """The policy (sharded over the training processes with train.sharding=fsdp), its trained LoRA
     parameters, their AdamW optimizer and the run's precision, as a learner; the sharder and a line
     that says which sharding is in force."""
-    trains_answers = algorithms.get(cfg.algorithm.name).trains_answers
+    trains_answers = algorithms.get(cfg.algorithm.name).experience_kind == "answers"
     sharder, sharding = make_sharder(cfg, world_size, group, device, trains_answers)
     if rank == 0 and world_size > 1:  # said before the (possibly long) build of the policy
         print(f"odrl: {sharding}", file=sys.stderr, flush=True)

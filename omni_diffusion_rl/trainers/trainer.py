@@ -26,92 +26,23 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import (
-    atomic_write_text,
-)
+from ..checkpoint import atomic_write_text
 from ..config import ConfigError, ExperimentConfig
-from ..evaluation.heldout import (
-    before_after_summary,
-)
-from ..experience.guidance import checked_guidance
+from ..evaluation.heldout import before_after_summary
 from ..experience.rollout import ExperienceMaker, Rollout
 from ..models import build_nft_policy
-from ..models.policy import FlowPolicy
-from ..precision import autocast_factory, resolve_mixed_precision
 from ..prompts import load_prompts
-from ..reward import ScoreResult, WeightedReward
+from ..reward import ScoreResult
 from ..reward_factory import reward_from_config
-from ..runtime.sharding import (
-    Sharder,
-)
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from .accounting import count_samples, failures_path, record_dropped, reward_metrics, trainable_samples
-from .algorithms import algorithm_class, build_algorithm
-from .evaluator import HeldOut, is_answering
+from .algorithms import build_algorithm
+from .experience_kinds import experience_kind
 from .learner import build_learner, rank_and_size
 from .phases import LoopStart, ProcessPlace, StepPhases
 from .run_checkpoints import RunCheckpoints
 from .sources import ExperienceSource, LocalSource, SourceContext
 from .update_batch import UpdateBatch
-
-
-def experience_maker(
-    cfg: ExperimentConfig,
-    policy: FlowPolicy,
-    reward: WeightedReward,
-    prompts: list[str],
-    device: torch.device,
-    sharder: Sharder | None = None,
-) -> ExperienceMaker:
-    """The experience maker of a run: generation with the algorithm's rollout weights, in the run's
-    precision (answers for an answering policy: experience/text_rollout.py); `sharder`: the training processes
-    shard (an in-process teacher is sharded with them)."""
-    s = cfg.sampling
-    algorithm = algorithm_class(cfg.algorithm.name)
-    if is_answering(policy) != algorithm.trains_answers:
-        kind = "an answering language model" if is_answering(policy) else "a media generator"
-        raise ConfigError(
-            f"algorithm.name={cfg.algorithm.name} does not train {kind} (model.family={cfg.model.family}): "
-            "gspo trains answering models (tiny_omni); nft, flow_grpo, raft and distill train generators"
-        )
-    cfg_scale = checked_guidance(policy, s.cfg_scale, cfg.algorithm.name, algorithm.trains_guided)
-    if is_answering(policy):
-        from ..experience.answer_backends import answer_backend
-        from ..experience.text_rollout import TextExperienceMaker
-
-        a = cfg.algorithm
-        precision = resolve_mixed_precision(cfg.train.mixed_precision)
-        return TextExperienceMaker(  # type: ignore[return-value]
-            policy,
-            reward,
-            prompts,
-            cfg.train.seed,
-            cfg.data.group_size,
-            a.max_new_tokens,
-            a.temperature,
-            a.min_new_tokens,
-            rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
-            load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
-            autocast=autocast_factory(precision, device),
-            backend=answer_backend(cfg, precision, lambda: algorithm.rollout_state(policy.transformer)),
-        )
-    return ExperienceMaker(
-        policy,
-        reward,
-        prompts,
-        cfg.train.seed,
-        cfg.data.group_size,
-        s.num_steps,
-        s.time_shift,
-        s.solver,
-        s.rollout_chunks,
-        rollout_weights=lambda: algorithm.rollout_weights(policy.transformer),
-        load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
-        autocast=autocast_factory(resolve_mixed_precision(cfg.train.mixed_precision), device),
-        annotator=algorithm.experience_annotator(cfg, policy, sharder),
-        sde=algorithm.sde_sampling(cfg),
-        cfg_scale=cfg_scale,
-    )
 
 
 def close_experience(experience: ExperienceMaker) -> None:
@@ -141,7 +72,8 @@ def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> Exper
     start_process(cfg)
     prompts = load_prompts(cfg.data.prompts)
     reward = reward_from_config(cfg.reward)
-    return experience_maker(cfg, build_nft_policy(cfg.model, device), reward, prompts, device)
+    policy = build_nft_policy(cfg.model, device)
+    return experience_kind(cfg, policy).make_experience(cfg, policy, reward, prompts, device)
 
 
 class Trainer:
@@ -175,17 +107,15 @@ class Trainer:
         )
         self.sharded = self.learner.sharded
         self.policy, self.transformer = self.learner.policy, self.learner.transformer
-        self.params, self.optimizer, self.autocast = (
-            self.learner.params,
-            self.learner.optimizer,
-            self.learner.autocast,
-        )
+        learner = self.learner
+        self.params, self.optimizer, self.autocast = learner.params, learner.optimizer, learner.autocast
         self.algorithm = build_algorithm(self.learner)
-        self.experience = experience_maker(
+        self.kind = experience_kind(cfg, self.policy)  # media or answers: all that differs lives there
+        self.experience = self.kind.make_experience(
             cfg, self.policy, self.reward, self.train_prompts, self.device, self.sharder
         )
         self.step = 0
-        self.heldout = HeldOut(
+        self.heldout = self.kind.held_out(
             cfg, self.learner, self.reward, self.eval_prompts, Path(cfg.train.output_dir), self.sharded
         )
         self.source = source or LocalSource()

@@ -5,7 +5,8 @@ the run's algorithm on what was generated) are timed at 1 prompt group (what a r
 makes per call) and at a colocated process's share of a step, at a short and a long sampling-step
 count (or one); the linear cost model is fitted by least squares and extrapolates to a whole step
 on one trainer; measured at one length, the points themselves are kept and interpolated
-(costs.py). For an answering policy (GSPO) the length unit is the answer token: generation is
+(costs.py). The run's experience kind (trainers/experience_kinds.py) says how a rollout is timed
+and may change the length unit: for an answering policy (GSPO) it is the answer token, generation is
 timed at the run's own answer lengths (natural, or forced by algorithm.min_new_tokens) and the
 length is their measured mean. The sync cost is the round trip of the algorithm's rollout weights through a
 safetensors payload (what a weight sync moves); switching is a switch to the rollout weights and
@@ -25,7 +26,6 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ...config import ExperimentConfig
-from ...experience.rollout import score
 from ...trainers.update_batch import UpdateBatch
 from .costs import CostModel
 
@@ -76,7 +76,6 @@ def _measure(
     replicas: int,
     device: torch.device | None,
 ) -> CostModel:
-    from ...trainers.evaluator import is_answering
     from ...trainers.trainer import Trainer
 
     trainer = Trainer(cfg, device=device)
@@ -85,15 +84,14 @@ def _measure(
     share = max(1, -(-p // replicas))  # a colocated process's groups per step
     prompts = [trainer.prompt_at(i) for i in range(max(p, 2))]
     fraction = cfg.algorithm.timestep_fraction
-    if is_answering(trainer.policy):  # length unit: answer tokens, as the run's answers come out
-        probe = _rollout_fn(trainer, prompts, share, 0, cfg.sampling.solver)()
-        tokens = max(1.0, float(probe.answer_mask.sum(-1).float().mean()))
-        short_steps = long_steps = tokens  # type: ignore[assignment]
-        fraction = 1.0  # every answer token is trained
+    unit = trainer.kind.cost_length(trainer, prompts, share, short_steps)  # None: the sampling step
+    if unit is not None:  # another length unit (answer tokens), measured as the run's outputs come out
+        short_steps = long_steps = unit  # type: ignore[assignment]
+        fraction = 1.0  # every unit is trained
     gen_rows, gen_y, train_rows, train_y = [], [], [], []
     for steps in sorted({short_steps, long_steps}):  # one length is enough to predict at that length
         for groups in sorted({1, share, 2 if share == 1 else share}):
-            rollout = _rollout_fn(trainer, prompts, groups, steps, cfg.sampling.solver)
+            rollout = trainer.kind.cost_rollout(trainer, prompts, groups, steps)
             seconds, batch = _median_time(rollout, repeats)
             gen_rows.append([1.0, groups * k * steps])
             gen_y.append(seconds)
@@ -144,36 +142,6 @@ def _update_fn(trainer: Any, batch: Any) -> Callable[[], Any]:
         batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0, {"random": rewards}, {"random": 1.0}
     )
     return lambda: trainer.algorithm.update(whole)
-
-
-def _rollout_fn(trainer: Any, prompts: list[str], groups: int, steps: int, solver: str) -> Callable[[], Any]:
-    """A call that generates, decodes and scores `groups` prompt groups with the rollout adapter, and
-    asks the algorithm's annotator (a distillation teacher) for what it attaches: the teacher's
-    time counts as rollout time, as on a rollout process (colocated mode may hide part of it)."""
-    from ...experience.text_rollout import answer_media
-    from ...trainers.evaluator import is_answering
-
-    k = trainer.cfg.data.group_size
-    answering = is_answering(trainer.policy)
-    noise = None
-    if not answering:
-        noise = torch.randn(
-            (groups * k, *trainer.policy.latent_shape), generator=torch.Generator().manual_seed(0)
-        )
-
-    def rollout() -> Any:
-        if answering:
-            answers = trainer.experience.generate(prompts[:groups], list(range(groups)), 0)
-            trainer.reward(answer_media(trainer.policy, answers), answers.prompts, check=False)
-            return answers
-        out = trainer.experience.generate(prompts[:groups], list(range(groups)), noise, steps)
-        score(trainer.policy, trainer.reward, out)
-        annotator = trainer.experience.annotator
-        if annotator is not None:
-            out.extras.update(annotator.submit(out).result())
-        return out
-
-    return rollout
 
 
 def costs_to_json(costs: CostModel) -> dict[str, Any]:
