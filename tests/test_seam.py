@@ -167,3 +167,25 @@ def test_the_colocated_source_feeds_any_algorithm_with_its_rollout_weights(
     assert recording.rollout_entries == 3 * 2, "every chunk of every step made with the rollout weights"
     trained = lora.adapter_state_dict(trainer.transformer, lora.TRAINED)
     assert all(torch.equal(before[k], trained[k]) for k in trained), "no gradient, no change"
+
+
+def test_an_algorithm_trains_one_kind_of_experience_and_the_policy_must_make_it(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kind is decided once: media for a generator under NFT; an algorithm that names no kind
+    of experience is refused at the start with the kinds there are."""
+    from omni_diffusion_rl.config import ConfigError
+    from omni_diffusion_rl.trainers.evaluator import HeldOut
+    from omni_diffusion_rl.trainers.experience_kinds import KIND_NAMES, MediaExperience
+
+    trainer = Trainer(load_config(None, fast_overrides(model_dir, tmp_path / "run", 1)))
+    assert isinstance(trainer.kind, MediaExperience) and type(trainer.heldout) is HeldOut
+    assert trainer.kind.cost_length(trainer, [], 1, 4) is None, "a generator's cost unit: the sampling step"
+
+    class VideoOnly(DiffusionNFT):
+        experience_kind = "video"
+
+    monkeypatch.setitem(algorithms._factories, "video_only", VideoOnly)  # noqa: SLF001
+    overrides = [*fast_overrides(model_dir, tmp_path / "other", 1), "algorithm.name=video_only"]
+    with pytest.raises(ConfigError, match=f"experience_kind='video'.*one of {', '.join(KIND_NAMES)}"):
+        Trainer(load_config(None, overrides))
