@@ -92,7 +92,8 @@ def test_modes_bench_runs_every_mode_and_reports_predictions(
     assert all(math.isfinite(v["median"]) for v in row["prediction_error"].values())
     assert row["auto_picked"][0] in row["predicted_s_per_prompt"] and row["auto_warmup_s"][0] > 0
     fixed = ("colocated", "separate", "hybrid")
-    assert row["fastest_fixed_mode"] == min(fixed, key=lambda m: real[m]["median"])
+    fastest = min(real[m]["median"] for m in fixed)  # rounded medians: a tie may go either way
+    assert real[row["fastest_fixed_mode"]]["median"] == fastest
     for key in ("auto_vs_fastest", "separate_vs_colocated", "hybrid_vs_separate", "hybrid_vs_colocated"):
         assert row[key]["verdict"] in ("faster", "slower", "within noise", "met", "missed"), key
     assert "interleaved rounds" in capsys.readouterr().out

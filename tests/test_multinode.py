@@ -267,7 +267,8 @@ def test_two_machines_of_one_process_match_one_machine_of_two(model_dir: Path, t
     for a, b in zip(rows_1, rows_2, strict=True):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     after = last_json_line(first.stdout)["heldout_reward_after"]
-    assert after == pytest.approx(last_json_line(reference.stdout)["heldout_reward_after"], abs=1e-4)
+    reference_after = last_json_line(reference.stdout)["heldout_reward_after"]
+    assert after == pytest.approx(reference_after, abs=1.5e-4), "4 digits kept: one rounding step apart"
     assert "{" not in second.stdout, "machine 1 has no main process: the summary is printed once"
 
 

@@ -147,10 +147,12 @@ def test_a_send_nobody_takes_times_out_instead_of_hanging(tmp_path: Path) -> Non
     assert result.read_text() == "TimeoutError: rank 1 did not take a message within 1 s"
 
 
-# Scoring takes 0.4 s a group (test_slow), paid by whoever makes the group: the rollout process, or
-# a lent trainer. One rollout process then cannot keep up with training, and hybrid lends.
+# Scoring takes 1 s a group (test_slow), paid by whoever makes the group: the rollout process, or
+# a lent trainer. One rollout process then cannot keep up with training, and hybrid lends. A sleep,
+# not computation: a loaded machine slows training, never the sleep, so training must stay well
+# under it (a tiny step takes about 0.1 s alone; 0.4 s was too close under load).
 SLOW_SCORING = ["reward.plugins=[tests.plugin_rewards]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
-SLOW_SCORING_ENV = {"ODRL_TEST_SLOW_S": "0.4", "PYTHONPATH": str(REPO)}
+SLOW_SCORING_ENV = {"ODRL_TEST_SLOW_S": "1.0", "PYTHONPATH": str(REPO)}
 
 
 def _balances(buf: dict) -> bool:
@@ -207,7 +209,11 @@ def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_p
     auto = summary["auto"]
     predicted = auto["predicted_s_per_prompt"]
     assert set(predicted) == {"colocated", "separate", "hybrid"} and all(v > 0 for v in predicted.values())
-    assert auto["picked"] == pick_mode(predicted, 0.1)  # colocated unless clearly slower
+    # colocated unless clearly slower; the report rounds to 4 digits, so a near-tie (between modes, or
+    # at the margin) may go either way
+    near = {m for m in predicted if predicted[m] <= min(predicted.values()) + 2e-4}
+    rounded_away = {pick_mode(predicted, margin) for margin in (0.0995, 0.1, 0.1005)}
+    assert auto["picked"] in rounded_away or (auto["picked"] in near and len(near) > 1), predicted
     measured = auto[
         "measured_costs"
     ]  # at one length the measured points are kept (the fitted slope may be 0)

@@ -224,7 +224,8 @@ def test_ltx2_and_h3_train_sharded_as_whole(family: str, tmp_path: Path) -> None
     sharded = _train([*overrides, f"train.output_dir={tmp_path / 'sharded'}", SHARDED], processes=2)
     _assert_same_run(tmp_path / "whole", tmp_path / "sharded")
     for key in ("heldout_reward_before", "heldout_reward_after"):
-        assert sharded[key] == pytest.approx(whole[key], abs=1e-5), key
+        # the summary keeps 4 digits: two runs that differ in the low bits may round 1e-4 apart
+        assert sharded[key] == pytest.approx(whole[key], abs=1.5e-4), key
     assert list((tmp_path / "sharded" / "previews").glob("step_00003/*"))
 
 
@@ -248,7 +249,7 @@ def test_a_sharded_trainer_pool_trains_from_the_buffer_and_syncs_whole_adapters(
         extra += [f"reward.plugins=[{plugin}]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
         extra += ["train.eval_at_start_and_end=false"]
     summary = _train(
-        [*fast_overrides(model_dir, run, 3), *extra], processes=3, env={"ODRL_TEST_SLOW_S": "0.4"}
+        [*fast_overrides(model_dir, run, 3), *extra], processes=3, env={"ODRL_TEST_SLOW_S": "1.5"}
     )
     ex = summary["execution"]
     buffer = ex["buffer"]

@@ -184,7 +184,7 @@ def test_a_replica_that_comes_back_rejoins(model_dir: Path) -> None:
 def test_a_slow_replica_gets_fewer_requests(model_dir: Path) -> None:
     with (
         teacher_servers(model_dir, 1) as (fast,),
-        teacher_servers(model_dir, 1, "--service-ms", "150") as (slow,),
+        teacher_servers(model_dir, 1, "--service-ms", "600") as (slow,),  # well above a loaded request
     ):
         remote = RemoteTeacher([slow.url, fast.url], request_samples=2)
         x, t, prompts = _states(32)

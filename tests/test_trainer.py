@@ -159,8 +159,8 @@ def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_p
         assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-5)
         assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-4, abs=1e-6)
     assert last_json_line(proc.stdout)["heldout_reward_after"] == pytest.approx(
-        json.loads((single / "summary.json").read_text())["heldout_reward_after"], abs=1e-4
-    )
+        json.loads((single / "summary.json").read_text())["heldout_reward_after"], abs=1.5e-4
+    )  # 4 digits kept: one rounding step apart at most
 
 
 @pytest.mark.parametrize("damage", ["missing", "no_manifest", "truncated", "other_model"])
