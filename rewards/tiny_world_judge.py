@@ -20,7 +20,7 @@ class TinyWorldJudge:
 
     input_limits = TINY_CLIP_LIMITS
     headline = "all_correct"  # what the score is called in summaries
-    components = (*judge.ATTRIBUTES, *judge.HEALTH, "diversity")
+    components = (*judge.ATTRIBUTES, *judge.HEALTH, "diversity", *judge.PICTURE_MEASURES)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
         if media.video is None or media.audio is None:

@@ -129,6 +129,23 @@ def test_the_judge_passes_every_world_clip() -> None:
     assert float(decisions["diversity"].mean()) > 0.05  # every prompt appears twice, at random places
 
 
+def test_the_picture_measures_grade_grain_that_every_yes_no_sign_lets_through() -> None:
+    """Grain of 0.05 on every pixel (under the stray-pixel threshold): the attributes and health signs
+    still pass, the picture measures do not; the world's own clips measure 0."""
+    scenes = world.ALL_SCENES[:8]
+    video, audio = adversarial.clips("world", scenes)
+    clean = judge.judge_clips(video, audio, world.SAMPLE_RATE, [s.prompt for s in scenes])
+    grain = 0.05 * torch.sign(torch.randn(video.shape, generator=torch.Generator().manual_seed(0)))
+    grainy = judge.judge_clips(
+        (video + grain).clamp(0, 1), audio, world.SAMPLE_RATE, [s.prompt for s in scenes]
+    )
+    for name in (*judge.ATTRIBUTES, "clean_background", "recognisable_shape"):
+        assert float(clean[name].min()) == float(grainy[name].min()) == 1.0, name
+    for measure in judge.PICTURE_MEASURES:
+        assert float(clean[measure].max()) == 0.0, measure
+        assert float(grainy[measure].min()) > 0.02, measure
+
+
 @pytest.mark.parametrize(
     ("case", "wrong", "signs"),
     [
@@ -160,7 +177,7 @@ def test_judge_scorer_reports_all_correct_with_components() -> None:
     out = scorer.score(media, [s.prompt for s in world.ALL_SCENES[:4]])
     assert isinstance(out, RewardOutput)
     assert out.scores.tolist() == [1.0] * 4
-    assert set(out.components) == {*judge.ATTRIBUTES, *judge.HEALTH, "diversity"}
+    assert set(out.components) == {*judge.ATTRIBUTES, *judge.HEALTH, "diversity", *judge.PICTURE_MEASURES}
     assert scorer.headline == "all_correct"
     assert math.isnan(float(out.components["diversity"][0]))  # each prompt once: no group to compare
 

@@ -22,6 +22,7 @@ training seconds and against generated samples.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -37,7 +38,9 @@ from ..runtime.threads import thread_share
 from .common import LAUNCH_TIMEOUT_S, machine_info, median, publish
 
 ACCURACY = "eval/tiny_world_judge"
-HEALTH = ("flooded", "recognisable_shape", "diversity")
+HEALTH = ("flooded", "recognisable_shape", "diversity", "background_noise", "shape_texture")
+"""The judge's health signs and picture measures reported with each final accuracy."""
+HEALTH_DIGITS = {"background_noise": 4, "shape_texture": 3}  # the measures are small: 0 is the world's
 ATTRIBUTES = ("color", "shape", "pitch", "timing")
 """Each attribute's held-out accuracy, kept with the curves: which one lags (the shape, for NFT)."""
 THRESHOLDS = (0.5, 0.9)
@@ -134,6 +137,12 @@ def _range(values: list[float]) -> dict[str, float] | None:
     return {"median": round(median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
+def _measured(points: list[dict[str, float]], key: str) -> dict[str, float] | None:
+    """The range of `key` over the points that measured it (None when none did: an eval metric
+    without that sign, or a report from before the sign existed)."""
+    return _range([p[key] for p in points if math.isfinite(p.get(key, math.nan))])
+
+
 def summarise(curves: list[list[dict[str, float]]], thresholds: Sequence[float]) -> dict[str, Any]:
     """One contestant over its seeds: time and samples to each threshold, final accuracy and health.
     `censored_seconds`: the median over every seed of its time to the threshold, or of its whole
@@ -155,9 +164,9 @@ def summarise(curves: list[list[dict[str, float]]], thresholds: Sequence[float])
     finals = [c[-1] for c in curves]
     out["final_accuracy"] = _range([p["accuracy"] for p in finals])
     out["base_accuracy"] = _range([c[0]["accuracy"] for c in curves])
-    out["final_health"] = {h: _range([p[h] for p in finals]) for h in HEALTH}
+    out["final_health"] = {h: _measured(finals, h) for h in HEALTH}
     out["final_attributes"] = {a: _range([p.get(a, float("nan")) for p in finals]) for a in ATTRIBUTES}
-    out["base_health"] = {h: _range([c[0][h] for c in curves]) for h in HEALTH}
+    out["base_health"] = {h: _measured([c[0] for c in curves], h) for h in HEALTH}
     out["train_seconds"] = _range([p["seconds"] for p in finals])
     return out
 
@@ -352,8 +361,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         "| algorithm | "
         + " | ".join(heads)
-        + " | final accuracy | flooded | recognisable shape | diversity |",
-        "|---" * (len(heads) + 5) + "|",
+        + " | final accuracy | "
+        + " | ".join(h.replace("_", " ") for h in HEALTH)
+        + " |",
+        "|---" * (len(heads) + 2 + len(HEALTH)) + "|",
     ]
     for name, row in result["per_contestant"].items():
         cells = []
@@ -364,7 +375,7 @@ def format_table(result: dict[str, Any]) -> str:
                 if r["reached"] < row["seeds"]:
                     text += f" ({r['reached']}/{row['seeds']} seeds)"
                 cells.append(text)
-        health = [_cell(row["final_health"][h], 2) for h in HEALTH]
+        health = [_cell(row["final_health"][h], HEALTH_DIGITS.get(h, 2)) for h in HEALTH]
         lines.append(
             f"| {name} | "
             + " | ".join(cells)

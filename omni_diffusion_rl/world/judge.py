@@ -6,7 +6,9 @@ world's own shapes and sizes matches the frame's foreground (IoU); a colour when
 median pixel is nearest to the prompt's palette colour; a pitch when one of the three pitch bands holds
 most of the sound; timing when both the shape and the tone are in the half the prompt names and
 nowhere else. Health signs (flooded frames, stray pixels, shapes in both halves, silence, diversity
-within a prompt's samples) catch a model that games its rewards.
+within a prompt's samples) catch a model that games its rewards. Two picture measures grade what
+the yes/no signs let through: grain and ghosts on the background (`background_noise`) and mottling
+inside the shape (`shape_texture`), both 0 on the world's own clips.
 
 Every function is a pure tensor function of decoded media; `judge_clips` is the entry point.
 """
@@ -42,6 +44,11 @@ HEALTH = (
 )
 
 
+PICTURE_MEASURES = ("background_noise", "shape_texture")
+"""Continuous measures of the picture, lower is cleaner, 0 on the world's own clips (the mean over
+samples: a sample without a recognisable shape has no shape texture)."""
+
+
 def foreground(video: torch.Tensor) -> torch.Tensor:
     """[B, F, 3, H, W] -> [B, F, H, W] bool: pixels clearly unlike the background colour."""
     return (video.float() - world.BACKGROUND).pow(2).sum(dim=2).sqrt() > FOREGROUND_DISTANCE
@@ -68,7 +75,7 @@ def _halves(frames: int) -> torch.Tensor:
 
 
 def judge_video(video: torch.Tensor, scenes: list[world.Scene]) -> dict[str, torch.Tensor]:
-    """Per-sample decisions [B] (bool) on the picture."""
+    """Per-sample decisions [B] (bool) on the picture, and its measures (float, PICTURE_MEASURES)."""
     b, f = video.shape[:2]
     fg = foreground(video)
     counts = fg.flatten(2).sum(-1)  # [B, F]
@@ -89,12 +96,14 @@ def judge_video(video: torch.Tensor, scenes: list[world.Scene]) -> dict[str, tor
     palette = torch.tensor(list(world.COLORS.values()), device=video.device)  # [C, 3]
     on_shape = (fg & mask & visible[..., None, None]).unsqueeze(2).expand(-1, -1, 3, -1, -1)
     color_ok = torch.zeros(b, dtype=torch.bool, device=video.device)
+    texture = torch.full((b,), math.nan, device=video.device)
     names = list(world.COLORS)
     for i, scene in enumerate(scenes):
         pixels = video[i].float().permute(1, 0, 2, 3)[on_shape[i].permute(1, 0, 2, 3)].view(3, -1)
         if pixels.shape[1] < MIN_SHAPE_PIXELS:
             continue
         median = pixels.median(dim=1).values
+        texture[i] = (pixels - median[:, None]).abs().amax(0).mean()  # each pixel's largest channel gap
         distance = (palette - median).pow(2).sum(1).sqrt()
         nearest = int(distance.argmin())
         color_ok[i] = names[nearest] == scene.color and bool(distance[nearest] <= COLOR_DISTANCE)
@@ -105,6 +114,8 @@ def judge_video(video: torch.Tensor, scenes: list[world.Scene]) -> dict[str, tor
     shape_area = (grown > 0) & visible[..., None, None]
     deviation = (video.float() - world.BACKGROUND).abs().amax(dim=2)  # [B, F, H, W]
     stray = ((deviation > STRAY_PIXEL_DEVIATION) & ~shape_area).flatten(1).float().mean(1)
+    background = (~shape_area).flatten(1).float()  # a frame that shows no shape is all background
+    noise = (deviation.flatten(1) * background).sum(1) / background.sum(1).clamp(min=1)
 
     return {
         "shape": shape_ok,
@@ -114,6 +125,8 @@ def judge_video(video: torch.Tensor, scenes: list[world.Scene]) -> dict[str, tor
         "recognisable_shape": recognisable,
         "flooded": (counts.float() / (fg.shape[2] * fg.shape[3]) > FLOODED_SHARE).any(1),
         "clean_background": stray <= CLEAN_STRAY_SHARE,
+        "background_noise": noise,
+        "shape_texture": texture,
     }
 
 
