@@ -252,6 +252,12 @@ class TeacherConfig:
         "ask the teacher on its own thread while the next chunk generates and this one is scored; false: "
         "ask after each chunk and wait (the blocking schedule, for comparison)",
     )
+    one_step_off: bool = _spec(
+        False,
+        "colocated: make the next step's rollouts, and send them to the teacher, before this step trains, "
+        "so that the teacher answers while this step trains; a step then trains on rollouts one update "
+        "old (logged as experience/staleness), except the first, one after a checkpoint and the last",
+    )
 
 
 @dataclass
@@ -779,6 +785,12 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             "execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "
             "is not what a sharded run does: with train.sharding=fsdp choose execution.mode=colocated, "
             "separate or hybrid (`odrl simulate --measure` predicts them)"
+        )
+    if cfg.teacher.one_step_off and cfg.execution.mode != "colocated":
+        raise ConfigError(
+            f"teacher.one_step_off is a colocated schedule; execution.mode={cfg.execution.mode} already "
+            "makes rollouts (and their teacher targets) apart from training: drop teacher.one_step_off, "
+            "or set execution.mode=colocated"
         )
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is needed")

@@ -140,7 +140,14 @@ def test_teacher_bench_compares_schedules_and_replicas(
         assert (
             schedule[name]["teacher_s_per_step"]["median"] > 0 and schedule[name]["trained"]["median"] == 12
         )
-    assert schedule["overlap_vs_blocking_s_per_sample"]["verdict"] in ("faster", "slower", "within noise")
+    for name in ("overlap", "one_step_off"):
+        assert schedule[f"{name}_vs_blocking_s_per_sample"]["verdict"] in ("faster", "slower", "within noise")
+        assert math.isfinite(schedule[f"hidden_share_of_teacher_time_{name}"]["median"])
+    # one step off: steps 2 and 3 (the steady ones) train on rollouts made a step early
+    assert (
+        schedule["one_step_off"]["staleness"]["median"] == 1
+        and schedule["overlap"]["staleness"]["median"] == 0
+    )
     assert set(report["replicas"]) == {
         "compute-bound",
         "service 100 ms per batch (remote accelerator stand-in)",

@@ -349,3 +349,41 @@ def test_streamed_targets_train_exactly_as_the_blocking_schedule(
         assert all("teacher/wait_s" in r for r in rows)
     assert losses[True] == pytest.approx(losses[False], rel=1e-6, abs=1e-9)
     assert all(loss > 0 for loss in losses[True])
+
+
+def test_one_step_off_trains_on_the_next_steps_rollouts_made_early_and_resumes_exactly(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    """teacher.one_step_off: every step but the first, one after a checkpoint and one after the last
+    trains on rollouts made a step early (staleness 1); every sample made is trained; a run stopped
+    at its checkpoint and resumed logs what the whole run logs, bit for bit."""
+    off = ("teacher.one_step_off=true", "train.checkpoint_every=3", "sampling.rollout_chunks=2")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    summary = Trainer(load_config(None, _distill(model_dir, whole, 5, str(other_dir), *off))).fit()
+    rows = step_records(whole)
+    assert [r["experience/staleness"] for r in rows] == [0, 1, 1, 0, 1]
+    assert summary["samples"]["trained"] == summary["samples"]["generated"] == 5 * 2 * 2
+    assert all(r["loss/distill"] > 0 and "teacher/wait_s" in r for r in rows)
+    Trainer(load_config(None, _distill(model_dir, split, 3, str(other_dir), *off))).fit()
+    resumed = Trainer(load_config(None, _distill(model_dir, split, 5, str(other_dir), *off)))
+    resumed.fit(resume=str(split / "checkpoints"))
+
+    def clock_free(records: list[dict]) -> list[dict]:  # the teacher's seconds and waits are timings
+        return [{k: v for k, v in r.items() if not k.startswith("teacher/")} for r in records]
+
+    assert clock_free(step_records(split)) == clock_free(rows)
+    plain = tmp_path / "plain"
+    Trainer(load_config(None, _distill(model_dir, plain, 2, str(other_dir), *off[1:]))).fit()
+    first, second = step_records(plain)
+    assert first["loss/total"] == rows[0]["loss/total"], "the first step is made on time either way"
+    assert second["loss/total"] != rows[1]["loss/total"], "the second trains on rollouts one update old"
+
+
+def test_one_step_off_is_refused_outside_colocated(model_dir: Path, other_dir: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.config import ConfigError
+
+    extra = ("teacher.one_step_off=true", "execution.mode=separate")
+    with pytest.raises(
+        ConfigError, match="teacher.one_step_off is a colocated schedule.*execution.mode=colocated"
+    ):
+        load_config(None, _distill(model_dir, tmp_path / "run", 2, str(other_dir), *extra))

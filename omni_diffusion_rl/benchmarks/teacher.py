@@ -1,11 +1,14 @@
 """`odrl bench teacher`: what the asynchronous teacher schedule hides, and what a second teacher
 replica adds.
 
-1. Schedule: the same colocated distillation run with the teacher asked on its own thread while
-   the next chunk generates and this one is scored (teacher.overlap=true) and blocking after each
-   chunk (false, the reference release's schedule), in interleaved rounds. Reported: steady seconds
-   per trained sample of each, the teacher's own seconds, and the share of the blocking run's
-   teacher time the overlap hid: (blocking - overlap) / teacher seconds per step.
+1. Schedule: the same colocated distillation run three ways, in interleaved rounds: the teacher
+   asked on its own thread while the next chunk generates and this one is scored
+   (teacher.overlap=true); also one step off (teacher.one_step_off=true: the next step's rollouts
+   are made before this step trains, so their targets come while it trains, and each step trains
+   on rollouts one update old); and blocking after each chunk (teacher.overlap=false, the reference
+   release's schedule). Reported: steady seconds per trained sample of each, the teacher's own
+   seconds, the wait for targets, the staleness, and the share of the blocking run's teacher time
+   each schedule hid: (blocking - schedule) / teacher seconds per step.
 2. Replicas: teacher throughput (states per second) through 1 and 2 `odrl serve-teacher` processes
    on 127.0.0.1, compute-bound and with `--service-ms` (a fixed time per batch standing in for a
    remote accelerator: on 2 CPU cores two compute-bound replicas share the same cores). Each server
@@ -23,7 +26,11 @@ from typing import Any
 from ..runtime.threads import thread_share
 from .common import DEFAULT_CONFIG, QUIET, compare_paired, machine_info, median, spread
 
-SCHEDULES = {"overlap": "teacher.overlap=true", "blocking": "teacher.overlap=false"}
+SCHEDULES = {
+    "overlap": ("teacher.overlap=true",),
+    "one_step_off": ("teacher.overlap=true", "teacher.one_step_off=true"),
+    "blocking": ("teacher.overlap=false",),
+}
 
 
 def _schedule_run(
@@ -38,7 +45,7 @@ def _schedule_run(
             *overrides,
             *QUIET,
             "algorithm.name=distill",
-            SCHEDULES[schedule],
+            *SCHEDULES[schedule],
             f"train.steps={steps}",
             f"train.output_dir={run}",
         ],
@@ -55,6 +62,7 @@ def _schedule_run(
         "teacher_s_per_step": median([r["teacher/seconds"] for r in steady]),
         "teacher_wait_s_per_step": median([r["teacher/wait_s"] for r in steady]),
         "step_s": median([r["time/sec_per_prompt"] * cfg.data.prompts_per_step for r in steady]),
+        "staleness": median([r.get("experience/staleness", 0.0) for r in steady]),
         "trained": float(summary["samples"]["trained"]),
     }
 
@@ -97,17 +105,21 @@ def run_teacher_bench(
         order = list(SCHEDULES) if k % 2 == 0 else list(reversed(SCHEDULES))
         for name in order:
             rounds[name].append(_schedule_run(config, overrides, name, steps, base / f"{name}_{k}"))
-    overlap, blocking = rounds["overlap"], rounds["blocking"]
-    hidden = [
-        (b["step_s"] - o["step_s"]) / b["teacher_s_per_step"] for o, b in zip(overlap, blocking, strict=True)
-    ]
-    schedule = {
+    blocking = rounds["blocking"]
+    schedule: dict[str, Any] = {
         name: {key: spread([r[key] for r in runs]) for key in runs[0]} for name, runs in rounds.items()
     }
-    schedule["overlap_vs_blocking_s_per_sample"] = compare_paired(
-        [r["s_per_sample"] for r in overlap], [r["s_per_sample"] for r in blocking]
-    )
-    schedule["hidden_share_of_teacher_time"] = spread(hidden)
+    for name in ("overlap", "one_step_off"):
+        runs = rounds[name]
+        schedule[f"{name}_vs_blocking_s_per_sample"] = compare_paired(
+            [r["s_per_sample"] for r in runs], [r["s_per_sample"] for r in blocking]
+        )
+        schedule[f"hidden_share_of_teacher_time_{name}"] = spread(
+            [
+                (b["step_s"] - r["step_s"]) / b["teacher_s_per_step"]
+                for r, b in zip(runs, blocking, strict=True)
+            ]
+        )
     replicas: dict[str, Any] = {}
     server: dict[str, Any] = {"command": "serve-teacher"}
     for label, extra in (
@@ -147,20 +159,24 @@ def run_teacher_bench(
 def _table(result: dict[str, Any]) -> str:
     s = result["schedule"]
     lines = [
-        "| schedule | s per trained sample | teacher s per step | waited for targets s per step |",
-        "| --- | --- | --- | --- |",
+        "| schedule | s per trained sample | teacher s per step | waited for targets s per step "
+        "| staleness |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name in SCHEDULES:
         r = s[name]
         lines.append(
             f"| {name} | {_fmt(r['s_per_sample'])} | {_fmt(r['teacher_s_per_step'])} | "
-            f"{_fmt(r['teacher_wait_s_per_step'])} |"
+            f"{_fmt(r['teacher_wait_s_per_step'])} | {r['staleness']['median']:g} |"
         )
-    versus = s["overlap_vs_blocking_s_per_sample"]
-    lines.append(
-        f"\noverlap vs blocking: {versus['median']:+.1%} [{versus['min']:+.1%}, {versus['max']:+.1%}] "
-        f"({versus['verdict']}); teacher time hidden: {_fmt(s['hidden_share_of_teacher_time'], pct=True)}\n"
-    )
+    lines.append("")
+    for name in ("overlap", "one_step_off"):
+        versus, hidden = s[f"{name}_vs_blocking_s_per_sample"], s[f"hidden_share_of_teacher_time_{name}"]
+        lines.append(
+            f"{name} vs blocking: {versus['median']:+.1%} [{versus['min']:+.1%}, {versus['max']:+.1%}] "
+            f"({versus['verdict']}); teacher time hidden: {_fmt(hidden, pct=True)}"
+        )
+    lines.append("")
     lines += [
         "| teacher servers | 1 replica states/s | 2 replicas states/s | speed-up | threads (1 / each of 2) |",
         "| --- | --- | --- | --- | --- |",

@@ -486,11 +486,13 @@ class ExperienceMaker:
             rollout.pending = self.last_pending = PendingExtras(annotations)
         return rollout, with_failures(cat_results([f.result() for f in pending]), unusable_samples(rollout))
 
-    def metrics(self) -> dict[str, float]:
-        """The annotator's step metrics (teacher seconds, waiting, routing), if there is one."""
+    def metrics(self, pending: PendingExtras | None = None) -> dict[str, float]:
+        """The annotator's step metrics (teacher seconds, waiting, routing), if there is one; the wait
+        is training's for `pending` (default: the last make_step's extras)."""
         if self.annotator is None:
             return {}
-        waited = 0.0 if self.last_pending is None else self.last_pending.waited_s  # teacher time not hidden
+        pending = self.last_pending if pending is None else pending
+        waited = 0.0 if pending is None else pending.waited_s  # teacher time not hidden
         return {"teacher/wait_s": waited, **self.annotator.metrics()}
 
     def totals(self) -> dict[str, float]:

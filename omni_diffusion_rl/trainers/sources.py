@@ -82,14 +82,41 @@ class ExperienceSource:
 
 class LocalSource(ExperienceSource):
     """Colocated: this process generates and scores its prompt groups of every step, with the
-    rollout weights (chunked and scored in the background with sampling.rollout_chunks > 1)."""
+    rollout weights (chunked and scored in the background with sampling.rollout_chunks > 1).
+
+    With teacher.one_step_off the next step's groups are made as soon as this step's are handed
+    out, so that their teacher targets come while this step trains: each step then trains on
+    rollouts one update old. Not before a step after which a checkpoint is saved (a resumed run
+    makes that step's rollouts itself, as the uninterrupted run does: resume stays exact) nor past
+    the last step (no sample is made that is not trained)."""
+
+    ahead: tuple[int, tuple[Rollout, ScoreResult]] | None = None  # the next step's, made early
+    staleness = 0  # updates between the rollout weights of the batch handed out and its training
+    trained_pending: Any = None  # the teacher targets of the batch handed out (PendingExtras), if any
 
     def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
-        context = self.context
-        prompts, group_ids = context.prompts_for_step(step)
-        made = context.experience.make_step(step, prompts, group_ids)
-        self.generated_at = context.experience.generated_at
+        if self.ahead is not None and self.ahead[0] == step:
+            made, self.ahead, self.staleness = self.ahead[1], None, 1
+        else:
+            made, self.staleness = self._make(step), 0
+        if self._makes_ahead(step):
+            self.ahead = (step + 1, self._make(step + 1))
+        self.generated_at = self.context.experience.generated_at
+        self.trained_pending = made[0].pending
         return made
 
+    def _make(self, step: int) -> tuple[Rollout, ScoreResult]:
+        prompts, group_ids = self.context.prompts_for_step(step)
+        return self.context.experience.make_step(step, prompts, group_ids)
+
+    def _makes_ahead(self, step: int) -> bool:
+        cfg = self.context.cfg
+        every = cfg.train.checkpoint_every
+        saves_after = bool(every) and (step + 1) % every == 0
+        return cfg.teacher.one_step_off and step + 1 < cfg.train.steps and not saves_after
+
     def after_step(self, ok: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
-        return self.context.experience.metrics()
+        metrics = self.context.experience.metrics(self.trained_pending)
+        if self.context.cfg.teacher.one_step_off:
+            metrics["experience/staleness"] = float(self.staleness)
+        return metrics
