@@ -530,3 +530,9 @@ def test_noisiest_trains_the_highest_noise_times_random_draws_them_per_sample(fr
         torch.testing.assert_close(x_t, (1 - t[:, None]) * x0 + t[:, None] * noise)
     with pytest.raises(ValueError, match="unknown timestep choice 'latest'; choose one of random, noisiest"):
         noised_inputs(cfg, rollout, step=3, choice="latest")
+    half = cfg.train.steps // 2  # noisiest_then_random: noisiest before half the run, random from there
+    for step, same_as in ((0, "noisiest"), (half - 1, "noisiest"), (half, "random"), (half + 5, "random")):
+        switching = noised_inputs(cfg, rollout, step=step, choice="noisiest_then_random")
+        expected = noised_inputs(cfg, rollout, step=step, choice=same_as)
+        for got, want in zip(switching, expected, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (step, same_as)

@@ -326,7 +326,7 @@ class Algorithm:
         return 0.0
 
 
-TIMESTEP_CHOICES = ("random", "noisiest")
+TIMESTEP_CHOICES = ("random", "noisiest", "noisiest_then_random")
 
 
 def noised_inputs(
@@ -334,8 +334,9 @@ def noised_inputs(
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(t, noise, x_t) per trained timestep: `timestep_fraction` of the sampler grid (t > 0), in a
     random order per sample (choice "random") or the noisiest first (choice "noisiest": every sample
-    trains the same, highest-noise times), x_t forward-noised from x0 with fresh noise. Every draw is
-    keyed by (seed, step, prompt group), so it does not depend on how groups spread over processes."""
+    trains the same, highest-noise times; "noisiest_then_random": so in the first half of
+    train.steps, at random after), x_t forward-noised from x0 with fresh noise. Every draw is keyed
+    by (seed, step, prompt group), so it does not depend on how groups spread over processes."""
     if choice not in TIMESTEP_CHOICES:
         raise ValueError(f"unknown timestep choice '{choice}'; choose one of {', '.join(TIMESTEP_CHOICES)}")
     train_times = rollout.grid[:-1]
@@ -347,6 +348,8 @@ def noised_inputs(
         orders += [torch.randperm(len(train_times), generator=gen) for _ in range(k)]
         noises.append(torch.randn((num_train, k, *rollout.x0.shape[1:]), generator=gen))
     order = torch.stack(orders)
+    if choice == "noisiest_then_random":
+        choice = "noisiest" if step < cfg.train.steps // 2 else "random"
     if choice == "noisiest":  # the grid runs from the noisiest time down
         order = torch.arange(len(train_times)).expand_as(order)
     all_noise = torch.cat(noises, dim=1).to(rollout.x0.device)
@@ -385,7 +388,8 @@ class NFTOptions:
     timestep_choice: str = option(
         "random",
         "which timesteps are trained: random (timestep_fraction of the grid, drawn per sample) | noisiest "
-        "(the noisiest timestep_fraction, where the layout and the shape are decided)",
+        "(the noisiest timestep_fraction, where the layout and the shape are decided; the clean end is "
+        "never trained) | noisiest_then_random (noisiest in the first half of train.steps, random after)",
         choices=TIMESTEP_CHOICES,
     )
 
