@@ -252,6 +252,13 @@ class TeacherConfig:
         "ask the teacher on its own thread while the next chunk generates and this one is scored; false: "
         "ask after each chunk and wait (the blocking schedule, for comparison)",
     )
+    routes: dict[str, Any] = _spec(
+        {},
+        "teachers per part of the latent: {ROUTE: {parts: [picture, visibility], name: policy, "
+        "options: {...}, urls: [...]}, ...}; each route its own teacher (or name: none, no teacher) and "
+        "server pool; every part of the student's latent in exactly one route; empty: the one teacher "
+        "above for every part",
+    )
     one_step_off: bool = _spec(
         False,
         "colocated: make the next step's rollouts, and send them to the teacher, before this step trains, "
@@ -775,6 +782,41 @@ def declaring_algorithms(key: Any) -> list[str]:
     return owners
 
 
+ROUTE_KEYS = ("parts", "name", "options", "urls")
+NO_TEACHER = "none"  # a route's name for parts that no teacher answers (not distilled)
+
+
+def check_teacher_routes(routes: dict[str, Any], has_urls: bool) -> None:
+    """teacher.routes: each route a mapping of ROUTE_KEYS with a non-empty list of part names; no
+    part in two routes (whether the parts cover the student's latent is checked at start)."""
+    if routes and has_urls:
+        raise ConfigError(
+            "teacher.urls and teacher.routes both given: with routes, each route names its own urls"
+        )
+    owner: dict[str, str] = {}
+    for route, spec in routes.items():
+        where = f"teacher.routes.{route}"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: expected a mapping such as {{parts: [picture], name: policy}}")
+        unknown = sorted(set(spec) - set(ROUTE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {unknown}; a route takes {', '.join(ROUTE_KEYS)}")
+        parts = spec.get("parts")
+        if not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts):
+            raise ConfigError(f"{where}.parts: give a non-empty list of the latent's part names")
+        if not isinstance(spec.get("name", "policy"), str):
+            raise ConfigError(f"{where}.name: a registered teacher's name, or {NO_TEACHER}")
+        if not isinstance(spec.get("options", {}), dict):
+            raise ConfigError(f"{where}.options: expected a mapping")
+        urls = spec.get("urls", [])
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ConfigError(f"{where}.urls: expected a list of teacher server urls")
+        for part in parts:
+            if part in owner:
+                raise ConfigError(f"teacher.routes: part '{part}' is in routes '{owner[part]}' and '{route}'")
+            owner[part] = route
+
+
 def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
     if not cfg.train.output_dir.strip():
@@ -786,6 +828,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             "is not what a sharded run does: with train.sharding=fsdp choose execution.mode=colocated, "
             "separate or hybrid (`odrl simulate --measure` predicts them)"
         )
+    check_teacher_routes(cfg.teacher.routes, bool(cfg.teacher.urls))
     if cfg.teacher.one_step_off and cfg.execution.mode != "colocated":
         raise ConfigError(
             f"teacher.one_step_off is a colocated schedule; execution.mode={cfg.execution.mode} already "

@@ -67,6 +67,14 @@ def latent_layout(policy: object) -> str:
     return f"{type(policy).__name__}:{shape}"
 
 
+def latent_parts(policy: object) -> dict[str, tuple[int, int]] | None:
+    """The named parts of a policy's flat latent and where each lies, [start, stop) (the built-in
+    tiny model's: picture, visibility, spectrum, loudness); None when its layout names none."""
+    layout = getattr(getattr(policy, "transformer", None), "layout", None)
+    parts = getattr(layout, "parts", None)
+    return parts() if callable(parts) else None
+
+
 def check_pair(student: TeacherInfo, teacher: TeacherInfo) -> None:
     """Refuse a teacher whose latents mean something else than the student's."""
     problems = []

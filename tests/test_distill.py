@@ -387,3 +387,97 @@ def test_one_step_off_is_refused_outside_colocated(model_dir: Path, other_dir: P
         ConfigError, match="teacher.one_step_off is a colocated schedule.*execution.mode=colocated"
     ):
         load_config(None, _distill(model_dir, tmp_path / "run", 2, str(other_dir), *extra))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Teachers per part of the latent (teacher.routes)
+
+VIDEO, AUDIO = ["picture", "visibility"], ["spectrum", "loudness"]
+
+
+def _routes(video: str, audio: str) -> str:
+    def route(parts: list[str], teacher: str) -> str:
+        spec = "name: none" if teacher == "none" else f"options: {{family: tiny_av, pretrained: {teacher}}}"
+        return f"{{parts: [{', '.join(parts)}], {spec}}}"
+
+    return f"teacher.routes={{video: {route(VIDEO, video)}, audio: {route(AUDIO, audio)}}}"
+
+
+def test_each_route_answers_for_its_parts_of_the_latent(model_dir: Path, other_dir: Path) -> None:
+    from omni_diffusion_rl.experience.teacher_routes import RoutedTeacher, route_entries
+    from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
+
+    parts = TinyAVPolicy.from_pretrained(str(model_dir)).transformer.layout.parts()
+    routes = {"video": {"parts": VIDEO}, "audio": {"parts": AUDIO}}
+    entries = route_entries(parts, routes)
+    a, b = FlowPolicyTeacher(pretrained=str(model_dir)), FlowPolicyTeacher(pretrained=str(other_dir))
+    dim = a.info().latent_shape[0]
+    assert sorted(torch.cat(list(entries.values())).tolist()) == list(range(dim)), "every entry once"
+    routed = RoutedTeacher({"video": a, "audio": b}, entries, dim)
+    x = torch.randn(3, dim, generator=torch.Generator().manual_seed(0))
+    t, prompts = torch.full((3,), 0.5), ["a red circle with a low tone at the start"] * 3
+    v, va, vb = routed.velocity(x, t, prompts), a.velocity(x, t, prompts), b.velocity(x, t, prompts)
+    assert torch.equal(v[:, entries["video"]], va[:, entries["video"]])
+    assert torch.equal(v[:, entries["audio"]], vb[:, entries["audio"]]) and bool(routed.answered.all())
+    half = RoutedTeacher({"video": a, "audio": None}, entries, dim)
+    assert torch.equal(
+        half.velocity(x, t, prompts)[:, entries["audio"]], torch.zeros(3, len(entries["audio"]))
+    )
+    assert half.answered.sum() == len(entries["video"])
+
+
+@pytest.mark.parametrize(
+    ("routes", "error"),
+    [
+        ({"video": {"parts": VIDEO}}, r"no route for \['spectrum', 'loudness'\].*name: none"),
+        ({"v": {"parts": [*VIDEO, *AUDIO, "depth"]}}, r"no part \['depth'\]"),
+    ],
+)
+def test_routes_that_leave_out_or_invent_a_part_are_refused(
+    model_dir: Path, routes: dict, error: str
+) -> None:
+    from omni_diffusion_rl.config import ConfigError
+    from omni_diffusion_rl.experience.teacher_routes import route_entries
+    from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
+
+    with pytest.raises(ConfigError, match=error):
+        route_entries(TinyAVPolicy.from_pretrained(str(model_dir)).transformer.layout.parts(), routes)
+    with pytest.raises(ConfigError, match="names no parts to route"):
+        route_entries(None, routes)
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        (
+            "teacher.routes={a: {parts: [picture]}, b: {parts: [picture, spectrum]}}",
+            "part 'picture' is in routes 'a' and 'b'",
+        ),
+        ("teacher.routes={a: {parts: []}}", "non-empty list"),
+        ("teacher.routes={a: {parts: [picture], teacher: policy}}", r"unknown keys \['teacher'\]"),
+    ],
+)
+def test_bad_routes_are_refused_at_config_load(
+    model_dir: Path, tmp_path: Path, override: str, error: str
+) -> None:
+    from omni_diffusion_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, _distill(model_dir, tmp_path / "run", 1, str(model_dir), override))
+
+
+def test_routed_distillation_trains_only_what_a_route_teaches(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    """Both routes to one teacher train exactly as that teacher alone; with the audio route `none`
+    the first step's loss keeps only the video's share (the same states, the audio's gap left out)."""
+    losses = {}
+    for name, extra in (
+        ("whole", ()),
+        ("both", (_routes(str(other_dir), str(other_dir)),)),
+        ("video", (_routes(str(other_dir), "none"),)),
+    ):
+        Trainer(load_config(None, _distill(model_dir, tmp_path / name, 2, str(other_dir), *extra))).fit()
+        losses[name] = [r["loss/distill"] for r in step_records(tmp_path / name)]
+    assert losses["both"] == losses["whole"]
+    assert 0 < losses["video"][0] < losses["whole"][0]

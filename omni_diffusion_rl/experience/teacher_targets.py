@@ -16,10 +16,19 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ExperimentConfig
+from ..config import NO_TEACHER, ConfigError, ExperimentConfig
 from ..runtime.sharding import compute_device
-from ..teacher import CONVENTION, Teacher, TeacherInfo, check_pair, latent_layout, probe_convention
+from ..teacher import (
+    CONVENTION,
+    Teacher,
+    TeacherInfo,
+    check_pair,
+    latent_layout,
+    latent_parts,
+    probe_convention,
+)
 from .rollout import STATES, Rollout, step_generator
+from .teacher_routes import TEACHER_MASK, RoutedTeacher, route_entries
 
 STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorithm.distill_states)
 TEACHER_V = "teacher_v"
@@ -52,22 +61,22 @@ def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     return v.detach().to(states.device, torch.float32)
 
 
-def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = None) -> Teacher:
-    """The config's teacher, refused unless it fits the student: the same latent shape, layout and
-    convention, and both pass the convention probe (which catches a flipped velocity sign). With a
-    `sharder` (sharding.Sharder: the training processes shard), an in-process teacher that can be
-    sharded (it has `shard(sharder)`) is split over the training processes too, forward only."""
+def built_teacher(
+    cfg: ExperimentConfig, name: str, options: dict[str, Any], urls: list[str], sharder: Any = None
+) -> Teacher:
+    """A teacher by its config: served at `urls` (routed across them), else `name` in process with
+    `options` (sharded over the training processes when a `sharder` is given and it can be)."""
     import os
 
     from ..registry import teachers
 
     c = cfg.teacher
-    if c.urls:
+    if urls:
         from ..serving.teacher_client import RemoteTeacher
 
-        teacher: Teacher = RemoteTeacher(
-            c.urls,
-            c.name,
+        return RemoteTeacher(
+            urls,
+            name,
             os.environ.get(c.token_env) or None,
             c.timeout_s,
             c.retries,
@@ -75,22 +84,46 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
             c.health_every_s,
             token_env=c.token_env,  # named when a server refuses the token
         )
-    else:
-        try:
-            teacher = teachers.create(c.name, **c.options)
-        except TypeError as e:  # an option the teacher does not take
-            raise ConfigError(
-                f"teacher.options: teacher '{c.name}' could not be created with {sorted(c.options)} ({e})"
-            ) from e
-        place = getattr(teacher, "shard", None)
-        if sharder is not None and callable(place):
-            place(sharder)
+    try:
+        teacher = teachers.create(name, **options)
+    except TypeError as e:  # an option the teacher does not take
+        raise ConfigError(
+            f"teacher.options: teacher '{name}' could not be created with {sorted(options)} ({e})"
+        ) from e
+    place = getattr(teacher, "shard", None)
+    if sharder is not None and callable(place):
+        place(sharder)
+    return teacher
+
+
+def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = None) -> Teacher:
+    """The config's teacher, refused unless it fits the student: the same latent shape, layout and
+    convention, and both pass the convention probe (which catches a flipped velocity sign). With
+    teacher.routes, one teacher per route, each checked, answering together for the parts of the
+    latent their routes name (teacher_routes.py). With a `sharder` (sharding.Sharder: the training
+    processes shard), an in-process teacher that can be sharded (it has `shard(sharder)`) is split
+    over the training processes too, forward only."""
+    c = cfg.teacher
     student = TeacherInfo(
         latent_shape=tuple(policy.latent_shape),  # type: ignore[attr-defined]
         layout=latent_layout(policy),
         convention=CONVENTION,
         fingerprint="student",
     )
+    if c.routes:
+        entries = route_entries(latent_parts(policy), c.routes)
+        members: dict[str, Teacher | None] = {}
+        for route, spec in c.routes.items():
+            name = spec.get("name", "policy")
+            if name == NO_TEACHER:
+                members[route] = None
+                continue
+            member = built_teacher(cfg, name, spec.get("options", {}), spec.get("urls", []), sharder)
+            check_pair(student, member.info())
+            members[route] = member
+        teacher: Teacher = RoutedTeacher(members, entries, int(torch.Size(student.latent_shape).numel()))
+    else:
+        teacher = built_teacher(cfg, c.name, c.options, c.urls, sharder)
     check_pair(student, teacher.info())
     prompts = ["a red circle", "a low tone"]
 
@@ -151,6 +184,10 @@ class TeacherTargets:
         # one process's answers are bad (its error then comes after the others' last gather)
         answers = [self._answers(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
         columns = [torch.cat([checked_targets(v, piece) for v, piece in column]) for column in answers]
+        answered = getattr(self.teacher, "answered", None)  # routes with no teacher: entries left alone
+        if answered is not None and not bool(answered.all()):
+            shape = (len(states), *states.shape[2:])
+            extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
         self.seconds += time.perf_counter() - started
         self.calls += 1
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}

@@ -95,6 +95,10 @@ class Block(nn.Module):
         return x + gate2 * self.ff_out(F.gelu(self.ff_in(h)))
 
 
+PART_NAMES = ("picture", "visibility", "spectrum", "loudness")
+"""The latent's parts, in order: the video's (picture, visibility) and the audio's (spectrum, loudness)."""
+
+
 class LatentLayout:
     """The tiny model's latent, a compressed description of a clip (as a VAE's latent would be):
     [picture 3 x S x S | visibility per video frame | spectrum over the audio bins | loudness per
@@ -118,6 +122,13 @@ class LatentLayout:
             f"picture 3x{self.video_size}x{self.video_size} | visibility {self.video_frames} | "
             f"spectrum {self.audio_bins} | loudness {self.audio_frames}"
         )
+
+    def parts(self) -> dict[str, tuple[int, int]]:
+        """Where each named part lies in the latent, [start, stop): what teacher routes name."""
+        bounds, start = {}, 0
+        for name, size in zip(PART_NAMES, self.sizes, strict=True):
+            bounds[name], start = (start, start + size), start + size
+        return bounds
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[B, dim] -> picture [B, picture_dim], visibility [B, F], spectrum [B, K], loudness [B, T]."""

@@ -42,6 +42,7 @@ from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from ..config import ConfigError, ExperimentConfig, check_registered_name, option
 from ..experience.rollout import Rollout, SDESampling, step_generator
+from ..experience.teacher_routes import TEACHER_MASK
 from ..experience.teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
 from ..models.policy import index_condition
 from ..registry import algorithms, teachers
@@ -600,7 +601,7 @@ class OnPolicyDistillation(DiffusionNFT):
         parts = split_at(micro_batches(len(rollout), cfg.train.micro_batch_size), rollout.pending_bounds())
         for part in parts:
             row_weight = work.weight(part, device)
-            states, targets = teacher_rows(rollout, part, device, row_weight)
+            states, targets, answered = teacher_rows(rollout, part, device, row_weight)
             rows = torch.arange(len(states), device=device)
             cond = index_condition(rollout.cond, part)
             for j in range(num_train):
@@ -612,6 +613,8 @@ class OnPolicyDistillation(DiffusionNFT):
                     "cond": cond,
                     "target": targets[rows, index],
                 }
+                if answered is not None:  # routes with no teacher: those entries are left alone
+                    data["answered"] = answered
                 yield MicroBatch(work, part, j, num_train, {**data, "weight": weight})
 
     def distill_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -619,23 +622,29 @@ class OnPolicyDistillation(DiffusionNFT):
         d = micro.data
         with self.learner.autocast():
             v = self.learner.policy.velocity(d["x"], d["t"], d["cond"])
-        loss = distillation_loss(v.float(), d["target"], d["weight"], self.options.distill_focus)
+        target = d["target"]
+        if "answered" in d:  # no teacher there: the student's own velocity, so no gradient
+            target = torch.where(d["answered"], target, v.detach().float())
+        loss = distillation_loss(v.float(), target, d["weight"], self.options.distill_focus)
         return loss, {"loss/distill": loss.detach()}
 
 
 def teacher_rows(
     rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The states [B, T, ...] and teacher velocities of rows `part` (waiting for them while their
-    chunk's targets are pending), zeroed where `weight` is 0."""
+    chunk's targets are pending), zeroed where `weight` is 0, and which entries a teacher answered
+    [B, ...] (None: every one)."""
     extras = rollout.extras_rows(part)
     missing = [k for k in (STATES, TEACHER_V) if k not in extras]
     if missing:
         lacks = ", ".join(missing)
         raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
+    answered = extras.get(TEACHER_MASK)
     return (
         finite_if_dropped(extras[STATES].to(device), weight),
         finite_if_dropped(extras[TEACHER_V].to(device), weight),
+        None if answered is None else answered.to(device),
     )
 
 
