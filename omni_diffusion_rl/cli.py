@@ -303,6 +303,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.label_noise is not None:
         recipe["label_noise"] = args.label_noise
     output = args.output or (TEACHER_WEIGHTS if args.teacher else BUILTIN_WEIGHTS)
+    if args.parts:
+        if args.output is None:
+            print("odrl pretrain: --parts makes a partial model; give it its own --output", file=sys.stderr)
+            return 2
+        recipe["parts"] = args.parts
     result = pretrain_base_model(output, steps=args.steps or 6000, seed=args.seed, **recipe)
     print(json.dumps(result))
     return 0
@@ -886,6 +891,13 @@ def _add_pretrain(sub: Subcommands) -> None:
         action="store_true",
         help="the tiny teacher instead: larger (dim 128, 6 blocks), clean labels; default output "
         "the shipped builtin-teacher location",
+    )
+    pretrain.add_argument(
+        "--parts",
+        type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
+        default=None,
+        help="learn only these parts of the latent (picture,visibility: a video-only teacher; "
+        "spectrum,loudness: an audio-only one), for teacher.routes; needs --output",
     )
     pretrain.add_argument(
         "--omni",

@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -27,6 +28,20 @@ def test_pretrain_writes_a_loadable_model_and_lowers_the_loss(tmp_path: Path) ->
     (dim,) = policy.latent_shape
     v = policy.velocity(torch.zeros(2, dim), torch.full((2,), 0.5), policy.encode_prompts(["a", "b"]))
     assert v.shape == (2, dim) and torch.isfinite(v).all()
+
+
+def test_a_partial_pretraining_learns_only_its_parts(tmp_path: Path) -> None:
+    """--parts spectrum,loudness: the picture's head gets no gradient and stays the init's; the
+    pitch head learns (a tiny audio-only teacher for teacher.routes)."""
+    small = {"dim": 32, "depth": 1, "heads": 2, "mlp_ratio": 2, "batch_size": 8, "progress": False}
+    pretrain_base_model(tmp_path / "init", steps=1, lr=1e-12, ema_decay=0.0, **small)  # the init, kept
+    audio_only = ["spectrum", "loudness"]
+    pretrain_base_model(tmp_path / "audio", steps=20, lr=3e-3, ema_decay=0.0, parts=audio_only, **small)
+    init, audio = (TinyAVPolicy.from_pretrained(tmp_path / name).transformer for name in ("init", "audio"))
+    torch.testing.assert_close(audio.picture_out.weight, init.picture_out.weight, rtol=0, atol=1e-5)
+    assert not torch.allclose(audio.pitch_out.weight, init.pitch_out.weight, atol=1e-3), "the audio learned"
+    with pytest.raises(ValueError, match=r"parts \['depth'\]: the latent's parts are picture"):
+        pretrain_base_model(tmp_path / "x", steps=1, parts=["depth"], **small)
 
 
 def test_pretraining_is_reproducible(tmp_path: Path) -> None:

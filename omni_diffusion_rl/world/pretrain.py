@@ -33,6 +33,16 @@ TEACHER_RECIPE: dict[str, object] = {
 against 96 x 4), so it knows every attribute and its time is a real share of a distillation step."""
 
 
+def trained_entries(layout_parts: dict[str, tuple[int, int]], parts: list[str] | None) -> torch.Tensor:
+    """The latent entries pretraining learns: every one, or those of the named parts."""
+    if parts is None:
+        return torch.arange(max(stop for _, stop in layout_parts.values()))
+    unknown = sorted(set(parts) - set(layout_parts))
+    if unknown or not parts:
+        raise ValueError(f"parts {unknown or parts}: the latent's parts are {', '.join(layout_parts)}")
+    return torch.cat([torch.arange(*layout_parts[p]) for p in parts])
+
+
 def learning_rate(step: int, steps: int, peak: float, warmup: int = 100, decay_from: float = 0.7) -> float:
     """Linear warm-up, constant, then linear decay to 5% over the last 30% of the steps."""
     if step < warmup:
@@ -52,14 +62,18 @@ def pretrain_base_model(
     ema_decay: float = 0.998,
     seed: int = 0,
     progress: bool = True,
+    parts: list[str] | None = None,
     **model_config: object,
 ) -> dict[str, float]:
-    """Train from scratch and save the moving average with save_pretrained; returns summary numbers."""
+    """Train from scratch and save the moving average with save_pretrained; returns summary numbers.
+    `parts`: learn only these parts of the latent (a video-only or audio-only teacher, for
+    teacher.routes); the others' velocity is left untrained."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     noise_levels = DEFAULT_LABEL_NOISE if label_noise is None else label_noise
     transformer = TinyAVTransformer(**model_config)  # type: ignore[arg-type]
     policy = TinyAVPolicy(transformer)
+    entries = trained_entries(transformer.layout.parts(), parts)
     average = copy.deepcopy(transformer).requires_grad_(False)
     opt = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=1e-4)
     start, loss_ema = time.time(), None
@@ -72,7 +86,8 @@ def pretrain_base_model(
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.sigmoid(torch.randn(batch_size, generator=gen))  # logit-normal times
         x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
-        loss = flow_matching_loss(policy.velocity(x_t, t, policy.encode_prompts(prompts)), noise, x0)
+        v = policy.velocity(x_t, t, policy.encode_prompts(prompts))
+        loss = flow_matching_loss(v[:, entries], noise[:, entries], x0[:, entries])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
