@@ -284,8 +284,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         from .models.tiny_omni import OMNI_BASE
         from .world.pretrain_omni import pretrain_omni_model
 
-        if args.teacher or args.label_noise is not None:
-            print("odrl pretrain: --omni takes neither --teacher nor --label-noise", file=sys.stderr)
+        if args.teacher or args.label_noise is not None or args.parts is not None:
+            print("odrl pretrain: --omni takes no --teacher, --label-noise or --parts", file=sys.stderr)
             return 2
         stages = {
             "steps": 1500 if args.steps is None else args.steps,
@@ -303,7 +303,10 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.label_noise is not None:
         recipe["label_noise"] = args.label_noise
     output = args.output or (TEACHER_WEIGHTS if args.teacher else BUILTIN_WEIGHTS)
-    if args.parts:
+    if args.parts is not None:
+        if not args.parts:
+            print("odrl pretrain: --parts names no part (e.g. --parts spectrum,loudness)", file=sys.stderr)
+            return 2
         if args.output is None:
             print("odrl pretrain: --parts makes a partial model; give it its own --output", file=sys.stderr)
             return 2

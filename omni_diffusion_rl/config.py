@@ -261,9 +261,10 @@ class TeacherConfig:
     )
     one_step_off: bool = _spec(
         False,
-        "colocated: make the next step's rollouts, and send them to the teacher, before this step trains, "
-        "so that the teacher answers while this step trains; a step then trains on rollouts one update "
-        "old (logged as experience/staleness), except the first, one after a checkpoint and the last",
+        "colocated distillation: make the next step's rollouts, and send them to the teacher, before "
+        "this step trains, so that the teacher answers while this step trains; a step then trains on "
+        "rollouts one update old (logged as experience/staleness), except the first and the one after "
+        "each checkpoint; none is made past the last step",
     )
 
 
@@ -817,6 +818,27 @@ def check_teacher_routes(routes: dict[str, Any], has_urls: bool) -> None:
             owner[part] = route
 
 
+def check_one_step_off(cfg: ExperimentConfig) -> None:
+    """teacher.one_step_off hides a teacher's time in the colocated mode, where the overlap runs:
+    refused where it would only make the rollouts stale."""
+    if cfg.execution.mode != "colocated":
+        raise ConfigError(
+            f"teacher.one_step_off is a colocated schedule, not one of execution.mode={cfg.execution.mode} "
+            "(the async modes make rollouts and their teacher targets apart from training anyway): drop "
+            "teacher.one_step_off, or set execution.mode=colocated"
+        )
+    if not getattr(algorithm_type(cfg.algorithm.name), "uses_teacher", False):
+        raise ConfigError(
+            f"teacher.one_step_off hides a teacher's time, and algorithm.name={cfg.algorithm.name} asks no "
+            "teacher: it would only train on stale rollouts; drop it"
+        )
+    if not cfg.teacher.overlap:
+        raise ConfigError(
+            "teacher.one_step_off needs teacher.overlap=true: a blocking teacher answers before training "
+            "starts, so there is nothing to hide and the rollouts would only be stale"
+        )
+
+
 def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
     if not cfg.train.output_dir.strip():
@@ -829,12 +851,8 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             "separate or hybrid (`odrl simulate --measure` predicts them)"
         )
     check_teacher_routes(cfg.teacher.routes, bool(cfg.teacher.urls))
-    if cfg.teacher.one_step_off and cfg.execution.mode != "colocated":
-        raise ConfigError(
-            f"teacher.one_step_off is a colocated schedule; execution.mode={cfg.execution.mode} already "
-            "makes rollouts (and their teacher targets) apart from training: drop teacher.one_step_off, "
-            "or set execution.mode=colocated"
-        )
+    if cfg.teacher.one_step_off:
+        check_one_step_off(cfg)
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is needed")
     for name, weight in cfg.reward.weights.items():

@@ -88,13 +88,23 @@ def check_pair(student: TeacherInfo, teacher: TeacherInfo) -> None:
         raise TeacherMismatch("the teacher does not fit the student: " + "; ".join(problems))
 
 
-def probe_convention(velocity: Any, latent_shape: tuple[int, ...], prompts: list[str], who: str) -> float:
-    """cos(v(noise, t = 1), noise) averaged over a few seeded draws; a flipped velocity sign (or a
-    model that predicts x0 - noise) gives a negative value and is refused."""
+def probe_convention(
+    velocity: Any,
+    latent_shape: tuple[int, ...],
+    prompts: list[str],
+    who: str,
+    entries: torch.Tensor | None = None,
+) -> float:
+    """cos(v(noise, t = 1), noise) averaged over a few seeded draws, over the flat latent's `entries`
+    (default: all); a flipped velocity sign (or a model that predicts x0 - noise) gives a negative
+    value and is refused."""
     noise = torch.randn((len(prompts), *latent_shape), generator=torch.Generator().manual_seed(1234))
     with torch.no_grad():
         v = velocity(noise, torch.ones(len(prompts)), prompts).float().cpu()
-    cosine = float(torch.nn.functional.cosine_similarity(v.flatten(1), noise.flatten(1), dim=1).mean())
+    v, noise = v.flatten(1), noise.flatten(1)
+    if entries is not None:
+        v, noise = v[:, entries], noise[:, entries]
+    cosine = float(torch.nn.functional.cosine_similarity(v, noise, dim=1).mean())
     if not cosine > PROBE_MIN_COSINE:
         raise TeacherMismatch(
             f"the {who} fails the convention probe: cos(v(noise, t=1), noise) = {cosine:.3f}, expected > "

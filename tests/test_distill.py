@@ -359,7 +359,14 @@ def test_one_step_off_trains_on_the_next_steps_rollouts_made_early_and_resumes_e
     at its checkpoint and resumed logs what the whole run logs, bit for bit."""
     off = ("teacher.one_step_off=true", "train.checkpoint_every=3", "sampling.rollout_chunks=2")
     whole, split = tmp_path / "whole", tmp_path / "split"
-    summary = Trainer(load_config(None, _distill(model_dir, whole, 5, str(other_dir), *off))).fit()
+    trainer = Trainer(load_config(None, _distill(model_dir, whole, 5, str(other_dir), *off)))
+    made = []
+    make_step = trainer.experience.make_step
+    trainer.experience.make_step = lambda step, *a: made.append(step) or make_step(step, *a)  # type: ignore[method-assign]
+    summary = trainer.fit()
+    assert sorted(made) == [0, 1, 2, 3, 4] and trainer.source.ahead is None, (
+        "each step made once, all trained"
+    )
     rows = step_records(whole)
     assert [r["experience/staleness"] for r in rows] == [0, 1, 1, 0, 1]
     assert summary["samples"]["trained"] == summary["samples"]["generated"] == 5 * 2 * 2
@@ -382,6 +389,15 @@ def test_one_step_off_trains_on_the_next_steps_rollouts_made_early_and_resumes_e
 def test_one_step_off_is_refused_outside_colocated(model_dir: Path, other_dir: Path, tmp_path: Path) -> None:
     from omni_diffusion_rl.config import ConfigError
 
+    for refused, why in (
+        ("algorithm.name=nft", "asks no teacher"),
+        ("teacher.overlap=false", "needs teacher.overlap=true"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            load_config(
+                None,
+                _distill(model_dir, tmp_path / "x", 1, str(other_dir), "teacher.one_step_off=true", refused),
+            )
     extra = ("teacher.one_step_off=true", "execution.mode=separate")
     with pytest.raises(
         ConfigError, match="teacher.one_step_off is a colocated schedule.*execution.mode=colocated"
@@ -409,7 +425,7 @@ def test_each_route_answers_for_its_parts_of_the_latent(model_dir: Path, other_d
 
     parts = TinyAVPolicy.from_pretrained(str(model_dir)).transformer.layout.parts()
     routes = {"video": {"parts": VIDEO}, "audio": {"parts": AUDIO}}
-    entries = route_entries(parts, routes)
+    entries = route_entries(parts, routes, (sum(b - a for a, b in parts.values()),))
     a, b = FlowPolicyTeacher(pretrained=str(model_dir)), FlowPolicyTeacher(pretrained=str(other_dir))
     dim = a.info().latent_shape[0]
     assert sorted(torch.cat(list(entries.values())).tolist()) == list(range(dim)), "every entry once"
@@ -441,9 +457,9 @@ def test_routes_that_leave_out_or_invent_a_part_are_refused(
     from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 
     with pytest.raises(ConfigError, match=error):
-        route_entries(TinyAVPolicy.from_pretrained(str(model_dir)).transformer.layout.parts(), routes)
+        route_entries(TinyAVPolicy.from_pretrained(str(model_dir)).transformer.layout.parts(), routes, (796,))
     with pytest.raises(ConfigError, match="names no parts to route"):
-        route_entries(None, routes)
+        route_entries(None, routes, (796,))
 
 
 @pytest.mark.parametrize(
@@ -470,14 +486,50 @@ def test_routed_distillation_trains_only_what_a_route_teaches(
     model_dir: Path, other_dir: Path, tmp_path: Path
 ) -> None:
     """Both routes to one teacher train exactly as that teacher alone; with the audio route `none`
-    the first step's loss keeps only the video's share (the same states, the audio's gap left out)."""
+    the loss is the video's entries' alone (the loss's own test: below)."""
     losses = {}
     for name, extra in (
         ("whole", ()),
-        ("both", (_routes(str(other_dir), str(other_dir)),)),
-        ("video", (_routes(str(other_dir), "none"),)),
+        ("both", (_routes(str(other_dir), str(other_dir)), "teacher.options={}")),
+        ("video", (_routes(str(other_dir), "none"), "teacher.options={}")),
     ):
         Trainer(load_config(None, _distill(model_dir, tmp_path / name, 2, str(other_dir), *extra))).fit()
         losses[name] = [r["loss/distill"] for r in step_records(tmp_path / name)]
     assert losses["both"] == losses["whole"]
-    assert 0 < losses["video"][0] < losses["whole"][0]
+    assert 0 < losses["video"][0] != losses["whole"][0]
+
+
+@pytest.mark.parametrize("focus", [0.0, 1.0])
+def test_the_loss_of_a_none_route_is_the_loss_without_its_entries(focus: float) -> None:
+    from omni_diffusion_rl.algorithms.distill import distillation_loss
+
+    gen = torch.Generator().manual_seed(0)
+    v_student, v_teacher = torch.randn(3, 10, generator=gen), torch.randn(3, 10, generator=gen)
+    answered = torch.zeros(3, 10, dtype=torch.bool)
+    answered[:, :6] = True
+    weight = torch.tensor([1.0, 0.5, 2.0])
+    routed = distillation_loss(v_student, v_teacher * answered, weight, focus, answered)
+    alone = distillation_loss(v_student[:, :6], v_teacher[:, :6], weight, focus)
+    torch.testing.assert_close(routed, alone, rtol=1e-6, atol=0)
+
+
+def test_a_route_whose_teacher_fails_the_probe_is_refused_by_name(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The convention probe runs on each route's own entries: a flipped audio teacher is caught
+    though the picture (most of the latent) would carry a probe of the whole."""
+
+    class Flipped(FlowPolicyTeacher):
+        def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+            return -super().velocity(x_t, t, prompts)
+
+    monkeypatch.setitem(teachers._factories, "flipped", Flipped)  # noqa: SLF001
+    routes = (
+        f"teacher.routes={{video: {{parts: [{', '.join(VIDEO)}], options: {{pretrained: {model_dir}}}}}, "
+        f"audio: {{parts: [{', '.join(AUDIO)}], name: flipped, options: {{pretrained: {model_dir}}}}}}}"
+    )
+    cfg = load_config(
+        None, _distill(model_dir, tmp_path / "run", 1, str(model_dir), routes, "teacher.options={}")
+    )
+    with pytest.raises(TeacherMismatch, match="teacher of route 'audio' \\(spectrum, loudness\\) fails"):
+        Trainer(cfg)

@@ -14,7 +14,11 @@ SDE_KL_NOISE = 0.7
 
 
 def distillation_loss(
-    v_student: torch.Tensor, v_teacher: torch.Tensor, weight: torch.Tensor, focus: float = 0.0
+    v_student: torch.Tensor,
+    v_teacher: torch.Tensor,
+    weight: torch.Tensor,
+    focus: float = 0.0,
+    answered: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mean over samples of weight * mean_d f_d (v_student - sg v_teacher)^2; weight has shape [B].
 
@@ -22,16 +26,34 @@ def distillation_loss(
     then scaled to mean 1 over each sample's entries and detached (no gradient through the weights):
     more of the loss where the two disagree most, such as the few pixels that tell a circle from a
     square. Exactly 0 when the student's velocity equals the teacher's (self-distillation at the start).
+    `answered` (bool, v's shape): the entries a teacher answered for (teacher routes); the means over
+    d, and the focus, are taken over those only, as if the others were not in the latent.
     """
     if focus < 0:
         raise ValueError(f"focus must be >= 0, got {focus}")
     squared = (v_student - v_teacher.detach()) ** 2
     per_entry = squared.flatten(1)
+    if answered is not None:
+        return _answered_loss(per_entry, answered.flatten(1).to(per_entry.dtype), weight, focus)
     if focus > 0:
         gap = per_entry.detach().sqrt()
         share = (gap / gap.mean(dim=1, keepdim=True).clamp_min(1e-12)) ** focus
         per_entry = per_entry * (share / share.mean(dim=1, keepdim=True).clamp_min(1e-12))
     per_sample = per_entry.mean(dim=1)
+    return (weight.to(per_sample.dtype) * per_sample).mean()
+
+
+def _answered_loss(
+    per_entry: torch.Tensor, counted: torch.Tensor, weight: torch.Tensor, focus: float
+) -> torch.Tensor:
+    """distillation_loss over the `counted` entries (1) only: the others' targets are never seen."""
+    per_entry = per_entry * counted
+    count = counted.sum(dim=1, keepdim=True).clamp_min(1)
+    if focus > 0:
+        gap = per_entry.detach().sqrt()
+        share = (gap / (gap.sum(dim=1, keepdim=True) / count).clamp_min(1e-12)) ** focus * counted
+        per_entry = per_entry * (share / (share.sum(dim=1, keepdim=True) / count).clamp_min(1e-12))
+    per_sample = per_entry.sum(dim=1) / count[:, 0]
     return (weight.to(per_sample.dtype) * per_sample).mean()
 
 

@@ -47,7 +47,8 @@ def launch_command(config: str | None, overrides: list[str], port: int) -> list[
 
 def launch_training(config: str | None, overrides: list[str], port: int | None = None) -> dict[str, Any]:
     """One 2-process training run (on CPU unless ACCELERATE_USE_CPU says otherwise); its JSON summary.
-    The processes meet on `port`, by default a free one (two benchmarks at once never share one).
+    The processes meet on `port`, by default one free when asked (two benchmarks at once rarely
+    meet, where fixed ports always did).
 
     The launcher runs through `run_process_tree`: it dies with this process, and whatever it leaves
     behind is killed when it ends or times out."""

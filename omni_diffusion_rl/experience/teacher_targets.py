@@ -22,6 +22,7 @@ from ..teacher import (
     CONVENTION,
     Teacher,
     TeacherInfo,
+    TeacherMismatch,
     check_pair,
     latent_layout,
     latent_parts,
@@ -62,10 +63,16 @@ def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
 
 
 def built_teacher(
-    cfg: ExperimentConfig, name: str, options: dict[str, Any], urls: list[str], sharder: Any = None
+    cfg: ExperimentConfig,
+    name: str,
+    options: dict[str, Any],
+    urls: list[str],
+    sharder: Any = None,
+    route: str | None = None,
 ) -> Teacher:
-    """A teacher by its config: served at `urls` (routed across them), else `name` in process with
-    `options` (sharded over the training processes when a `sharder` is given and it can be)."""
+    """A teacher by its config (`route`: the teacher.routes entry it comes from): served at `urls`
+    (routed across them), else `name` in process with `options` (sharded over the training
+    processes when a `sharder` is given and it can be)."""
     import os
 
     from ..registry import teachers
@@ -87,8 +94,9 @@ def built_teacher(
     try:
         teacher = teachers.create(name, **options)
     except TypeError as e:  # an option the teacher does not take
+        where = "teacher.options" if route is None else f"teacher.routes.{route}.options"
         raise ConfigError(
-            f"teacher.options: teacher '{name}' could not be created with {sorted(options)} ({e})"
+            f"{where}: teacher '{name}' could not be created with {sorted(options)} ({e})"
         ) from e
     place = getattr(teacher, "shard", None)
     if sharder is not None and callable(place):
@@ -110,21 +118,6 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
         convention=CONVENTION,
         fingerprint="student",
     )
-    if c.routes:
-        entries = route_entries(latent_parts(policy), c.routes)
-        members: dict[str, Teacher | None] = {}
-        for route, spec in c.routes.items():
-            name = spec.get("name", "policy")
-            if name == NO_TEACHER:
-                members[route] = None
-                continue
-            member = built_teacher(cfg, name, spec.get("options", {}), spec.get("urls", []), sharder)
-            check_pair(student, member.info())
-            members[route] = member
-        teacher: Teacher = RoutedTeacher(members, entries, int(torch.Size(student.latent_shape).numel()))
-    else:
-        teacher = built_teacher(cfg, c.name, c.options, c.urls, sharder)
-    check_pair(student, teacher.info())
     prompts = ["a red circle", "a low tone"]
 
     def student_velocity(x: torch.Tensor, t: torch.Tensor, texts: list[str]) -> torch.Tensor:
@@ -132,9 +125,33 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
         cond = {k: v.to(device) for k, v in policy.encode_prompts(texts).items()}  # type: ignore[attr-defined]
         return policy.velocity(x.to(device), t.to(device), cond)  # type: ignore[attr-defined]
 
+    if not c.routes:
+        teacher = built_teacher(cfg, c.name, c.options, c.urls, sharder)
+        check_pair(student, teacher.info())
+        probe_convention(student_velocity, student.latent_shape, prompts, "student")
+        probe_convention(teacher.velocity, student.latent_shape, prompts, f"teacher '{c.name}'")
+        return teacher
     probe_convention(student_velocity, student.latent_shape, prompts, "student")
-    probe_convention(teacher.velocity, student.latent_shape, prompts, f"teacher '{cfg.teacher.name}'")
-    return teacher
+    if c.options:
+        raise ConfigError("teacher.options is not used with teacher.routes: give each route its options")
+    entries = route_entries(latent_parts(policy), c.routes, student.latent_shape)
+    members: dict[str, Teacher | None] = {}
+    for route, spec in c.routes.items():
+        name = spec.get("name", "policy")
+        if name == NO_TEACHER:
+            members[route] = None
+            continue
+        member = built_teacher(cfg, name, spec.get("options", {}), spec.get("urls", []), sharder, route)
+        try:
+            check_pair(student, member.info())
+        except TeacherMismatch as e:
+            raise TeacherMismatch(f"teacher route '{route}': {e}") from e
+        who = f"teacher of route '{route}' ({', '.join(spec['parts'])})"
+        probe_convention(member.velocity, student.latent_shape, prompts, who, entries[route])
+        members[route] = member
+    remote = all(spec.get("urls") or spec.get("name") == NO_TEACHER for spec in c.routes.values())
+    dim = int(torch.Size(student.latent_shape).numel())
+    return RoutedTeacher(members, entries, dim, concurrent=remote)
 
 
 class TeacherTargets:
@@ -184,8 +201,8 @@ class TeacherTargets:
         # one process's answers are bad (its error then comes after the others' last gather)
         answers = [self._answers(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
         columns = [torch.cat([checked_targets(v, piece) for v, piece in column]) for column in answers]
-        answered = getattr(self.teacher, "answered", None)  # routes with no teacher: entries left alone
-        if answered is not None and not bool(answered.all()):
+        answered = self.teacher.answered if isinstance(self.teacher, RoutedTeacher) else None
+        if answered is not None and not bool(answered.all()):  # routes with no teacher: left alone
             shape = (len(states), *states.shape[2:])
             extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
         self.seconds += time.perf_counter() - started

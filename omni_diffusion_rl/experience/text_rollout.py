@@ -239,7 +239,7 @@ class TextExperienceMaker:
         rollout = self.generate([self.prompt_at(position)], [position], 0)
         return rollout, self.reward(answer_media(self.policy, rollout), rollout.prompts, check=False)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, pending: PendingExtras | None = None) -> dict[str, float]:
         """Nothing: the answers' lengths are logged by the GSPO update from the answers it trains
         (so every execution mode logs them, not only the colocated one)."""
         return {}

@@ -40,7 +40,7 @@ from ..algorithms.advantages import ADV_MODES, optimality_probability
 from ..algorithms.distill import DISTILL_WEIGHTINGS, distillation_loss, state_weights
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
-from ..config import ConfigError, ExperimentConfig, check_registered_name, option
+from ..config import NO_TEACHER, ConfigError, ExperimentConfig, check_registered_name, option
 from ..experience.rollout import Rollout, SDESampling, step_generator
 from ..experience.teacher_routes import TEACHER_MASK
 from ..experience.teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
@@ -198,6 +198,7 @@ class Algorithm:
     options_type: type | None = None  # its options dataclass: keys flat in the algorithm section
     experience_kind = "media"  # what it learns from (experience_kinds.py): "media", or "answers" (GSPO)
     trains_guided = False  # True: its loss uses sampling.cfg_scale's guided velocity, so rollouts may use it
+    uses_teacher = False  # True: its experience waits on a teacher (teacher.one_step_off may hide it)
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
@@ -540,10 +541,16 @@ class OnPolicyDistillation(DiffusionNFT):
 
     display_name = "distillation"
     options_type = DistillOptions
+    uses_teacher = True  # teacher.one_step_off hides its time
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        check_registered_name("teacher.name", cfg.teacher.name, teachers)
+        if not cfg.teacher.routes:
+            check_registered_name("teacher.name", cfg.teacher.name, teachers)
+        for route, spec in cfg.teacher.routes.items():
+            name = spec.get("name", "policy")
+            if name != NO_TEACHER:
+                check_registered_name(f"teacher.routes.{route}.name", name, teachers)
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
@@ -551,7 +558,11 @@ class OnPolicyDistillation(DiffusionNFT):
         # A teacher sharded on GPUs answers on the main thread: its all-gathers and the policy's, on
         # two NCCL communicators from two threads, could interleave in another order on each
         # process, which NCCL does not allow (gloo on CPU does).
-        in_process = not cfg.teacher.urls
+        c = cfg.teacher
+        if c.routes:  # in process: any route with a teacher and no servers
+            in_process = any(not r.get("urls") and r.get("name") != NO_TEACHER for r in c.routes.values())
+        else:
+            in_process = not c.urls
         nccl_shards = in_process and sharder is not None and sharder.active and sharder.device.type == "cuda"
         overlap = cfg.teacher.overlap and not nccl_shards
         return TeacherTargets(teacher, cfg.algorithm.distill_states, cfg.train.seed, overlap=overlap)
@@ -622,10 +633,8 @@ class OnPolicyDistillation(DiffusionNFT):
         d = micro.data
         with self.learner.autocast():
             v = self.learner.policy.velocity(d["x"], d["t"], d["cond"])
-        target = d["target"]
-        if "answered" in d:  # no teacher there: the student's own velocity, so no gradient
-            target = torch.where(d["answered"], target, v.detach().float())
-        loss = distillation_loss(v.float(), target, d["weight"], self.options.distill_focus)
+        focus, answered = self.options.distill_focus, d.get("answered")  # routes: the taught entries
+        loss = distillation_loss(v.float(), d["target"], d["weight"], focus, answered)
         return loss, {"loss/distill": loss.detach()}
 
 

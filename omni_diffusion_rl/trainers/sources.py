@@ -14,6 +14,7 @@ the few facts and calls it needs) and sees experience, samples and their fate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,13 +96,18 @@ class LocalSource(ExperienceSource):
     trained_pending: Any = None  # the teacher targets of the batch handed out (PendingExtras), if any
 
     def next_batch(self, step: int) -> tuple[Rollout, ScoreResult]:
-        if self.ahead is not None and self.ahead[0] == step:
+        generated = False  # whether this call generated anything (its end is then the experience's)
+        if self.ahead is not None:
+            if self.ahead[0] != step:  # never dropped silently: its samples would go unaccounted
+                raise RuntimeError(
+                    f"step {step + 1} asked, but the rollouts made early are step {self.ahead[0] + 1}'s"
+                )
             made, self.ahead, self.staleness = self.ahead[1], None, 1
         else:
-            made, self.staleness = self._make(step), 0
+            made, self.staleness, generated = self._make(step), 0, True
         if self._makes_ahead(step):
-            self.ahead = (step + 1, self._make(step + 1))
-        self.generated_at = self.context.experience.generated_at
+            self.ahead, generated = (step + 1, self._make(step + 1)), True
+        self.generated_at = self.context.experience.generated_at if generated else time.perf_counter()
         self.trained_pending = made[0].pending
         return made
 

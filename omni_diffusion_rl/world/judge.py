@@ -46,7 +46,8 @@ HEALTH = (
 
 PICTURE_MEASURES = ("background_noise", "shape_texture")
 """Continuous measures of the picture, lower is cleaner, 0 on the world's own clips (the mean over
-samples: a sample without a recognisable shape has no shape texture)."""
+samples: a sample whose matched shape covers fewer than MIN_SHAPE_PIXELS foreground pixels has no
+shape texture)."""
 
 
 def foreground(video: torch.Tensor) -> torch.Tensor:
