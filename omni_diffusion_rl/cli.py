@@ -1015,7 +1015,8 @@ def _add_bench(sub: Subcommands) -> None:
         "recheck (auto's re-check after a wrong first pick, and its cost), "
         "memory (an on-paper estimate of GPU memory per process for the LTX-2 and H3 recipes; --measure adds "
         "the bytes each process holds in real sharded and unsharded runs of tiny models), "
-        "teacher (distillation's teacher: overlapped, one-step-off and blocking schedules, 1 vs 2 teacher servers), "
+        "teacher (distillation's teacher: overlapped, one-step-off and blocking schedules, 1 vs 2 "
+        "teacher servers), "
         "sharding (2 processes, train.sharding=fsdp against none: seconds per step), "
         "algorithms (a race of nft, flow_grpo, mixgrpo, raft, distill on the tiny world: held-out judge "
         "accuracy against training seconds and samples, over seeds)",
