@@ -723,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_eval,
         _add_probe_rewards,
         _add_pretrain,
+        _add_avqa_files,
         _add_serve_reward,
         _add_serve_teacher,
         _add_export,
@@ -958,6 +959,27 @@ def _add_serve_teacher(sub: Subcommands) -> None:
     )
     add_server_arguments(teach, "ODRL_TEACHER_TOKEN", 8500)
     teach.set_defaults(func=cmd_serve_teacher)
+
+
+def cmd_avqa_files(args: argparse.Namespace) -> int:
+    from .world.avqa_files import write_example_set
+
+    path = write_example_set(args.output, args.train_clips, args.heldout_clips, args.seed)
+    print(json.dumps({"question_file": str(path), "clips": args.train_clips + args.heldout_clips}))
+    return 0
+
+
+def _add_avqa_files(sub: Subcommands) -> None:
+    """`odrl avqa-files`: tiny AVQA written as a user's question file, with real MP4 and WAV clips."""
+    files = sub.add_parser(
+        "avqa-files",
+        help="write tiny-world clips as MP4 + WAV files and a question file about them (an example set)",
+    )
+    files.add_argument("--output", required=True, help="folder for questions.jsonl and clips/")
+    files.add_argument("--train-clips", type=_positive_int, default=12)
+    files.add_argument("--heldout-clips", type=_positive_int, default=4)
+    files.add_argument("--seed", type=int, default=0)
+    files.set_defaults(func=cmd_avqa_files)
 
 
 def _add_export(sub: Subcommands) -> None:

@@ -277,12 +277,28 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    prompts: str = _spec("builtin:tiny_world", "training prompts: builtin:tiny_world or a UTF-8 text file")
-    eval_prompts: str = _spec("builtin:tiny_world_heldout", "held-out prompts for before/after evaluation")
+    prompts: str = _spec(
+        "builtin:tiny_world",
+        "training prompts: builtin:tiny_world, a UTF-8 text file, or a question file (.jsonl: train lines)",
+    )
+    eval_prompts: str = _spec(
+        "builtin:tiny_world_heldout",
+        "held-out prompts for before/after evaluation (a question file: its heldout lines)",
+    )
     prompts_per_step: int = _spec(8, "prompt groups per optimizer step (over all processes)", ge=1)
     group_size: int = _spec(8, "samples per prompt (K); advantages need at least 2", ge=2)
     eval_samples: int = _spec(
         256, "held-out samples for the before/after evaluation (eval_samples / prompts per prompt)", ge=1
+    )
+    clip_fps: float = _spec(
+        8.0, "question files: video frames a second the clips are decoded at (the model's own)", gt=0
+    )
+    clip_sample_rate: int = _spec(
+        8000, "question files: audio samples a second (files at another rate are skipped)", ge=1
+    )
+    clip_seconds: float = _spec(0.5, "question files: the clip length read from each file", gt=0, le=600)
+    clip_channels: int = _spec(
+        1, "question files: audio channels (files with another count are skipped)", ge=1
     )
 
 

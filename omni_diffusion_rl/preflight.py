@@ -121,15 +121,15 @@ def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding
 
 
 def check_prompts(cfg: ExperimentConfig) -> list[Finding]:
-    from .prompts import PromptFileError, load_prompts
+    from .prompts import PromptFileError, clip_format_of, load_prompts
 
     findings = []
-    for key, source, least in (
-        ("data.prompts", cfg.data.prompts, cfg.data.prompts_per_step),
-        ("data.eval_prompts", cfg.data.eval_prompts, 1),
+    for key, source, least, split in (
+        ("data.prompts", cfg.data.prompts, cfg.data.prompts_per_step, "train"),
+        ("data.eval_prompts", cfg.data.eval_prompts, 1, "heldout"),
     ):
         try:
-            count = len(load_prompts(source))
+            count = len(load_prompts(source, split, clip_format_of(cfg.data)))
         except PromptFileError as e:
             findings.append(Finding(MISSING, key, str(e)))
             continue

@@ -1,10 +1,18 @@
-"""Prompt sources: the built-in tiny-world lists or a UTF-8 text file (one prompt per line)."""
+"""Prompt sources: the built-in tiny-world lists, a UTF-8 text file (one prompt per line), or a
+question file (answer_data/question_file.py: a JSONL file of questions about clips, whose prompts are
+its lines' keys)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .answer_data.clip_files import ClipFormat
+from .answer_data.question_file import QuestionFileError, is_question_file, load_question_file
 from .world import avqa, tiny_world
+
+if TYPE_CHECKING:
+    from .config import DataConfig
 
 BUILTIN = {
     "builtin:tiny_world": tiny_world.TRAIN_PROMPTS,
@@ -21,8 +29,22 @@ class PromptFileError(ValueError):
 MAX_PROMPT_FILE_BYTES = 64 << 20
 
 
-def load_prompts(source: str) -> list[str]:
-    """Prompts from 'builtin:NAME' or a text file; blank lines and '#' comments are skipped."""
+def clip_format_of(data: DataConfig) -> ClipFormat:
+    """The clip format a run decodes question files at (data.clip_*)."""
+    return ClipFormat(data.clip_fps, data.clip_sample_rate, data.clip_seconds, data.clip_channels)
+
+
+def load_prompts(source: str, split: str = "train", clip: ClipFormat | None = None) -> list[str]:
+    """Prompts from 'builtin:NAME' or a text file (blank lines and '#' comments are skipped), or the
+    keys of a question file's `split` lines, their clips decoded at `clip` (bad lines skipped with
+    a logged reason; a split with none usable is an error)."""
+    if is_question_file(source):
+        if clip is None:
+            raise PromptFileError(f"{source} is a question file: reading it needs the run's clip format")
+        try:
+            return load_question_file(source, split, clip).keys
+        except QuestionFileError as e:
+            raise PromptFileError(str(e)) from e
     if source.startswith("builtin:"):
         if source not in BUILTIN:
             raise PromptFileError(

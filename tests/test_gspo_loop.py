@@ -78,9 +78,9 @@ def test_gspo_trains_colocated_on_policy_and_reports_held_out_accuracy(tmp_path:
     # the notebook's way in: load_policy gives the trained adapter, answering as the trainer does
     from omni_diffusion_rl.evaluation.avqa import answer_questions
     from omni_diffusion_rl.inference import load_policy
-    from omni_diffusion_rl.world.avqa import questions
+    from omni_diffusion_rl.world.avqa import HELDOUT_QUESTIONS
 
-    asked = questions(heldout=True)[:10]
+    asked = HELDOUT_QUESTIONS[:10]
     loaded = load_policy(run / "checkpoints")
     with torch.no_grad():
         theirs = answer_questions(trainer.policy.model, asked, 0, greedy=False)[0]

@@ -1,6 +1,7 @@
-"""Held-out accuracy of an answering model on tiny AVQA: exact answers, greedy and sampled, overall
-and per question kind. Clips and sampling noise are keyed by the seed, so two models are compared on
-the same clips and the same random numbers."""
+"""Held-out accuracy of an answering model: right answers, greedy and sampled, overall and per
+category (a tiny AVQA question's kind, a question file's `category`). Clips and sampling noise are
+keyed by the seed, so two models are compared on the same clips and the same random numbers. The
+questions come from tiny AVQA or a question file alike (experience/text_rollout.ask)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,31 @@ from typing import Any
 
 import torch
 
+from ..answer_data.questions import AskedQuestion, is_right
 from ..experience.rollout import step_generator
+from ..experience.text_rollout import ask
 from ..experience.text_sampling import sample_answers
 from ..media import MediaBatch, save_previews
 from ..models.tiny_omni import TinyOmniModel
-from ..world.avqa import Question, exact_match, parse_question, questions, render_clips
-from ..world.tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
+from ..world.avqa import HELDOUT_QUESTIONS
 
 
 @torch.no_grad()
 def answer_questions(
     model: TinyOmniModel,
-    batch: list[Question],
+    prompts: list[str],
     seed: int,
     greedy: bool,
     max_new_tokens: int = 16,
     temperature: float = 1.0,
-) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """The model's answers to `batch` and the clips they are about (video, waveform): each clip and
-    sampling stream keyed by (seed, position)."""
-    gens = [step_generator(seed, 0, i, "eval") for i in range(len(batch))]
-    rendered = [render_clips([q], g) for q, g in zip(batch, gens, strict=True)]
-    video, amps = torch.cat([v for v, _ in rendered]), torch.cat([a for _, a in rendered])
-    audio = synthesize_audio(amps)
+) -> tuple[list[str], list[AskedQuestion], torch.Tensor, torch.Tensor]:
+    """The model's answers to the questions `prompts` name, the questions as asked, and the clips
+    they are about (video, waveform): each clip and sampling stream keyed by (seed, position)."""
+    gens = [step_generator(seed, 0, i, "eval") for i in range(len(prompts))]
+    asked = [ask(p, g, model.clip_format) for p, g in zip(prompts, gens, strict=True)]
+    video, audio = model.clip_tensors(asked)
     device = next(model.parameters()).device
-    prompted = model.prompt(video.to(device), audio.to(device), model.tokenize([q.text for q in batch]))
+    prompted = model.prompt(video.to(device), audio.to(device), model.tokenize([q.text for q in asked]))
     out = sample_answers(
         model.lm,
         prompted.embeds,
@@ -50,29 +51,34 @@ def answer_questions(
         model.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
         for row, m in zip(out.tokens, out.mask, strict=True)
     ]
-    return texts, video, audio
+    return texts, asked, video, audio
 
 
 def avqa_accuracy(
     model: TinyOmniModel,
-    pool: list[Question] | None = None,
+    prompts: list[str] | None = None,
     repeats: int = 4,
     seed: int = 0,
     max_new_tokens: int = 16,
 ) -> dict[str, float]:
-    """{greedy, sampled, greedy/<kind>, sampled/<kind>}: the share of exact answers over `pool`
-    (default: every held-out question), each asked `repeats` times on fresh clips."""
-    pool = [q for q in (questions(heldout=True) if pool is None else pool) for _ in range(repeats)]
+    """{greedy, sampled, greedy/<category>, sampled/<category>}: the share of right answers over the
+    questions `prompts` name that have a right answer (default: every held-out tiny AVQA question),
+    each asked `repeats` times (a tiny AVQA question on fresh clips)."""
+    prompts = HELDOUT_QUESTIONS if prompts is None else prompts
+    pool = [p for p in prompts for _ in range(repeats)]
     was_training = model.training
     model.eval()
     out: dict[str, float] = {}
     try:
         for mode in ("greedy", "sampled"):
-            answers, _, _ = answer_questions(model, pool, seed, mode == "greedy", max_new_tokens)
+            answers, asked, _, _ = answer_questions(model, pool, seed, mode == "greedy", max_new_tokens)
             by_kind: dict[str, list[float]] = defaultdict(list)
-            for q, a in zip(pool, answers, strict=True):
-                by_kind[q.kind].append(exact_match(a, q))
+            for q, a in zip(asked, answers, strict=True):
+                if q.reference is not None:
+                    by_kind[q.category].append(is_right(a, q))
             scores = [s for v in by_kind.values() for s in v]
+            if not scores:
+                raise ValueError("none of the held-out questions has a right answer: accuracy is undefined")
             out[mode] = sum(scores) / len(scores)
             out |= {f"{mode}/{k}": sum(v) / len(v) for k, v in sorted(by_kind.items())}
     finally:
@@ -80,10 +86,38 @@ def avqa_accuracy(
     return out
 
 
+def evaluate_answering(
+    model: TinyOmniModel,
+    prompts: list[str],
+    reward: Any,
+    samples: int,
+    seed: int,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    """Held-out accuracy, greedy and sampled (accuracy/...), and the reward of the greedy answers
+    (reward, reward/...; skipped when `reward` is None), about `samples` answers over `prompts`: the
+    same questions, clips and random numbers at every call."""
+    per_question = max(1, samples // len(prompts))
+    out = {
+        f"accuracy/{k}": v
+        for k, v in avqa_accuracy(model, prompts, per_question, seed, max_new_tokens).items()
+    }
+    if reward is None:
+        return out
+    chosen = [p for p in prompts for _ in range(per_question)]
+    answers, _, video, audio = answer_questions(model, chosen, seed, True, max_new_tokens)
+    clip = model.clip_format
+    media = MediaBatch(video=video, audio=audio, fps=clip.fps, sample_rate=clip.sample_rate, text=answers)
+    scored = reward(media, chosen)
+    out["reward"] = float(scored.total.mean())
+    out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
+    return out
+
+
 class TinyAVQAEvaluation:
-    """The held-out evaluation of an answering model on tiny AVQA (registered for model.family
-    tiny_omni in registry.evaluations): exact-answer accuracy and the training reward of its greedy
-    answers, and a preview of questions, clips and answers."""
+    """The held-out evaluation of an answering model (registered for model.family tiny_omni in
+    registry.evaluations) on tiny AVQA or a question file's held-out lines: right-answer accuracy and
+    the training reward of its greedy answers, and a preview of questions, clips and answers."""
 
     def __init__(self, cfg: Any, policy: Any, reward: Any, eval_prompts: list[str]) -> None:
         self.cfg, self.model, self.reward, self.eval_prompts = cfg, policy.model, reward, eval_prompts
@@ -92,30 +126,26 @@ class TinyAVQAEvaluation:
         """Held-out exact-answer accuracy, greedy and sampled (accuracy/...), and the training reward
         of the greedy answers (reward, reward/...): the same questions, clips and random numbers at
         every evaluation. Every process computes it whole (it is small)."""
-        per_question = max(1, self.cfg.data.eval_samples // len(self.eval_prompts))
-        pool = [parse_question(p) for p in self.eval_prompts]
-        seed, limit = self.cfg.train.seed, self.cfg.algorithm.max_new_tokens
-        accuracy = avqa_accuracy(self.model, pool, per_question, seed, limit)
-        chosen = [q for q in pool for _ in range(per_question)]
-        answers, video, audio = answer_questions(self.model, chosen, seed, True, limit)
-        prompts = [p for p in self.eval_prompts for _ in range(per_question)]
-        media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
-        scored = self.reward(media, prompts)
-        out = {f"accuracy/{k}": v for k, v in accuracy.items()}
-        out["reward"] = float(scored.total.mean())
-        out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
-        return out
+        return evaluate_answering(
+            self.model,
+            self.eval_prompts,
+            self.reward,
+            self.cfg.data.eval_samples,
+            self.cfg.train.seed,
+            self.cfg.algorithm.max_new_tokens,
+        )
 
     def preview(self, folder: Path, shown: int) -> Path:
         """Held-out questions with their clips and the model's greedy answers side by side (the
         sheet's title per clip: question, answer, the right answer), written to `folder`."""
         n = len(self.eval_prompts)
         stride = max(1, n // shown)  # spread over the set, stepping one more each time to vary the kind
-        chosen = [parse_question(self.eval_prompts[(i * stride + i) % n]) for i in range(min(shown, n))]
-        answers, video, audio = answer_questions(self.model, chosen, 0, greedy=True)
-        pairs = list(zip(chosen, answers, strict=True))
-        titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.answer}" for q, a in pairs]
-        right = [exact_match(a, q) for q, a in pairs]
-        media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
-        save_previews(folder, media, titles, {"avqa_exact": right})
+        chosen = [self.eval_prompts[(i * stride + i) % n] for i in range(min(shown, n))]
+        answers, asked, video, audio = answer_questions(self.model, chosen, 0, greedy=True)
+        pairs = list(zip(asked, answers, strict=True))
+        titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.reference or '(judged)'}" for q, a in pairs]
+        right = [is_right(a, q) if q.reference is not None else float("nan") for q, a in pairs]
+        clip = self.model.clip_format
+        media = MediaBatch(video=video, audio=audio, fps=clip.fps, sample_rate=clip.sample_rate, text=answers)
+        save_previews(folder, media, titles, {"right": right})
         return folder

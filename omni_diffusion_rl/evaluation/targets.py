@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..experience.rollout import generate_for_eval
 from ..media import MediaBatch
-from ..prompts import load_prompts
+from ..prompts import clip_format_of, load_prompts
 from ..reward_factory import reward_from_config
 from .heldout import MediaMaker, build_metrics, evaluate_heldout
 
@@ -175,53 +175,42 @@ def _evaluate_media(
             metric.close()
 
 
-def _questions(cfg: ExperimentConfig) -> tuple[list[str], list[Any]]:
-    """The held-out prompts and the tiny AVQA questions they name (a prompt that names none is
-    refused by its line number, never echoed)."""
-    from ..world.avqa import parse_question
+def _questions(cfg: ExperimentConfig) -> list[str]:
+    """The held-out prompts, each checked to name a question (tiny AVQA or a question file's line;
+    one that names none is refused by its line number, never echoed)."""
+    from ..experience.text_rollout import question_text
 
-    prompts = load_prompts(cfg.data.eval_prompts)
-    questions = []
+    prompts = load_prompts(cfg.data.eval_prompts, "heldout", clip_format_of(cfg.data))
     for i, prompt in enumerate(prompts, 1):
         try:
-            questions.append(parse_question(prompt))
+            question_text(prompt)
         except ValueError as e:
             raise ConfigError(
-                f"data.eval_prompts={cfg.data.eval_prompts}: prompt {i} is not a tiny AVQA question "
-                "('<kind> | <tiny-world prompt>'); an answering model is evaluated on questions, e.g. "
-                "data.eval_prompts=builtin:tiny_avqa_heldout"
+                f"data.eval_prompts={cfg.data.eval_prompts}: prompt {i} is not a question ('<kind> | "
+                "<tiny-world prompt>' or a question file's line); an answering model is evaluated on "
+                "questions, e.g. data.eval_prompts=builtin:tiny_avqa_heldout"
             ) from e
-    return prompts, questions
+    return prompts
 
 
 @torch.no_grad()
 def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = True) -> dict[str, float]:
-    """An answering policy's held-out exact-answer accuracy, greedy and sampled, overall and per
-    question kind (accuracy/...), and the training reward of its greedy answers (reward, reward/...):
-    what the trainer logs as eval/..., on the same questions, clips and random numbers (train.seed)."""
-    from ..world.tiny_clip import FPS, SAMPLE_RATE
-    from .avqa import answer_questions, avqa_accuracy
+    """An answering policy's held-out accuracy, greedy and sampled, overall and per category
+    (accuracy/...), and the training reward of its greedy answers (reward, reward/...): what the
+    trainer logs as eval/..., on the same questions, clips and random numbers (train.seed)."""
+    from .avqa import evaluate_answering
 
     if cfg.eval.metrics:
         raise ConfigError(
             f"eval.metrics={cfg.eval.metrics}: an answering model is scored by its exact answers; media "
             "metrics do not apply (set eval.metrics=[])"
         )
-    prompts, pool = _questions(cfg)
-    per_question = max(1, cfg.data.eval_samples // len(prompts))
-    seed, limit = cfg.train.seed, cfg.algorithm.max_new_tokens
-    accuracy = avqa_accuracy(policy.model, pool, per_question, seed, limit)
-    out = {f"accuracy/{k}": v for k, v in accuracy.items()}
-    if not with_reward:
-        return out
-    chosen = [q for q in pool for _ in range(per_question)]
-    answers, video, audio = answer_questions(policy.model, chosen, seed, True, limit)
-    media = MediaBatch(video=video, audio=audio, fps=FPS, sample_rate=SAMPLE_RATE, text=answers)
-    reward = reward_from_config(cfg.reward)
+    prompts = _questions(cfg)
+    reward = reward_from_config(cfg.reward) if with_reward else None
     try:
-        scored = reward(media, [p for p in prompts for _ in range(per_question)])
+        return evaluate_answering(
+            policy.model, prompts, reward, cfg.data.eval_samples, cfg.train.seed, cfg.algorithm.max_new_tokens
+        )
     finally:
-        reward.close()
-    out["reward"] = float(scored.total.mean())
-    out |= {f"reward/{k}": float(v.mean()) for k, v in scored.parts.items()}
-    return out
+        if reward is not None:
+            reward.close()

@@ -3,7 +3,8 @@ like the diffusion side's (`rollout.py`): the same prompt stream, seeds keyed by
 group), background scoring, the named-batch format between processes and the replay buffer.
 
 A prompt group is one question about one clip, answered `group_size` times: the clip is rendered
-from the group's key, each answer sampled from its own key, and the behaviour log-probs of the
+from the group's key (tiny AVQA) or decoded from its files (a question file, answer_data/), each
+answer sampled from its own key, and the behaviour log-probs of the
 sampled tokens are kept with the answers (GSPO's ratio is taken against them, so staleness in the
 async modes is handled by the ratio).
 """
@@ -18,12 +19,13 @@ from typing import Any
 
 import torch
 
+from ..answer_data.clip_files import ClipFormat
+from ..answer_data.questions import AskedQuestion, FileQuestion, is_file_key
 from ..config import ConfigError
 from ..media import MediaBatch
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
-from ..world.avqa import parse_question, render_clips
-from ..world.tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
+from ..world.avqa import asked_question, parse_question
 from .answer_backends import AnswerBackend, HfAnswers
 from .rollout import PendingExtras, step_generator, stream_prompt
 
@@ -118,6 +120,19 @@ class TextRollout:
         )
 
 
+def ask(prompt: str, gen: torch.Generator, clip: ClipFormat) -> AskedQuestion:
+    """The question a data-stream prompt names, with its clip: a question file's key is decoded from
+    its files at `clip`; a tiny AVQA prompt is rendered fresh from `gen`."""
+    if is_file_key(prompt):
+        return FileQuestion.from_key(prompt).asked(clip)
+    return asked_question(prompt, gen)
+
+
+def question_text(prompt: str) -> str:
+    """The question a prompt names, as the model reads it (nothing decoded or rendered)."""
+    return FileQuestion.from_key(prompt).question if is_file_key(prompt) else parse_question(prompt).text
+
+
 def answer_texts(policy: Any, rollout: TextRollout) -> list[str]:
     """The decoded answers (their end token and padding dropped)."""
     return [
@@ -129,7 +144,10 @@ def answer_texts(policy: Any, rollout: TextRollout) -> list[str]:
 def answer_media(policy: Any, rollout: TextRollout) -> MediaBatch:
     """What a reward scores: the clip, and the answer as the batch's text."""
     texts = answer_texts(policy, rollout)
-    return MediaBatch(video=rollout.video, audio=rollout.audio, fps=FPS, sample_rate=SAMPLE_RATE, text=texts)
+    clip = policy.model.clip_format
+    return MediaBatch(
+        video=rollout.video, audio=rollout.audio, fps=clip.fps, sample_rate=clip.sample_rate, text=texts
+    )
 
 
 class TextExperienceMaker:
@@ -151,14 +169,14 @@ class TextExperienceMaker:
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         backend: AnswerBackend | None = None,
     ) -> None:
-        questions = [parse_question(p) for p in prompts[:1000]]  # refuse a set that is not tiny AVQA now
+        texts = [question_text(p) for p in prompts[:1000]]  # refuse a set that names no questions now
         if min_new_tokens > max_new_tokens:
             raise ConfigError(
                 f"algorithm.min_new_tokens={min_new_tokens} is above "
                 f"algorithm.max_new_tokens={max_new_tokens}"
             )
         model = policy.model
-        longest = model.encoder.num_tokens + max(map(len, model.tokenize([q.text for q in questions])))
+        longest = model.encoder.num_tokens + max(map(len, model.tokenize(texts)))
         limit = int(model.lm.config.max_position_embeddings)
         if longest + max_new_tokens > limit:
             raise ConfigError(
@@ -191,13 +209,13 @@ class TextExperienceMaker:
         (seed, step, group))."""
         model = self.policy.model
         k = self.group_size
-        batch = [parse_question(p) for p in prompts]
-        clips = [
-            render_clips([q], step_generator(self.seed, step, g, "rollout"))
-            for q, g in zip(batch, group_ids, strict=True)
+        clip = model.clip_format
+        batch = [
+            ask(p, step_generator(self.seed, step, g, "rollout"), clip)
+            for p, g in zip(prompts, group_ids, strict=True)
         ]
-        video = torch.cat([v for v, _ in clips]).repeat_interleave(k, 0)
-        audio = synthesize_audio(torch.cat([a for _, a in clips])).repeat_interleave(k, 0)
+        video, audio = model.clip_tensors(batch)
+        video, audio = video.repeat_interleave(k, 0), audio.repeat_interleave(k, 0)
         ids = [q for q in model.tokenize([x.text for x in batch]) for _ in range(k)]
         gens = [
             step_generator(self.seed, step, g * 65536 + j, "answers") for g in group_ids for j in range(k)

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..world.tiny_clip import AUDIO_FRAMES, DURATION_S, SAMPLE_RATE, VIDEO_FRAMES, VIDEO_SIZE
+from ..answer_data.clip_files import ClipFormat
+from ..answer_data.questions import AskedQuestion
+from ..world.tiny_clip import AUDIO_FRAMES, DURATION_S, FPS, SAMPLE_RATE, VIDEO_FRAMES, VIDEO_SIZE
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIALS = (PAD, EOS, UNK)
@@ -164,6 +166,26 @@ class TinyOmniModel(nn.Module):
                 raise ValueError(f"the tiny omni tokenizer does not know {words} (in {text!r})")
             out.append(ids)
         return out
+
+    @property
+    def clip_format(self) -> ClipFormat:
+        """The clips the model reads: the tiny clip's frame rate, sample rate and length, mono."""
+        return ClipFormat(fps=FPS, sample_rate=SAMPLE_RATE, seconds=DURATION_S, channels=1)
+
+    def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Video [B, F, 3, H, W] and waveforms [B, 1, S] of asked questions, as `prompt` takes them:
+        frames resized to the model's size (antialiased bilinear) when they differ, and a missing
+        picture or sound given as black frames or silence."""
+        videos, sounds = [], []
+        for q in asked:
+            video = torch.zeros(VIDEO_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE) if q.video is None else q.video
+            if tuple(video.shape[-2:]) != (VIDEO_SIZE, VIDEO_SIZE):
+                size = (VIDEO_SIZE, VIDEO_SIZE)
+                video = torch.nn.functional.interpolate(video, size, mode="bilinear", antialias=True)
+            videos.append(video.clamp(0, 1))
+            samples = int(SAMPLE_RATE * DURATION_S)
+            sounds.append(torch.zeros(1, samples) if q.audio is None else q.audio)
+        return torch.stack(videos), torch.stack(sounds)
 
     def prompt(self, video: torch.Tensor, waveform: torch.Tensor, questions: list[list[int]]) -> Prompted:
         """[pad | media | question] embeddings of a batch, left-padded to one length."""

@@ -162,6 +162,7 @@ class AnswerExperience(ExperienceKind):
 
         algorithm = algorithm_class(cfg.algorithm.name)
         checked_guidance(policy, cfg.sampling.cfg_scale, cfg.algorithm.name, algorithm.trains_guided)
+        check_clip_format(cfg, policy)
         a = cfg.algorithm
         precision = resolve_mixed_precision(cfg.train.mixed_precision)
         return TextExperienceMaker(  # type: ignore[return-value]
@@ -179,6 +180,18 @@ class AnswerExperience(ExperienceKind):
             backend=answer_backend(cfg, precision, lambda: algorithm.rollout_state(policy.transformer)),
         )
 
+    def held_out(
+        self,
+        cfg: ExperimentConfig,
+        learner: Learner,
+        reward: WeightedReward,
+        eval_prompts: list[str],
+        output_dir: Path,
+        sharded: bool,
+    ) -> HeldOut:
+        check_clip_format(cfg, learner.policy)
+        return super().held_out(cfg, learner, reward, eval_prompts, output_dir, sharded)
+
     def cost_length(self, trainer: Any, prompts: list[str], groups: int, steps: int) -> float | None:
         """The mean answer length in tokens, as the run's answers come out (natural, or forced by
         algorithm.min_new_tokens): the planner's length unit is the answer token."""
@@ -195,6 +208,24 @@ class AnswerExperience(ExperienceKind):
             return answers
 
         return rollout
+
+
+def check_clip_format(cfg: ExperimentConfig, policy: Any) -> None:
+    """A run that reads question files decodes their clips at data.clip_*: refused unless that is the
+    format the model reads (its `clip_format`)."""
+    from ..answer_data.question_file import is_question_file
+    from ..prompts import clip_format_of
+
+    if not any(is_question_file(p) for p in (cfg.data.prompts, cfg.data.eval_prompts)):
+        return
+    ours, theirs = clip_format_of(cfg.data), policy.model.clip_format
+    if ours != theirs:
+        raise ConfigError(
+            f"data.clip_fps={ours.fps:g}, clip_sample_rate={ours.sample_rate}, "
+            f"clip_seconds={ours.seconds:g}, clip_channels={ours.channels}: model.family="
+            f"{cfg.model.family} reads clips at {theirs.fps:g} fps, {theirs.sample_rate} Hz, "
+            f"{theirs.seconds:g} s, {theirs.channels} channel(s); set data.clip_* to those"
+        )
 
 
 KINDS: dict[str, ExperienceKind] = {MEDIA: MediaExperience(), ANSWERS: AnswerExperience()}

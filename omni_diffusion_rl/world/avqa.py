@@ -10,11 +10,12 @@ diffusion side (`HELDOUT_PROMPTS`), so neither side trains on them.
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass
 
 import torch
 
+from ..answer_data.questions import AskedQuestion, normalise_answer
+from .tiny_clip import synthesize_audio
 from .tiny_world import (
     ALL_SCENES,
     ATTRIBUTE_OPTIONS,
@@ -62,15 +63,6 @@ def answer_options(kind: str) -> tuple[str, ...]:
     if kind == "when":
         return tuple(WHEN_ANSWERS.values())
     return ATTRIBUTE_OPTIONS[kind]
-
-
-_KEPT = frozenset(string.ascii_lowercase + string.digits)
-
-
-def normalise_answer(text: str) -> str:
-    """Lower case, single spaces, no punctuation: what exact match compares (a-z and 0-9 kept, every
-    other character a space)."""
-    return " ".join("".join(c if c in _KEPT else " " for c in text.lower()).split())
 
 
 def exact_match(answer: str, question: Question) -> float:
@@ -138,3 +130,17 @@ def parse_question(prompt: str) -> Question:
 
 TRAIN_QUESTIONS = [question_prompt(q) for q in questions(heldout=False)]
 HELDOUT_QUESTIONS = [question_prompt(q) for q in questions(heldout=True)]
+
+
+def asked_question(prompt: str, gen: torch.Generator) -> AskedQuestion:
+    """The question a tiny AVQA prompt names, on a fresh clip drawn from `gen`."""
+    question = parse_question(prompt)
+    video, amps = render_clips([question], gen)
+    return AskedQuestion(
+        text=question.text,
+        reference=question.answer,
+        category=question.kind,
+        video=video[0],
+        audio=synthesize_audio(amps)[0],
+        choices=() if question.kind == "describe" else answer_options(question.kind),
+    )

@@ -1,0 +1,144 @@
+"""A user's questions about their own clips: a JSONL file, one question per line.
+
+    {"video": "clips/dog.mp4", "audio": "clips/dog.wav", "question": "what barks ?", "answer": "dog"}
+    {"video": "clips/tv.mp4", "question": "which colour ?", "choices": ["red", "blue"], "answer": "B",
+     "split": "heldout", "category": "colour"}
+
+Fields: `question` (required); `video` and/or `audio`, paths relative to the file's folder (at least
+one); `answer` (the right answer: exact-match and letter rewards grade against it) and/or `rubric`
+(what a served judge reward is told to look for); `choices` (2-26 options: a multiple-choice question,
+whose answer is a letter or an option's text); `split`: `train` (default) or `heldout`; `category`:
+what held-out accuracy is broken down by (default `all`). Blank lines and lines starting with `#`
+are skipped.
+
+`data.prompts` reads the file's `train` lines and `data.eval_prompts` its `heldout` lines (the same
+file may be named twice). Every line's media is decoded once at load, at the run's clip format; a
+line that cannot be used is counted and skipped with its reason (`QuestionFileReport`), and a split
+left with no usable line is an error that lists the reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from .clip_files import ClipFileError, ClipFormat
+from .questions import FileQuestion, checked_fields, reference_letter
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "heldout")
+LINE_FIELDS = (*FileQuestion.__dataclass_fields__, "split", "id")
+MAX_FILE_BYTES = 64 << 20
+MAX_LINE_CHARS = 64 << 10
+MAX_LINES = 1_000_000
+SHOWN_REASONS = 5
+
+
+class QuestionFileError(ValueError):
+    """A question file that cannot be used at all."""
+
+
+@dataclass
+class QuestionFileReport:
+    """The usable questions of one split (their keys), and every line skipped, with its reason."""
+
+    path: Path
+    split: str
+    keys: list[str] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    other_split: int = 0
+
+    def summary(self) -> str:
+        head = f"{self.path} ({self.split}): {len(self.keys)} questions, {len(self.skipped)} lines skipped"
+        reasons = [f"line {n}: {why}" for n, why in self.skipped[:SHOWN_REASONS]]
+        more = len(self.skipped) - SHOWN_REASONS
+        return "; ".join([head, *reasons, *([f"and {more} more"] if more > 0 else [])])
+
+
+def is_question_file(source: str) -> bool:
+    """Whether a prompt source names a question file (by its .jsonl suffix)."""
+    return source.lower().endswith(".jsonl")
+
+
+def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> QuestionFileReport:
+    """The keys of `split`'s usable questions in `path`, each line's media decoded at `clip`."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: use one of {', '.join(SPLITS)}")
+    path = Path(path)
+    if not path.is_file():
+        raise QuestionFileError(f"question file {path} does not exist (or is not a regular file)")
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise QuestionFileError(f"question file {path} is over {MAX_FILE_BYTES >> 20} MiB; split it")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise QuestionFileError(f"question file {path} is not UTF-8 (byte {e.start}: {e.reason})") from e
+    report = QuestionFileReport(path, split)
+    for number, line in enumerate(text.splitlines(), start=1):
+        if number > MAX_LINES:
+            raise QuestionFileError(f"question file {path} has over {MAX_LINES} lines; split it")
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            question, line_split = _parse_line(line, path.parent)
+            if line_split != split:
+                report.other_split += 1
+                continue
+            question.asked(clip)  # decodes (and caches) its media: a bad file is found now
+        except (ValueError, ClipFileError) as e:
+            report.skipped.append((number, str(e)))
+            continue
+        report.keys.append(question.key())
+    if report.skipped:
+        logger.warning(report.summary())
+    if not report.keys:
+        reasons = Counter(why for _, why in report.skipped)
+        listed = "; ".join(f"{why} ({n}x)" for why, n in reasons.most_common(SHOWN_REASONS))
+        raise QuestionFileError(
+            f"question file {path} has no usable {split} question"
+            + (f": {len(report.skipped)} lines skipped: {listed}" if report.skipped else "")
+            + ("" if report.skipped or split == "train" else ' (mark held-out lines with "split": "heldout")')
+        )
+    return report
+
+
+def _parse_line(line: str, folder: Path) -> tuple[FileQuestion, str]:
+    if len(line) > MAX_LINE_CHARS:
+        raise ValueError(f"the line has {len(line)} characters; at most {MAX_LINE_CHARS}")
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not a JSON object ({e.msg} at column {e.colno})") from e
+    if isinstance(raw, dict):
+        split = raw.pop("split", "train")
+        raw.pop("id", None)
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r}: use one of {', '.join(SPLITS)}")
+    else:
+        split = "train"
+    fields = checked_fields(raw, LINE_FIELDS)
+    if fields.get("video") is None and fields.get("audio") is None:
+        raise ValueError("the line names neither a video nor an audio file")
+    if fields.get("answer") is None and fields.get("rubric") is None:
+        raise ValueError("the line has neither an answer nor a rubric to grade by")
+    for name in ("video", "audio"):
+        if fields.get(name) is not None:
+            fields[name] = str(_inside(folder, str(fields[name])))
+    question = FileQuestion(**fields)  # type: ignore[arg-type]
+    if question.choices and question.answer is not None:
+        reference_letter(question)  # an answer that is no option is refused here
+    return question, split
+
+
+def _inside(folder: Path, relative: str) -> Path:
+    """A media path under the question file's folder; absolute paths and `..` are refused."""
+    parts = PurePosixPath(relative.replace("\\", "/")).parts
+    if not parts or PurePosixPath(relative).is_absolute() or ".." in parts or relative.startswith("~"):
+        raise ValueError(
+            f"media path {relative!r} must be relative to the question file's folder, without '..'"
+        )
+    return (folder / Path(*parts)).absolute()

@@ -1,0 +1,254 @@
+"""A user's questions about their own clips (answer_data/): the JSONL format, media decoded by PyAV and
+soundfile, every bad line counted and skipped with its reason, the shipped example set decoded back
+within the codecs' tolerance, the answer rewards (also served), and GSPO training on the files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from omni_diffusion_rl.answer_data.clip_files import (
+    AUDIO_TOLERANCE,
+    VIDEO_TOLERANCE,
+    ClipFormat,
+    decode_audio,
+    decode_video,
+    write_mp4,
+    write_wav,
+)
+from omni_diffusion_rl.answer_data.question_file import QuestionFileError, load_question_file
+from omni_diffusion_rl.answer_data.questions import AskedQuestion, FileQuestion, chosen_letter, is_right
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.prompts import PromptFileError, load_prompts
+from omni_diffusion_rl.world.avqa_files import QUESTION_FILE, example_clips, write_example_set
+from omni_diffusion_rl.world.tiny_clip import DURATION_S, FPS, SAMPLE_RATE
+
+from .helpers import REPO, step_records
+
+SHIPPED = REPO / "recipes" / "data" / "tiny_avqa_files"
+TINY = ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1)
+
+
+def test_the_shipped_example_set_is_what_the_command_makes_and_decodes_back_within_tolerance(
+    tmp_path: Path,
+) -> None:
+    """Every clip decoded through the user path equals the rendered clip within the stated codec
+    tolerance (2/255 a pixel, 2/32768 a sample), and the shipped question file is the command's."""
+    made = write_example_set(tmp_path / "set")
+    assert made.read_text() == (SHIPPED / QUESTION_FILE).read_text()
+    clips = example_clips(12, 4)
+    for clip in clips:
+        video = decode_video(SHIPPED / "clips" / f"{clip.name}.mp4", TINY)
+        audio = decode_audio(SHIPPED / "clips" / f"{clip.name}.wav", TINY)
+        assert video.shape == clip.video.shape and audio.shape == clip.wave.shape
+        assert (video - clip.video).abs().max() <= VIDEO_TOLERANCE, clip.name
+        assert (audio - clip.wave).abs().max() <= AUDIO_TOLERANCE, clip.name
+    train = load_prompts(str(SHIPPED / QUESTION_FILE), "train", TINY)
+    heldout = load_prompts(str(SHIPPED / QUESTION_FILE), "heldout", TINY)
+    assert (len(train), len(heldout)) == (12 * 5, 4 * 5)
+    scenes = {FileQuestion.from_key(k).video for k in heldout}
+    assert not scenes & {FileQuestion.from_key(k).video for k in train}
+
+
+def _clip_files(folder: Path) -> None:
+    clip = example_clips(1, 0)[0]
+    write_mp4(folder / "ok.mp4", clip.video, FPS)
+    write_wav(folder / "ok.wav", clip.wave, SAMPLE_RATE)
+
+
+def _write(folder: Path, *lines: dict | str) -> Path:
+    path = folder / "q.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+GOOD = {"video": "ok.mp4", "audio": "ok.wav", "question": "which shape is shown", "answer": "circle"}
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("missing", "does not exist"),
+        ("undecodable", "cannot be decoded as video"),
+        ("undecodable_audio", "cannot be decoded as sound"),
+        ("zero_length", "zero length"),
+        ("stereo", "has 2 channels; the run reads 1"),
+        ("sample_rate", "is at 16000 Hz; the run reads 8000 Hz"),
+        ("too_short", "is too short"),
+        ("outside", "must be relative to the question file's folder"),
+        ("not_json", "not a JSON object"),
+        ("unknown_field", "unknown fields ['lable']"),
+        ("no_media", "neither a video nor an audio file"),
+        ("no_answer", "neither an answer nor a rubric"),
+        ("answer_not_an_option", "neither a letter nor the text of one of the choices"),
+    ],
+)
+def test_each_bad_line_is_skipped_with_its_reason(
+    tmp_path: Path, case: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _clip_files(tmp_path)
+    line: dict | str = dict(GOOD)
+    if case == "missing":
+        line["video"] = "nowhere.mp4"
+    elif case == "undecodable":
+        (tmp_path / "bad.mp4").write_bytes(b"not a video at all" * 20)
+        line["video"] = "bad.mp4"
+    elif case == "undecodable_audio":
+        (tmp_path / "bad.wav").write_bytes(b"RIFF but no wave" * 20)
+        line["audio"] = "bad.wav"
+    elif case == "zero_length":
+        (tmp_path / "empty.wav").write_bytes(b"")
+        line["audio"] = "empty.wav"
+    elif case == "stereo":
+        soundfile.write(str(tmp_path / "st.wav"), np.zeros((4000, 2), dtype=np.float32), SAMPLE_RATE)
+        line["audio"] = "st.wav"
+    elif case == "sample_rate":
+        soundfile.write(str(tmp_path / "sr.wav"), np.zeros(8000, dtype=np.float32), 16000)
+        line["audio"] = "sr.wav"
+    elif case == "too_short":
+        soundfile.write(str(tmp_path / "short.wav"), np.zeros(100, dtype=np.float32), SAMPLE_RATE)
+        line["audio"] = "short.wav"
+    elif case == "outside":
+        line["video"] = "../ok.mp4"
+    elif case == "not_json":
+        line = '{"video": "ok.mp4", "question": '
+    elif case == "unknown_field":
+        line["lable"] = "x"
+    elif case == "no_media":
+        del line["video"], line["audio"]
+    elif case == "no_answer":
+        del line["answer"]
+    elif case == "answer_not_an_option":
+        line |= {"choices": ["red", "blue"], "answer": "green"}
+    path = _write(tmp_path, GOOD, line, "# a comment", "")
+    with caplog.at_level(logging.WARNING):
+        report = load_question_file(path, "train", TINY)
+    assert len(report.keys) == 1 and [n for n, _ in report.skipped] == [2]
+    assert reason in report.skipped[0][1], report.skipped
+    assert reason in caplog.text  # the skipped line is logged with its reason
+    with pytest.raises(PromptFileError, match="no usable train question.*1 lines skipped"):
+        load_prompts(str(_write(tmp_path, line)), "train", TINY)
+
+
+def test_a_file_of_only_bad_lines_and_a_missing_split_are_errors(tmp_path: Path) -> None:
+    _clip_files(tmp_path)
+    path = _write(tmp_path, GOOD | {"video": "a.mp4"}, GOOD | {"video": "b.mp4"})
+    with pytest.raises(QuestionFileError, match=r"2 lines skipped: .*a\.mp4 does not exist \(1x\)"):
+        load_question_file(path, "train", TINY)
+    with pytest.raises(QuestionFileError, match='mark held-out lines with "split": "heldout"'):
+        load_question_file(_write(tmp_path, GOOD), "heldout", TINY)
+    with pytest.raises(PromptFileError, match="needs the run's clip format"):
+        load_prompts(str(path))
+
+
+def test_a_multiple_choice_answer_is_read_without_guessing() -> None:
+    choices = ("red", "blue", "green")
+    assert chosen_letter("B", choices) == "B" and chosen_letter("(c).", choices) == "C"
+    assert chosen_letter("The answer is b", choices) == "B" and chosen_letter("option A", choices) == "A"
+    assert chosen_letter("it is blue", choices) == "B"
+    assert chosen_letter("a red circle", ("circle", "square")) == "A"  # the option's text, not "a"
+    assert chosen_letter("a red thing", choices) == "A"  # "red" names option A; the article does not
+    assert chosen_letter("red or blue", choices) is None and chosen_letter("d", choices) is None
+    assert chosen_letter("x " * 100_000, choices) is None  # linear, however long
+    q = AskedQuestion("which colour", "B", "all", choices=choices)
+    assert is_right("blue", q) == 1.0 and is_right("b", q) == 1.0 and is_right("red", q) == 0.0
+
+
+def test_the_answer_rewards_grade_by_the_key_and_refuse_what_they_cannot_grade() -> None:
+    from omni_diffusion_rl.registry import rewards
+
+    exact, letter = rewards.get("answer_exact")(), rewards.get("choice_letter")()
+    mc = FileQuestion("which colour", audio="/x.wav", answer="blue", choices=("red", "blue")).key()
+    open_q = FileQuestion("what barks", audio="/x.wav", answer="a dog").key()
+    rubric = FileQuestion("describe it", audio="/x.wav", rubric="mentions the dog").key()
+    tiny = "color | a red circle with a low tone at the start"
+
+    def media(*texts: str) -> MediaBatch:
+        return MediaBatch(audio=torch.zeros(len(texts), 1, 8), text=list(texts))
+
+    assert exact.score(media("Blue.", "B", "A dog!", "red"), [mc, mc, open_q, tiny]).tolist() == [1, 0, 1, 1]
+    assert letter.score(media("the answer is b", "red"), [mc, mc]).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="no answer \\(a rubric line\\)"):
+        exact.score(media("x"), [rubric])
+    with pytest.raises(ValueError, match="lists no choices"):
+        letter.score(media("x"), [open_q])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        exact.score(media("x"), ["{oops"])
+
+
+def test_a_served_answer_reward_grades_question_file_keys() -> None:
+    """The reward server contract carries the key and the answer text; a served grader (here
+    answer_exact, in its own process on loopback) scores them as the local one does."""
+    from omni_diffusion_rl.serving.client import RemoteReward
+    from omni_diffusion_rl.serving.process import ServerProcess
+
+    from .helpers import ENV
+
+    key = FileQuestion("which colour", audio="/clips/a.wav", answer="blue", choices=("red", "blue")).key()
+    with ServerProcess(["answer_exact"], env=ENV, cwd=REPO) as server:
+        client = RemoteReward(server.url, "answer_exact")
+        scored = client.score(MediaBatch(audio=torch.zeros(3, 1, 8), text=["blue", "B", "red"]), [key] * 3)
+        client.close()
+    assert scored.scores.tolist() == [1.0, 0.0, 0.0]  # exact: the letter of a text answer is not it
+
+
+def _file_gspo(run: Path, steps: int, *extra: str) -> list[str]:
+    from .test_gspo_loop import gspo_overrides
+
+    questions = str(SHIPPED / QUESTION_FILE)
+    return [
+        *gspo_overrides("builtin-omni", run, steps),
+        f"data.prompts={questions}",
+        f"data.eval_prompts={questions}",
+        "data.eval_samples=20",
+        "reward.weights={answer_exact: 1.0}",
+        *extra,
+    ]
+
+
+def test_gspo_trains_on_the_shipped_question_file_and_accounts_for_every_sample(tmp_path: Path) -> None:
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    run = tmp_path / "run"
+    summary = Trainer(load_config(None, _file_gspo(run, 2, "train.checkpoint_every=1"))).fit()
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["gspo/logp_gap"] < 1e-4 for r in rows)
+    assert summary["samples"] == {
+        "generated": 16,
+        "trained": 16,
+        "dropped/reward_failed": 0,
+        "dropped/group_too_small": 0,
+    }
+    accuracy = summary["heldout_accuracy_after"]
+    assert {"greedy", "greedy/color", "greedy/describe", "sampled/when"} <= set(accuracy)
+    assert 0 < accuracy["greedy"] < 1  # the shipped base answers part of the files' questions
+    assert set(summary["components_after"]) == {"answer_exact"}
+
+
+def test_a_clip_format_the_model_does_not_read_is_refused(tmp_path: Path) -> None:
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    overrides = _file_gspo(tmp_path / "run", 1, "data.clip_fps=4")
+    with pytest.raises(ConfigError, match="reads clips at 8 fps, 8000 Hz, 0.5 s"):
+        Trainer(load_config(None, overrides))
+
+
+def test_the_files_recipe_checks_ready_and_names_a_missing_question_file(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.chdir(REPO)
+    recipe = ["train", "recipes/configs/tiny_avqa_files_gspo.yaml", f"train.output_dir={tmp_path}", "--check"]
+    assert main(recipe) == 0, capsys.readouterr().out
+    assert "questions.jsonl: 60 prompts" in capsys.readouterr().out
+    assert main([*recipe, f"data.prompts={tmp_path / 'mine.jsonl'}"]) == 1
+    assert "mine.jsonl does not exist" in capsys.readouterr().out
