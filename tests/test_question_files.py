@@ -82,6 +82,7 @@ GOOD = {"video": "ok.mp4", "audio": "ok.wav", "question": "which shape is shown"
         ("stereo", "has 2 channels; the run reads 1"),
         ("sample_rate", "is at 16000 Hz; the run reads 8000 Hz"),
         ("too_short", "is too short"),
+        ("short_video", "is too short: 1 of the 4 frames"),
         ("outside", "must be relative to the question file's folder"),
         ("not_json", "not a JSON object"),
         ("unknown_field", "unknown fields ['lable']"),
@@ -115,6 +116,9 @@ def test_each_bad_line_is_skipped_with_its_reason(
     elif case == "too_short":
         soundfile.write(str(tmp_path / "short.wav"), np.zeros(100, dtype=np.float32), SAMPLE_RATE)
         line["audio"] = "short.wav"
+    elif case == "short_video":
+        write_mp4(tmp_path / "still.mp4", example_clips(1, 0)[0].video[:1], FPS)
+        line["video"] = "still.mp4"
     elif case == "outside":
         line["video"] = "../ok.mp4"
     elif case == "not_json":

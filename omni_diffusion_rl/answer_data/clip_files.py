@@ -28,7 +28,7 @@ AUDIO_TOLERANCE = 2 / 32768
 """Largest per-sample difference of a waveform written by `write_wav` and decoded back."""
 MAX_CLIP_SECONDS = 600.0
 MAX_FRAME_PIXELS = 4096 * 4096
-DECODED_CACHE = 512  # decoded files kept in memory (per process)
+DECODED_CACHE = 64  # decoded files kept in memory (per process; a real clip can take megabytes)
 
 
 class ClipFileError(ValueError):
@@ -90,11 +90,13 @@ def _decode_video(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
             if not container.streams.video:
                 raise ClipFileError(f"{path} has no video stream")
             stream = container.streams.video[0]
-            last_time = -math.inf
+            frame_s = 1 / float(stream.average_rate) if stream.average_rate else 0.0
+            last_time, shown_until = -math.inf, -math.inf
             for frame in container.decode(stream):
                 if frame.width * frame.height > MAX_FRAME_PIXELS:
                     raise ClipFileError(f"{path}: frames of {frame.width}x{frame.height} are too large")
                 time = float(frame.time) if frame.time is not None else last_time + 1 / clip.fps
+                shown_until = max(shown_until, time + frame_s)
                 if time > wanted[-1] and picked[-1] is not None:
                     break
                 image = frame.to_ndarray(format="rgb24")
@@ -108,8 +110,8 @@ def _decode_video(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
         raise ClipFileError(f"{path} cannot be decoded as video ({type(e).__name__}: {e})") from e
     if picked[0] is None:
         raise ClipFileError(f"{path} has no video frames (zero length)")
-    if any(p is None for p in picked):
-        shown = sum(p is not None for p in picked)
+    if any(p is None for p in picked) or shown_until <= wanted[-1] + 1e-6:
+        shown = sum(p is not None and t < shown_until for p, t in zip(picked, wanted, strict=True))
         raise ClipFileError(
             f"{path} is too short: {shown} of the {clip.frames} frames of a {clip.seconds:g} s clip at "
             f"{clip.fps:g} fps"

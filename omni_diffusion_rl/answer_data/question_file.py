@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from tqdm import tqdm
+
 from .clip_files import ClipFileError, ClipFormat
 from .questions import FileQuestion, checked_fields, reference_letter
 
@@ -36,6 +38,7 @@ MAX_FILE_BYTES = 64 << 20
 MAX_LINE_CHARS = 64 << 10
 MAX_LINES = 1_000_000
 SHOWN_REASONS = 5
+PROGRESS_FROM = 500  # lines: a progress bar while a larger file's clips are decoded
 
 
 class QuestionFileError(ValueError):
@@ -78,7 +81,9 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
     except UnicodeDecodeError as e:
         raise QuestionFileError(f"question file {path} is not UTF-8 (byte {e.start}: {e.reason})") from e
     report = QuestionFileReport(path, split)
-    for number, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    shown = tqdm(lines, desc=f"decoding {path.name}", unit="line", disable=len(lines) < PROGRESS_FROM)
+    for number, line in enumerate(shown, start=1):
         if number > MAX_LINES:
             raise QuestionFileError(f"question file {path} has over {MAX_LINES} lines; split it")
         if not line.strip() or line.lstrip().startswith("#"):
