@@ -256,3 +256,23 @@ def test_the_files_recipe_checks_ready_and_names_a_missing_question_file(
     assert "questions.jsonl: 60 prompts" in capsys.readouterr().out
     assert main([*recipe, f"data.prompts={tmp_path / 'mine.jsonl'}"]) == 1
     assert "mine.jsonl does not exist" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # starts launcher processes
+def test_gspo_on_the_question_file_runs_separate_with_every_sample_accounted(tmp_path: Path) -> None:
+    """The rollout process decodes the files itself; answers and their clips reach the trainer
+    through the replay buffer, and every answer made is trained."""
+    from .helpers import last_json_line
+    from .test_separate import _launch
+
+    run = tmp_path / "run"
+    overrides = [
+        *_file_gspo(run, 3, "train.eval_at_start_and_end=false"),
+        "execution.mode=separate",
+        "execution.data_timeout_s=60",
+    ]
+    proc = _launch(overrides, 29677)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    buffer = last_json_line(proc.stdout)["execution"]["buffer"]
+    assert buffer["trained"] == 3 * 2 * 4, buffer
+    assert [r["step"] for r in step_records(run)] == [1, 2, 3]
