@@ -962,8 +962,17 @@ def _add_serve_teacher(sub: Subcommands) -> None:
 
 
 def cmd_avqa_files(args: argparse.Namespace) -> int:
+    from .world.avqa import split_scenes
     from .world.avqa_files import write_example_set
 
+    for split, count in (("train", args.train_clips), ("heldout", args.heldout_clips)):
+        scenes = len(split_scenes(heldout=split == "heldout"))
+        if count > scenes:
+            print(
+                f"odrl avqa-files: --{split}-clips {count}: the {split} split has {scenes} scenes",
+                file=sys.stderr,
+            )
+            return 2
     path = write_example_set(args.output, args.train_clips, args.heldout_clips, args.seed)
     print(json.dumps({"question_file": str(path), "clips": args.train_clips + args.heldout_clips}))
     return 0
@@ -976,8 +985,8 @@ def _add_avqa_files(sub: Subcommands) -> None:
         help="write tiny-world clips as MP4 + WAV files and a question file about them (an example set)",
     )
     files.add_argument("--output", required=True, help="folder for questions.jsonl and clips/")
-    files.add_argument("--train-clips", type=_positive_int, default=12)
-    files.add_argument("--heldout-clips", type=_positive_int, default=4)
+    files.add_argument("--train-clips", type=_positive_int, default=12, help="clips of training scenes (12)")
+    files.add_argument("--heldout-clips", type=_positive_int, default=4, help="clips of held-out scenes (4)")
     files.add_argument("--seed", type=int, default=0)
     files.set_defaults(func=cmd_avqa_files)
 

@@ -121,6 +121,7 @@ def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding
 
 
 def check_prompts(cfg: ExperimentConfig) -> list[Finding]:
+    from .answer_data.question_file import QuestionFileError, is_question_file, load_question_file
     from .prompts import PromptFileError, clip_format_of, load_prompts
 
     findings = []
@@ -129,8 +130,14 @@ def check_prompts(cfg: ExperimentConfig) -> list[Finding]:
         ("data.eval_prompts", cfg.data.eval_prompts, 1, "heldout"),
     ):
         try:
-            count = len(load_prompts(source, split, clip_format_of(cfg.data)))
-        except PromptFileError as e:
+            if is_question_file(source):
+                report = load_question_file(source, split, clip_format_of(cfg.data))
+                count = len(report.keys)
+                if report.skipped:
+                    findings.append(Finding(NOTE, key, report.summary()))
+            else:
+                count = len(load_prompts(source, split, clip_format_of(cfg.data)))
+        except (PromptFileError, QuestionFileError) as e:
             findings.append(Finding(MISSING, key, str(e)))
             continue
         status = OK if count >= least else MISSING

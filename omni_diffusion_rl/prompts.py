@@ -5,10 +5,11 @@ its lines' keys)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .answer_data.clip_files import ClipFormat
 from .answer_data.question_file import QuestionFileError, is_question_file, load_question_file
+from .config import ConfigError
 from .world import avqa, tiny_world
 
 if TYPE_CHECKING:
@@ -76,6 +77,41 @@ def load_prompts(source: str, split: str = "train", clip: ClipFormat | None = No
     prompts = [
         line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
     ]
+    keyed = next((i for i, p in enumerate(prompts, 1) if p.startswith("{")), None)
+    if keyed is not None:
+        raise PromptFileError(
+            f"prompt file {path}: prompt {keyed} starts with '{{', which names a question file's line; put "
+            "questions about clips in a question file (.jsonl), or start the prompt with another character"
+        )
     if not prompts:
         raise PromptFileError(f"prompt file {path} has no prompts: write one prompt per line")
     return prompts
+
+
+def _question_files(data: DataConfig) -> list[str]:
+    return [source for source in (data.prompts, data.eval_prompts) if is_question_file(source)]
+
+
+def refuse_question_files(data: DataConfig) -> None:
+    """A generator's run names no question file: its prompts would be the questions' keys."""
+    named = _question_files(data)
+    if named:
+        raise ConfigError(
+            f"data.prompts / data.eval_prompts name the question file {named[0]}: question files are for "
+            "answering models (algorithm.name=gspo); a generator takes a text file of prompts"
+        )
+
+
+def check_clip_format(data: DataConfig, family: str, policy: Any) -> None:
+    """A run that reads question files decodes their clips at data.clip_*: refused unless that is the
+    format the model reads (its `clip_format`)."""
+    if not _question_files(data):
+        return
+    ours, theirs = clip_format_of(data), policy.model.clip_format
+    if ours != theirs:
+        raise ConfigError(
+            f"data.clip_fps={ours.fps:g}, clip_sample_rate={ours.sample_rate}, "
+            f"clip_seconds={ours.seconds:g}, clip_channels={ours.channels}: model.family="
+            f"{family} reads clips at {theirs.fps:g} fps, {theirs.sample_rate} Hz, "
+            f"{theirs.seconds:g} s, {theirs.channels} channel(s); set data.clip_* to those"
+        )

@@ -84,7 +84,18 @@ GOOD = {"video": "ok.mp4", "audio": "ok.wav", "question": "which shape is shown"
         ("too_short", "is too short"),
         ("short_video", "is too short: 1 of the 4 frames"),
         ("outside", "must be relative to the question file's folder"),
-        ("not_json", "not a JSON object"),
+        ("not_json", "is not valid JSON"),
+        ("nested", "nested 3001 deep"),
+        ("backslash_root", "stay inside it"),
+        ("link_out", "stay inside it"),
+        ("no_video_stream", "has no video stream"),
+        ("empty_wav", "has no samples"),
+        ("missing_audio", "nowhere.wav does not exist"),
+        ("loud_wav", "outside [-1, 1]"),
+        ("same_choices", "each must differ"),
+        ("letter_choice", "may not be a single letter"),
+        ("no_letters", "has no letter or digit"),
+        ("long_key", "at most 16384"),
         ("unknown_field", "unknown fields ['lable']"),
         ("no_media", "neither a video nor an audio file"),
         ("no_answer", "neither an answer nor a rubric"),
@@ -123,6 +134,32 @@ def test_each_bad_line_is_skipped_with_its_reason(
         line["video"] = "../ok.mp4"
     elif case == "not_json":
         line = '{"video": "ok.mp4", "question": '
+    elif case == "nested":
+        line = '{"question": ' + "[" * 3000 + "]" * 3000 + "}"
+    elif case == "backslash_root":
+        line["video"] = "\\etc\\passwd"
+    elif case == "link_out":
+        (tmp_path / "sub").mkdir()
+        (tmp_path / "sub" / "out.mp4").symlink_to(tmp_path.parent)
+        line["video"] = "sub/out.mp4"
+    elif case == "no_video_stream":
+        line["video"] = "ok.wav"  # sound only
+    elif case == "empty_wav":
+        soundfile.write(str(tmp_path / "e.wav"), np.zeros(0, dtype=np.float32), SAMPLE_RATE)
+        line["audio"] = "e.wav"
+    elif case == "missing_audio":
+        line["audio"] = "nowhere.wav"
+    elif case == "loud_wav":
+        soundfile.write(str(tmp_path / "l.wav"), np.full(4000, 1.5, np.float32), SAMPLE_RATE, subtype="FLOAT")
+        line["audio"] = "l.wav"
+    elif case == "same_choices":
+        line |= {"choices": ["Red", "red!"], "answer": "A"}
+    elif case == "letter_choice":
+        line |= {"choices": ["cat", "a"], "answer": "cat"}
+    elif case == "no_letters":
+        line["answer"] = "?!"
+    elif case == "long_key":
+        line |= {"choices": [f"{i} " + "x" * 1900 for i in range(10)], "answer": "A"}
     elif case == "unknown_field":
         line["lable"] = "x"
     elif case == "no_media":
@@ -152,13 +189,65 @@ def test_a_file_of_only_bad_lines_and_a_missing_split_are_errors(tmp_path: Path)
         load_prompts(str(path))
 
 
+def test_a_video_whose_stream_starts_late_and_unicode_answers_are_read_right(tmp_path: Path) -> None:
+    import av
+
+    clip = example_clips(1, 0)[0]
+    rgb = (clip.video * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+    with av.open(str(tmp_path / "late.mp4"), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width = stream.height = 16
+        stream.pix_fmt, stream.options = "yuv444p", {"crf": "0"}
+        for i, image in enumerate(rgb):
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame.pts = i + 3  # the stream's first frame at 3/8 s
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    video = decode_video(tmp_path / "late.mp4", TINY)
+    assert (video - clip.video).abs().max() <= VIDEO_TOLERANCE
+    cat = AskedQuestion("which animal", "猫", "all")
+    assert is_right("猫", cat) == 1.0 and is_right("狗", cat) == 0.0 and is_right("", cat) == 0.0
+    assert is_right("ＣＡＴ", AskedQuestion("q", "cat", "all")) == 1.0  # NFKC: full-width letters
+
+
+def test_a_valid_line_holding_a_line_separator_stays_one_line(tmp_path: Path) -> None:
+    _clip_files(tmp_path)
+    path = tmp_path / "q.jsonl"
+    path.write_text(
+        json.dumps(GOOD | {"question": "which\u2028shape"}, ensure_ascii=False) + "\n" + json.dumps(GOOD)
+    )
+    report = load_question_file(path, "train", TINY)
+    assert len(report.keys) == 2 and not report.skipped
+
+
+def test_a_text_prompt_file_cannot_smuggle_a_key_and_a_generator_refuses_question_files(
+    tmp_path: Path,
+) -> None:
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    (tmp_path / "p.txt").write_text('a red circle\n{"question": "q", "audio": "/etc/x.wav", "answer": "a"}\n')
+    with pytest.raises(PromptFileError, match="prompt 2 starts with"):
+        load_prompts(str(tmp_path / "p.txt"))
+    overrides = [
+        f"data.prompts={SHIPPED / QUESTION_FILE}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "eval.metrics=[]",
+    ]
+    with pytest.raises(ConfigError, match="question files are for answering models"):
+        Trainer(load_config(None, [*overrides, "train.steps=1"]))
+
+
 def test_a_multiple_choice_answer_is_read_without_guessing() -> None:
     choices = ("red", "blue", "green")
+    assert chosen_letter("the answer is a dog", ("cat", "dog")) == "B"  # "a" is an article here
+    assert chosen_letter("option A is wrong, the answer is B", choices) == "B"
+    assert chosen_letter("dark red", ("red", "dark red")) == "B"
+    assert chosen_letter("it is dark red", ("red", "dark red")) == "B"
+    assert chosen_letter("red, so the answer is B", choices) is None  # a letter and an option disagree
     assert chosen_letter("B", choices) == "B" and chosen_letter("(c).", choices) == "C"
     assert chosen_letter("The answer is b", choices) == "B" and chosen_letter("option A", choices) == "A"
     assert chosen_letter("it is blue", choices) == "B"
-    assert chosen_letter("a red circle", ("circle", "square")) == "A"  # the option's text, not "a"
-    assert chosen_letter("a red thing", choices) == "A"  # "red" names option A; the article does not
+    assert chosen_letter("a square shape", ("circle", "square")) == "B"  # the option's text, not "a"
     assert chosen_letter("red or blue", choices) is None and chosen_letter("d", choices) is None
     assert chosen_letter("x " * 100_000, choices) is None  # linear, however long
     q = AskedQuestion("which colour", "B", "all", choices=choices)

@@ -13,9 +13,9 @@ of samples to 16 bits (`VIDEO_TOLERANCE`, `AUDIO_TOLERANCE`, tested on the shipp
 
 from __future__ import annotations
 
-import functools
 import math
-import os
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,8 @@ AUDIO_TOLERANCE = 2 / 32768
 """Largest per-sample difference of a waveform written by `write_wav` and decoded back."""
 MAX_CLIP_SECONDS = 600.0
 MAX_FRAME_PIXELS = 4096 * 4096
-DECODED_CACHE = 64  # decoded files kept in memory (per process; a real clip can take megabytes)
+MAX_CLIP_BYTES = 256 << 20  # decoded frames of one clip (uint8), and its samples (float32)
+CACHE_BYTES = 512 << 20  # decoded clips kept in memory per process, least recently used dropped first
 
 
 class ClipFileError(ValueError):
@@ -72,15 +73,50 @@ def _checked_file(path: Path) -> None:
         raise ClipFileError(f"{path} is empty (zero length)")
 
 
+def _identity(path: Path) -> tuple[int, ...]:
+    """What tells a file's versions apart for the cache: device, inode, size and both times."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class _DecodedClips:
+    """Decoded media by (kind, path, file identity, format), bounded by bytes (least recently used
+    dropped first): a question file's clips are decoded once while they fit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.items: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def get(self, key: tuple, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        value = decode()
+        size = value.numel() * value.element_size()
+        if size <= self.limit:
+            self.items[key] = value
+            self.used += size
+            while self.used > self.limit:
+                _, dropped = self.items.popitem(last=False)
+                self.used -= dropped.numel() * dropped.element_size()
+        return value
+
+
+_CACHE = _DecodedClips(CACHE_BYTES)
+
+
 def decode_video(path: str | Path, clip: ClipFormat) -> torch.Tensor:
     """The clip's frames [F, 3, H, W] in [0, 1] (F = clip.frames) from a video file, via PyAV."""
     path = Path(path)
     _checked_file(path)
-    return _decode_video(str(path), os.stat(path).st_mtime_ns, clip).clone()
+    key = ("video", str(path), _identity(path), clip)
+    frames = _CACHE.get(key, lambda: _decode_video(str(path), clip))
+    return frames.float() / 255.0
 
 
-@functools.lru_cache(maxsize=DECODED_CACHE)
-def _decode_video(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
+def _decode_video(path: str, clip: ClipFormat) -> torch.Tensor:
+    """uint8 frames [F, 3, H, W]: for each time k / fps from the stream's first frame, the last frame
+    shown at or before it."""
     import av
 
     wanted = [k / clip.fps for k in range(clip.frames)]
@@ -90,12 +126,20 @@ def _decode_video(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
             if not container.streams.video:
                 raise ClipFileError(f"{path} has no video stream")
             stream = container.streams.video[0]
-            frame_s = 1 / float(stream.average_rate) if stream.average_rate else 0.0
-            last_time, shown_until = -math.inf, -math.inf
-            for frame in container.decode(stream):
+            frame_s = 1 / float(stream.average_rate) if stream.average_rate else 1 / clip.fps
+            first: float | None = None
+            shown_until = -math.inf
+            for index, frame in enumerate(container.decode(stream)):
                 if frame.width * frame.height > MAX_FRAME_PIXELS:
                     raise ClipFileError(f"{path}: frames of {frame.width}x{frame.height} are too large")
-                time = float(frame.time) if frame.time is not None else last_time + 1 / clip.fps
+                if clip.frames * frame.width * frame.height * 3 > MAX_CLIP_BYTES:
+                    raise ClipFileError(
+                        f"{path}: {clip.frames} frames of {frame.width}x{frame.height} are over "
+                        f"{MAX_CLIP_BYTES >> 20} MiB; lower data.clip_fps or clip_seconds, or downscale it"
+                    )
+                stamp = float(frame.time) if frame.time is not None else index * frame_s
+                first = stamp if first is None else first
+                time = stamp - first  # a stream may start after the container's time 0
                 shown_until = max(shown_until, time + frame_s)
                 if time > wanted[-1] and picked[-1] is not None:
                     break
@@ -103,7 +147,6 @@ def _decode_video(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
                 for k, t in enumerate(wanted):
                     if time <= t + 1e-6:  # the last frame shown at or before t
                         picked[k] = image
-                last_time = time
     except ClipFileError:
         raise
     except (av.error.FFmpegError, ValueError, OSError) as e:
@@ -116,21 +159,24 @@ def _decode_video(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
             f"{path} is too short: {shown} of the {clip.frames} frames of a {clip.seconds:g} s clip at "
             f"{clip.fps:g} fps"
         )
-    frames = np.stack(picked)  # type: ignore[arg-type]
-    return torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255.0
+    return torch.from_numpy(np.stack(picked)).permute(0, 3, 1, 2).contiguous()  # type: ignore[arg-type]
 
 
 def decode_audio(path: str | Path, clip: ClipFormat) -> torch.Tensor:
     """The clip's first `clip.samples` samples [C, S] in [-1, 1] from a sound file, via soundfile."""
     path = Path(path)
     _checked_file(path)
-    return _decode_audio(str(path), os.stat(path).st_mtime_ns, clip).clone()
+    key = ("audio", str(path), _identity(path), clip)
+    return _CACHE.get(key, lambda: _decode_audio(str(path), clip)).clone()
 
 
-@functools.lru_cache(maxsize=DECODED_CACHE)
-def _decode_audio(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
+def _decode_audio(path: str, clip: ClipFormat) -> torch.Tensor:
     import soundfile
 
+    if clip.samples * clip.channels * 4 > MAX_CLIP_BYTES:
+        raise ClipFileError(
+            f"{clip.samples} samples of {clip.channels} channels are over {MAX_CLIP_BYTES >> 20} MiB"
+        )
     try:
         with soundfile.SoundFile(path) as f:
             if f.samplerate != clip.sample_rate:
@@ -154,6 +200,11 @@ def _decode_audio(path: str, mtime_ns: int, clip: ClipFormat) -> torch.Tensor:
             f"{path} is too short: {len(data)} samples of the {clip.samples} of a {clip.seconds:g} s clip "
             f"at {clip.sample_rate} Hz"
         )
+    if not np.isfinite(data).all():
+        raise ClipFileError(f"{path} has samples that are not finite numbers (NaN or infinity)")
+    peak = float(np.abs(data).max())
+    if peak > 1.0:
+        raise ClipFileError(f"{path} has samples outside [-1, 1] (peak {peak:.3g}); normalise it")
     return torch.from_numpy(np.ascontiguousarray(data.T))
 
 

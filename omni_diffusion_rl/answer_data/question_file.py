@@ -19,7 +19,6 @@ left with no usable line is an error that lists the reasons.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from tqdm import tqdm
 
 from .clip_files import ClipFileError, ClipFormat
-from .questions import FileQuestion, checked_fields, reference_letter
+from .questions import MAX_KEY_CHARS, FileQuestion, checked_fields, parse_json_object, reference_letter
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +37,7 @@ MAX_FILE_BYTES = 64 << 20
 MAX_LINE_CHARS = 64 << 10
 MAX_LINES = 1_000_000
 SHOWN_REASONS = 5
+MAX_CATEGORIES = 64
 PROGRESS_FROM = 500  # lines: a progress bar while a larger file's clips are decoded
 
 
@@ -54,6 +54,7 @@ class QuestionFileReport:
     keys: list[str] = field(default_factory=list)
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
     other_split: int = 0
+    categories: set[str] = field(default_factory=set)
 
     def summary(self) -> str:
         head = f"{self.path} ({self.split}): {len(self.keys)} questions, {len(self.skipped)} lines skipped"
@@ -81,7 +82,7 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
     except UnicodeDecodeError as e:
         raise QuestionFileError(f"question file {path} is not UTF-8 (byte {e.start}: {e.reason})") from e
     report = QuestionFileReport(path, split)
-    lines = text.splitlines()
+    lines = [line.removesuffix("\r") for line in text.split("\n")]  # JSON strings may hold U+2028
     shown = tqdm(lines, desc=f"decoding {path.name}", unit="line", disable=len(lines) < PROGRESS_FROM)
     for number, line in enumerate(shown, start=1):
         if number > MAX_LINES:
@@ -98,6 +99,12 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
             report.skipped.append((number, str(e)))
             continue
         report.keys.append(question.key())
+        report.categories.add(question.category)
+        if len(report.categories) > MAX_CATEGORIES:
+            raise QuestionFileError(
+                f"question file {path} names over {MAX_CATEGORIES} categories (line {number}); a category "
+                "groups held-out accuracy, so use a few"
+            )
     if report.skipped:
         logger.warning(report.summary())
     if not report.keys:
@@ -114,10 +121,7 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
 def _parse_line(line: str, folder: Path) -> tuple[FileQuestion, str]:
     if len(line) > MAX_LINE_CHARS:
         raise ValueError(f"the line has {len(line)} characters; at most {MAX_LINE_CHARS}")
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not a JSON object ({e.msg} at column {e.colno})") from e
+    raw = parse_json_object(line)
     if isinstance(raw, dict):
         split = raw.pop("split", "train")
         raw.pop("id", None)
@@ -136,14 +140,28 @@ def _parse_line(line: str, folder: Path) -> tuple[FileQuestion, str]:
     question = FileQuestion(**fields)  # type: ignore[arg-type]
     if question.choices and question.answer is not None:
         reference_letter(question)  # an answer that is no option is refused here
+    if len(question.key()) > MAX_KEY_CHARS:
+        raise ValueError(f"the line's fields take {len(question.key())} characters; at most {MAX_KEY_CHARS}")
     return question, split
 
 
 def _inside(folder: Path, relative: str) -> Path:
-    """A media path under the question file's folder; absolute paths and `..` are refused."""
-    parts = PurePosixPath(relative.replace("\\", "/")).parts
-    if not parts or PurePosixPath(relative).is_absolute() or ".." in parts or relative.startswith("~"):
+    """A media path under the question file's folder: absolute paths, drives, `..` and links that
+    lead outside the folder are refused."""
+    posix = PurePosixPath(relative.replace("\\", "/"))
+    outside = (
+        not posix.parts
+        or posix.is_absolute()
+        or ".." in posix.parts
+        or relative.startswith("~")
+        or ":" in posix.parts[0]  # a Windows drive (C:) or a URL scheme
+    )
+    if not outside:
+        path = (folder / Path(*posix.parts)).absolute()
+        outside = not path.resolve().is_relative_to(folder.resolve())
+    if outside:
         raise ValueError(
-            f"media path {relative!r} must be relative to the question file's folder, without '..'"
+            f"media path {relative!r} must be relative to the question file's folder and stay inside it "
+            "(no absolute path, no '..', no link leading out)"
         )
-    return (folder / Path(*parts)).absolute()
+    return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import string
+import unicodedata
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from .clip_files import ClipFormat, decode_audio, decode_video
 MAX_KEY_CHARS = 16384
 MAX_TEXT_CHARS = 2000
 MAX_CHOICES = 26
+MAX_NESTING = 4
 LETTERS = string.ascii_uppercase
 
 
@@ -63,11 +65,7 @@ class FileQuestion:
             raise ValueError(f"{_shown(key)} is not a question-file key (a JSON object)")
         if len(key) > MAX_KEY_CHARS:
             raise ValueError(f"a question-file key of {len(key)} characters is over {MAX_KEY_CHARS}")
-        try:
-            raw = json.loads(key)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{_shown(key)} is not valid JSON ({e.msg})") from e
-        return cls(**checked_fields(raw, cls.__dataclass_fields__))
+        return cls(**checked_fields(parse_json_object(key), cls.__dataclass_fields__))
 
     def asked(self, clip: ClipFormat) -> AskedQuestion:
         """The question with its clip decoded at `clip`'s format."""
@@ -96,6 +94,15 @@ def checked_fields(raw: object, allowed: object) -> dict[str, object]:
             if not 2 <= len(value) <= MAX_CHOICES:
                 raise ValueError(f"choices lists {len(value)} options; give 2 to {MAX_CHOICES}")
             out[name] = tuple(_bounded(c, "a choice") for c in value)
+            texts = [normalise_answer(c) for c in value]
+            if not all(texts) or len(set(texts)) < len(texts):
+                raise ValueError(
+                    f"choices {value[:MAX_CHOICES]}: each must differ from the others in letters or digits"
+                )
+            if any(len(t) == 1 and t.upper() in LETTERS for t in texts):
+                raise ValueError(
+                    f"choices {value}: an option may not be a single letter (it reads as an option's letter)"
+                )
         elif value is None and name in ("video", "audio", "answer", "rubric"):
             out[name] = None
         elif not isinstance(value, str):
@@ -104,6 +111,8 @@ def checked_fields(raw: object, allowed: object) -> dict[str, object]:
             out[name] = _bounded(value, name)
     if not str(out.get("question", "")).strip():
         raise ValueError("the question is missing or empty")
+    if out.get("answer") is not None and not normalise_answer(str(out["answer"])):
+        raise ValueError(f"the answer {out['answer']!r} has no letter or digit to grade by")
     return out
 
 
@@ -122,36 +131,67 @@ def is_file_key(prompt: str) -> bool:
     return prompt.startswith("{")
 
 
-_KEPT = frozenset(string.ascii_lowercase + string.digits)
+def parse_json_object(text: str) -> object:
+    """JSON of bounded nesting (MAX_NESTING): a deeper text is refused before it is parsed."""
+    depth = deepest = 0
+    quoted = escaped = False
+    for c in text:  # one pass: brackets outside strings
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            quoted = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    if deepest > MAX_NESTING:
+        raise ValueError(f"JSON nested {deepest} deep; a question is a flat object")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_shown(text)} is not valid JSON ({e.msg} at column {e.colno})") from e
 
 
 def normalise_answer(text: str) -> str:
-    """Lower case, single spaces, no punctuation: what exact match compares (a-z and 0-9 kept, every
-    other character a space). Linear in the text's length."""
-    return " ".join("".join(c if c in _KEPT else " " for c in text.lower()).split())
+    """What exact match compares: Unicode-normalised (NFKC) and case-folded, letters and digits of
+    any script kept, every other character a space, single spaces. Linear in the text's length."""
+    folded = unicodedata.normalize("NFKC", text).casefold()
+    return " ".join("".join(c if c.isalnum() else " " for c in folded).split())
+
+
+CUES = ("answer", "option")
 
 
 def chosen_letter(answer: str, choices: tuple[str, ...]) -> str | None:
-    """The option an answer picks, as its letter (A, B, ...), or None when it picks none or several.
+    """The option an answer picks, as its letter (A, B, ...), or None when it picks none, several,
+    or reads two ways.
 
-    Accepted: the letter alone ("B", "(b)", "B."), the letter after "answer", "answer is", "option"
-    or "option is" ("the answer is B"), or the text of exactly one option ("blue"). One pass over the
-    words; no regular expressions."""
-    letters = {c.lower() for c in LETTERS[: len(choices)]}
-    words = normalise_answer(answer).split(" ")
+    Read, in this order: the answer is exactly one option's text ("dark red"); the answer is a letter
+    alone ("B", "(b)", "B."); the answer ends with a letter after "answer", "answer is", "option" or
+    "option is" ("the answer is B"); the answer names one option's text ("it is blue"; of nested
+    options the longest, "dark red" over "red"). A letter and a named option that disagree give
+    None. Linear in the answer's length; no regular expressions."""
+    said = normalise_answer(answer)
+    texts = [normalise_answer(c) for c in choices]
+    if said in texts:
+        return LETTERS[texts.index(said)]
+    letters = [c.lower() for c in LETTERS[: len(choices)]]
+    words = said.split(" ")
     if len(words) == 1 and words[0] in letters:
         return words[0].upper()
-    for i, word in enumerate(words[:-1]):
-        after = words[i + 2] if words[i + 1] == "is" and i + 2 < len(words) else words[i + 1]
-        if word in ("answer", "option") and after in letters:
-            return after.upper()
-    said = normalise_answer(answer)
-    named = [LETTERS[i] for i, c in enumerate(choices) if normalise_answer(c) and _has_phrase(said, c)]
-    return named[0] if len(named) == 1 else None
-
-
-def _has_phrase(said: str, choice: str) -> bool:
-    return f" {normalise_answer(choice)} " in f" {said} "
+    cued = None
+    if len(words) >= 2 and words[-1] in letters:
+        before = words[-3] if words[-2] == "is" and len(words) >= 3 else words[-2]
+        cued = words[-1].upper() if before in CUES else None
+    named = [i for i, t in enumerate(texts) if t and f" {t} " in f" {said} "]
+    widest = max(named, key=lambda i: len(texts[i]), default=None)
+    if widest is not None and any(f" {texts[i]} " not in f" {texts[widest]} " for i in named):
+        widest = None  # two options named that are not parts of one another
+    by_text = None if widest is None else LETTERS[widest]
+    if cued is not None and by_text is not None and cued != by_text:
+        return None
+    return cued or by_text
 
 
 def reference_letter(question: FileQuestion) -> str | None:

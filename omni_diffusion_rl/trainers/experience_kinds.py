@@ -25,6 +25,7 @@ from ..config import ConfigError, ExperimentConfig
 from ..experience.guidance import checked_guidance
 from ..experience.rollout import ExperienceMaker, score
 from ..precision import autocast_factory, resolve_mixed_precision
+from ..prompts import check_clip_format, refuse_question_files
 from ..reward import WeightedReward
 from ..runtime.sharding import Sharder
 from .algorithms import algorithm_class
@@ -98,6 +99,7 @@ class MediaExperience(ExperienceKind):
     ) -> ExperienceMaker:
         """Generation with the algorithm's rollout weights in the run's precision, guided as the
         run says; `sharder`: an in-process teacher is sharded with the training processes."""
+        refuse_question_files(cfg.data)
         s = cfg.sampling
         algorithm = algorithm_class(cfg.algorithm.name)
         cfg_scale = checked_guidance(policy, s.cfg_scale, cfg.algorithm.name, algorithm.trains_guided)
@@ -162,7 +164,7 @@ class AnswerExperience(ExperienceKind):
 
         algorithm = algorithm_class(cfg.algorithm.name)
         checked_guidance(policy, cfg.sampling.cfg_scale, cfg.algorithm.name, algorithm.trains_guided)
-        check_clip_format(cfg, policy)
+        check_clip_format(cfg.data, cfg.model.family, policy)
         a = cfg.algorithm
         precision = resolve_mixed_precision(cfg.train.mixed_precision)
         return TextExperienceMaker(  # type: ignore[return-value]
@@ -189,7 +191,7 @@ class AnswerExperience(ExperienceKind):
         output_dir: Path,
         sharded: bool,
     ) -> HeldOut:
-        check_clip_format(cfg, learner.policy)
+        check_clip_format(cfg.data, cfg.model.family, learner.policy)
         return super().held_out(cfg, learner, reward, eval_prompts, output_dir, sharded)
 
     def cost_length(self, trainer: Any, prompts: list[str], groups: int, steps: int) -> float | None:
@@ -208,24 +210,6 @@ class AnswerExperience(ExperienceKind):
             return answers
 
         return rollout
-
-
-def check_clip_format(cfg: ExperimentConfig, policy: Any) -> None:
-    """A run that reads question files decodes their clips at data.clip_*: refused unless that is the
-    format the model reads (its `clip_format`)."""
-    from ..answer_data.question_file import is_question_file
-    from ..prompts import clip_format_of
-
-    if not any(is_question_file(p) for p in (cfg.data.prompts, cfg.data.eval_prompts)):
-        return
-    ours, theirs = clip_format_of(cfg.data), policy.model.clip_format
-    if ours != theirs:
-        raise ConfigError(
-            f"data.clip_fps={ours.fps:g}, clip_sample_rate={ours.sample_rate}, "
-            f"clip_seconds={ours.seconds:g}, clip_channels={ours.channels}: model.family="
-            f"{cfg.model.family} reads clips at {theirs.fps:g} fps, {theirs.sample_rate} Hz, "
-            f"{theirs.seconds:g} s, {theirs.channels} channel(s); set data.clip_* to those"
-        )
 
 
 KINDS: dict[str, ExperienceKind] = {MEDIA: MediaExperience(), ANSWERS: AnswerExperience()}
