@@ -276,3 +276,13 @@ def test_peft_export_loads_onto_the_bare_thinker(moved: Path, model_dir: Path, t
             plain = peft_model(input_ids=ids).logits
     assert (ours - plain).abs().max() > 1e-6  # the adapter moved the model
     assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_a_bf16_base_trains_on_policy(model_dir: Path, tmp_path: Path) -> None:
+    """model.base_dtype=bf16 (a real thinker's weights) with bf16 mixed precision: the audio features
+    are made in fp32 and cast, sampling and the recompute agree."""
+    extra = ("model.base_dtype=bf16", "train.mixed_precision=bf16", "train.eval_at_start_and_end=false")
+    run = tmp_path / "run"
+    Trainer(load_config(None, overrides(model_dir, run, 1, MOVING, *extra))).fit()
+    (row,) = step_records(run)
+    assert row["gspo/logp_gap"] < 1e-2 and row["grad_norm"] > 0, row

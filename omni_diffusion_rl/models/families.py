@@ -99,12 +99,13 @@ def load_tiny_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
 def load_qwen2_5_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
     """Qwen2.5-Omni's thinker (text out) as GSPO's answering policy (models/qwen_omni.py): a folder
     or hub id with the thinker, its tokenizer and preprocessor_config.json; model.options sets the
-    clip (fps, seconds, frame_size). LoRA goes on the language model's projections only. Its held-out
-    evaluation is evaluation/avqa.py's, registered there."""
+    clip (fps, seconds, frame_size); model.base_dtype the thinker's weights. LoRA goes on the
+    language model's projections only. Its held-out evaluation is evaluation/avqa.py's, registered
+    there."""
     from .qwen_omni import QwenOmniPolicy
 
     check_family_options("qwen2_5_omni", cfg.options)
-    policy = QwenOmniPolicy.from_pretrained(cfg.pretrained, **cfg.options)
+    policy = QwenOmniPolicy.from_pretrained(cfg.pretrained, dtype=BASE_DTYPES[cfg.base_dtype], **cfg.options)
     return policy, list(policy.lora_targets)
 
 

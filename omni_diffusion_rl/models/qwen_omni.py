@@ -265,16 +265,17 @@ class QwenOmniModel(nn.Module):
     def _audio_inputs(self, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
         """input_features [B, mels, T] and feature_attention_mask [B, T] (the Qwen processor's call)."""
         sounds = [w.detach().float().mean(0).cpu().numpy() for w in waveform]
-        out = self.feature_extractor(
-            sounds,
-            sampling_rate=self.feature_extractor.sampling_rate,
-            return_attention_mask=True,
-            padding="max_length",
-            truncation=True,
-            return_tensors="pt",
-        )
+        with torch.autocast("cpu", enabled=False):  # the extractor's own torch STFT, in fp32
+            out = self.feature_extractor(
+                sounds,
+                sampling_rate=self.feature_extractor.sampling_rate,
+                return_attention_mask=True,
+                padding="max_length",
+                truncation=True,
+                return_tensors="pt",
+            )
         return {
-            "input_features": out["input_features"].to(waveform.device),
+            "input_features": out["input_features"].to(waveform.device, self.thinker.dtype),
             "feature_attention_mask": out["attention_mask"].to(waveform.device),
         }
 
@@ -439,8 +440,10 @@ class QwenOmniPolicy:
         self.lora_targets = language_model_targets(model.thinker)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **options: Any) -> QwenOmniPolicy:
-        return cls(QwenOmniModel.from_pretrained(path, **options))
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any
+    ) -> QwenOmniPolicy:
+        return cls(QwenOmniModel.from_pretrained(path, dtype, **options))
 
     def to(self, device: torch.device | str) -> QwenOmniPolicy:
         self.model.to(device)
