@@ -286,3 +286,27 @@ def test_a_bf16_base_trains_on_policy(model_dir: Path, tmp_path: Path) -> None:
     Trainer(load_config(None, overrides(model_dir, run, 1, MOVING, *extra))).fit()
     (row,) = step_records(run)
     assert row["gspo/logp_gap"] < 1e-2 and row["grad_norm"] > 0, row
+
+
+def test_a_whole_qwen_omni_folder_gives_its_thinker(model_dir: Path, tmp_path: Path) -> None:
+    """Qwen's own folders hold the whole model (config.json of model_type qwen2_5_omni with a
+    thinker_config, weights under `thinker.`; talker and token2wav besides): the thinker alone loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    whole = tmp_path / "Qwen2.5-Omni"
+    shutil.copytree(model_dir, whole)
+    thinker = json.loads((whole / "config.json").read_text())
+    config = {"model_type": "qwen2_5_omni", "thinker_config": thinker, "enable_audio_output": True}
+    (whole / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(whole / "model.safetensors"))
+    save_file({f"thinker.{k}": v for k, v in weights.items()}, str(whole / "model.safetensors"))
+    ours, _ = build_policy(model_config(model_dir))
+    theirs, _ = build_policy(model_config(whole))
+    assert theirs.model.config == ours.model.config
+    ids = torch.tensor([[5, 20, 40, 60]])
+    with torch.no_grad():
+        assert torch.equal(
+            theirs.model.thinker(input_ids=ids).logits, ours.model.thinker(input_ids=ids).logits
+        )
