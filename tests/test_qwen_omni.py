@@ -230,7 +230,9 @@ def test_gspo_resumes_equal(model_dir: Path, tmp_path: Path) -> None:
     assert a[-1]["reward/mean"] == pytest.approx(b[-1]["reward/mean"], abs=1e-6)
 
 
-def test_a_checkpoint_of_another_tokenizer_is_refused(model_dir: Path, moved: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_of_another_tokenizer_or_processor_is_refused(
+    model_dir: Path, moved: Path, tmp_path: Path
+) -> None:
     from omni_diffusion_rl.inference import load_policy
 
     run = moved
@@ -248,6 +250,16 @@ def test_a_checkpoint_of_another_tokenizer_is_refused(model_dir: Path, moved: Pa
     third = Trainer(load_config(None, overrides(swapped, tmp_path / "third", 2)))
     with pytest.raises(CheckpointError, match="another model configuration"):
         third.load(run / "checkpoints")
+    # ... and another processor: the image processor's normalisation changed
+    import json
+
+    reprocessed = tmp_path / "reprocessed"
+    shutil.copytree(model_dir, reprocessed)
+    settings = json.loads((reprocessed / "preprocessor_config.json").read_text())
+    (reprocessed / "preprocessor_config.json").write_text(json.dumps({**settings, "image_mean": [0.5] * 3}))
+    fourth = Trainer(load_config(None, overrides(reprocessed, tmp_path / "fourth", 2)))
+    with pytest.raises(CheckpointError, match="another model configuration"):
+        fourth.load(run / "checkpoints")
 
 
 def build_tokenizer_of(path: Path) -> object:
