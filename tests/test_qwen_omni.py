@@ -130,6 +130,11 @@ def test_the_family_loads_a_folder_and_checks_its_options(model_dir: Path, tmp_p
     assert again.config == policy.model.config
     video, audio = policy.model.clip_tensors(asked_pair())
     assert video.shape == (2, 4, 3, 28, 28) and audio.shape == (2, 1, 4000) and not video[1].any()
+    at_16k = AskedQuestion("what colour is the shape ?", "red", "color", None, torch.zeros(1, 8000))
+    with pytest.raises(
+        ValueError, match="a clip of 4 frames and 8000 samples: the model reads 4 frames and 4000"
+    ):
+        policy.model.clip_tensors([at_16k])
 
 
 def test_behaviour_log_probs_equal_the_recompute_and_the_thinkers_own_forward(model_dir: Path) -> None:

@@ -229,10 +229,19 @@ class QwenOmniModel(nn.Module):
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
         """Video [B, F, 3, S, S] (frames resized to frame_size, antialiased bilinear) and waveforms
-        [B, 1, samples]; a missing picture or sound is black frames or silence."""
+        [B, 1, samples]; a missing picture or sound is black frames or silence. A clip of another
+        length (frames or samples) is refused: it was made at another format."""
         clip, size = self.clip_format, (self.frame_size, self.frame_size)
         videos, sounds = [], []
         for q in asked:
+            frames = clip.frames if q.video is None else q.video.shape[0]
+            samples = clip.samples if q.audio is None else q.audio.shape[-1]
+            if (frames, samples) != (clip.frames, clip.samples):  # e.g. a tiny AVQA clip, made at its own
+                raise ValueError(
+                    f"a clip of {frames} frames and {samples} samples: the model reads {clip.frames} "
+                    f"frames and {clip.samples} samples ({clip.fps:g} fps, {clip.sample_rate} Hz, "
+                    f"{clip.seconds:g} s; model.options and data.clip_*); nothing is resampled"
+                )
             video = torch.zeros(clip.frames, 3, *size) if q.video is None else q.video.float()
             if tuple(video.shape[-2:]) != size:
                 video = torch.nn.functional.interpolate(video, size, mode="bilinear", antialias=True)
