@@ -128,10 +128,19 @@ def _write_peft(transformer: nn.Module, directory: Path) -> None:
     from .models import lora
 
     weights = get_peft_model_state_dict(transformer, adapter_name=lora.TRAINED, save_embedding_layers=False)
+    # A wrapper whose base model is one of its modules (qwen2_5_omni: `thinker.`) names it by
+    # `peft_base`: the keys are that module's, the file loads onto it alone.
+    base_name = getattr(transformer, "peft_base", "")
+    prefix = f"{base_name}." if base_name else ""
+    if any(not k.startswith(prefix) for k in weights):
+        raise ExportError(f"the adapter has tensors outside {base_name}, the model peft loads it onto")
     # A PeftModel holds the network as `base_model.model`; its saved keys carry that prefix.
-    weights = {f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in weights.items()}
+    weights = {
+        f"base_model.model.{k.removeprefix(prefix)}": v.detach().cpu().contiguous()
+        for k, v in weights.items()
+    }
     save_file(weights, str(directory / PEFT_WEIGHTS), metadata={"format": "pt"})
-    model_class = type(transformer)
+    model_class = type(transformer.get_submodule(base_name) if base_name else transformer)
     auto_mapping = {"base_model_class": model_class.__name__, "parent_library": model_class.__module__}
     _adapter_config(transformer).save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
 

@@ -17,6 +17,7 @@ from ..experience.text_rollout import ask
 from ..experience.text_sampling import sample_answers
 from ..media import MediaBatch, save_previews
 from ..models.tiny_omni import TinyOmniModel
+from ..registry import evaluations
 from ..world.avqa import HELDOUT_QUESTIONS
 
 
@@ -46,6 +47,7 @@ def answer_questions(
         temperature,
         greedy=greedy,
         generators=None if greedy else gens,
+        **model.sampling_options(prompted),
     )
     texts = [
         model.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
@@ -114,9 +116,11 @@ def evaluate_answering(
     return out
 
 
+@evaluations.register("qwen2_5_omni")
 class TinyAVQAEvaluation:
     """The held-out evaluation of an answering model (registered for model.family tiny_omni in
-    registry.evaluations) on tiny AVQA or a question file's held-out lines: right-answer accuracy and
+    registry.evaluations by an entry point, and for qwen2_5_omni here, found once this module is
+    imported) on tiny AVQA or a question file's held-out lines: right-answer accuracy and
     the training reward of its greedy answers, and a preview of questions, clips and answers."""
 
     def __init__(self, cfg: Any, policy: Any, reward: Any, eval_prompts: list[str]) -> None:

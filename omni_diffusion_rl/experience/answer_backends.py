@@ -31,6 +31,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoR
 
 
 class AnswerBackend(Protocol):
+    """`options`: the model's own sampling inputs (`model.sampling_options(prompted)`: prompt
+    positions, suppressed tokens), given to `text_sampling.sample_answers`."""
+
     def sample(
         self,
         model: Any,
@@ -40,6 +43,7 @@ class AnswerBackend(Protocol):
         temperature: float,
         generators: list[torch.Generator],
         min_new_tokens: int,
+        options: dict[str, Any] | None = None,
     ) -> Answers: ...
 
     def close(self) -> None: ...
@@ -57,6 +61,7 @@ class HfAnswers:
         temperature: float,
         generators: list[torch.Generator],
         min_new_tokens: int,
+        options: dict[str, Any] | None = None,
     ) -> Answers:
         return sample_answers(
             model.lm,
@@ -68,6 +73,7 @@ class HfAnswers:
             temperature,
             generators=generators,
             min_new_tokens=min_new_tokens,
+            **(options or {}),
         )
 
     def close(self) -> None:
@@ -209,9 +215,15 @@ class VllmAnswers:
         temperature: float,
         generators: list[torch.Generator],
         min_new_tokens: int,
+        options: dict[str, Any] | None = None,
     ) -> Answers:
         from vllm import SamplingParams
 
+        if options:
+            raise ConfigError(
+                "algorithm.rollout_backend=vllm serves models whose prompts take plain positions; this "
+                f"model's prompts carry their own ({', '.join(sorted(options))}): use rollout_backend=hf"
+            )
         if self._engine is None:
             self._engine = self._start(model)
         request = self._lora_request()

@@ -176,8 +176,8 @@ class TextExperienceMaker:
                 f"algorithm.max_new_tokens={max_new_tokens}"
             )
         model = policy.model
-        longest = model.encoder.num_tokens + max(map(len, model.tokenize(texts)))
-        limit = int(model.lm.config.max_position_embeddings)
+        longest = model.media_tokens + max(map(len, model.tokenize(texts)))
+        limit = int(model.lm.config.get_text_config().max_position_embeddings)
         if longest + max_new_tokens > limit:
             raise ConfigError(
                 f"algorithm.max_new_tokens={max_new_tokens}: the longest prompt takes {longest} positions "
@@ -231,6 +231,7 @@ class TextExperienceMaker:
                 self.temperature,
                 gens,
                 self.min_new_tokens,
+                model.sampling_options(prompted),
             )
         width = max(len(q) for q in ids)
         return TextRollout(

@@ -47,28 +47,42 @@ def sample_answers(
     greedy: bool = False,
     generators: list[torch.Generator] | None = None,
     min_new_tokens: int = 0,
+    positions: torch.Tensor | None = None,
+    next_positions: torch.Tensor | None = None,
+    suppress_ids: torch.Tensor | None = None,
 ) -> Answers:
     """Up to `max_new_tokens` tokens after the left-padded prompt `embeds` [B, P, H] / `mask` [B, P].
     `min_new_tokens` forbids the end token before that many tokens (the "forced long answers" of
-    the modes benchmark). `generators`: one per row for sampling (greedy needs none)."""
+    the modes benchmark). `generators`: one per row for sampling (greedy needs none).
+
+    `positions`: the prompt's position ids, [B, P] or [R, B, P] for a model with several position
+    rows (Qwen2.5-Omni's 3D rope); default the count of real tokens before each. `next_positions`
+    [B]: the first answer token's position (answer tokens then count up, one id for every row);
+    default one past the prompt's last position. `suppress_ids`: tokens never sampled (their
+    probability is 0 in the recorded log-probs too)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     if not greedy and (generators is None or len(generators) != len(embeds)):
         raise ValueError("sampling needs one torch.Generator per row (or greedy=True)")
     b = len(embeds)
     mask = mask.long()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if positions is None:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_name = _cache_name(lm)
     out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True)
     cache: Any = getattr(out, cache_name)
     logits = out.logits[:, -1]
-    next_pos = positions[:, -1] + 1
+    if next_positions is None:  # the last prompt token is a real one (left padding)
+        next_positions = positions[:, -1] + 1 if positions.ndim == 2 else positions[..., -1].amax(0) + 1
+    next_pos = next_positions
     tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=embeds.device)
     logp_out = torch.zeros(b, max_new_tokens, device=embeds.device)
     done = torch.zeros(b, dtype=torch.bool, device=embeds.device)
     answer_mask = torch.zeros(b, max_new_tokens, dtype=torch.bool, device=embeds.device)
     for k in range(max_new_tokens):
         scores = logits.float() / temperature
+        if suppress_ids is not None:
+            scores[:, suppress_ids] = float("-inf")
         if k < min_new_tokens:
             scores[:, eos_id] = float("-inf")
         logp = torch.log_softmax(scores, dim=-1)

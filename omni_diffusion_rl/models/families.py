@@ -50,12 +50,22 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
 
 
 def check_family_options(family: str, options: dict) -> None:
-    """model.options against the family's policy constructor (ltx2, minimax_h3); a ConfigError names
+    """model.options against the family's policy constructor (ltx2, minimax_h3) or its option names
+    (qwen2_5_omni); a ConfigError names
     the unknown keys. Families without options take none."""
     if family == "ltx2":
         from .ltx2 import LTX2Policy as policy_class
     elif family == "minimax_h3":
         from .minimax_h3 import MiniMaxH3Policy as policy_class
+    elif family == "qwen2_5_omni":
+        from .qwen_omni import OPTIONS
+
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(
+                f"model.options: {', '.join(unknown)} unknown to {family}; it takes {', '.join(OPTIONS)}"
+            )
+        return
     else:
         return
     _check_options(family, policy_class, options)
@@ -82,6 +92,20 @@ def load_tiny_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
 
     pretrained = "builtin-omni" if cfg.pretrained == "builtin" else cfg.pretrained
     policy = TinyOmniPolicy.from_pretrained(pretrained)
+    return policy, list(policy.lora_targets)
+
+
+@models.register("qwen2_5_omni")
+def load_qwen2_5_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
+    """Qwen2.5-Omni's thinker (text out) as GSPO's answering policy (models/qwen_omni.py): a folder
+    or hub id with the thinker, its tokenizer and preprocessor_config.json; model.options sets the
+    clip (fps, seconds, frame_size); model.base_dtype the thinker's weights. LoRA goes on the
+    language model's projections only. Its held-out evaluation is evaluation/avqa.py's, registered
+    there."""
+    from .qwen_omni import QwenOmniPolicy
+
+    check_family_options("qwen2_5_omni", cfg.options)
+    policy = QwenOmniPolicy.from_pretrained(cfg.pretrained, dtype=BASE_DTYPES[cfg.base_dtype], **cfg.options)
     return policy, list(policy.lora_targets)
 
 

@@ -148,6 +148,15 @@ class TinyOmniModel(nn.Module):
         return {**asdict(self.omni_config), "vocabulary": vocabulary_fingerprint(self.tokenizer)}
 
     @property
+    def media_tokens(self) -> int:
+        """Positions a prompt takes besides its question (the media embeddings)."""
+        return self.encoder.num_tokens
+
+    def sampling_options(self, prompted: Prompted) -> dict[str, Any]:
+        """Nothing besides the embeddings: `sample_answers`' default positions are the prompt's."""
+        return {}
+
+    @property
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 

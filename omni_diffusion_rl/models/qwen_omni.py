@@ -1,0 +1,459 @@
+"""Qwen2.5-Omni's *thinker* (transformers' `Qwen2_5OmniThinkerForConditionalGeneration`, text out) as
+an answering policy: `model.family=qwen2_5_omni`, the interface of the tiny omni model (tiny_omni.py),
+so rollouts, the GSPO update and the held-out evaluation run it unchanged.
+
+A prompt is the model's chat template (the folder's own, else DEFAULT_CHAT_TEMPLATE, Qwen's layout)
+around one user turn: the clip's video, its sound, then the question;
+`<|vision_bos|><|VIDEO|>*n<|vision_eos|><|audio_bos|><|AUDIO|>*m<|audio_eos|>question`. The video
+goes in as a *video* (pixel_values_videos / video_grid_thw, temporal patches of two frames, the
+time per grid from the clip's fps), not as a list of images: that is the input the pretrained model
+read, with its temporal rope positions. The frames are patched with the PIL Qwen2-VL image processor
+(torchvision, which transformers' video processor needs, is not required), laid out exactly as the
+video processor lays them out (docs/research/qwen_omni.md). The sound goes through the folder's
+WhisperFeatureExtractor (mono, at its sampling rate: a clip at another rate is refused by the run's
+clip-format check, nothing is resampled).
+
+The media features are scattered into the input embeddings here, and the 3D (mrope) positions are
+the thinker's own `get_rope_index` over the prompt; sampling and the teacher-forced recompute both
+run the thinker on `inputs_embeds` with those positions (3 rows [t; h; w], the text model's
+documented shape; an answer token's three rows are equal, continuing after the prompt's largest
+position), so the recompute equals the sampler's log-probs. The tokenizer's special tokens other
+than the end token (`<|im_end|>`) and the embedding rows past the tokenizer are never sampled, in
+both.
+
+Saved layout: the thinker (config.json, model.safetensors), the tokenizer files, one
+preprocessor_config.json holding the feature extractor's and the image processor's settings (as
+Qwen's own folders do) and chat_template.jinja.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..answer_data.clip_files import ClipFormat
+from ..answer_data.questions import AskedQuestion
+from .tiny_omni import vocabulary_fingerprint
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2.5-Omni's chat layout (a default system turn, one bos/eos pair around each placeholder), used
+when the model's folder has no template of its own."""
+QUESTION = "\x00question\x00"  # where the question's own tokens go in the rendered template
+PROCESSOR_CONFIG = "preprocessor_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+OPTIONS = ("fps", "seconds", "frame_size")
+"""model.options of the family: the clip's frame rate, length in seconds and square frame size."""
+
+
+def _public(value: Any) -> Any:
+    """A config dict without its private and version entries (they move with the install)."""
+    if isinstance(value, dict):
+        return {
+            k: _public(v)
+            for k, v in value.items()
+            if not str(k).startswith("_") and k != "transformers_version"
+        }
+    return value
+
+
+def processor_settings(feature_extractor: Any, image_processor: Any) -> dict[str, Any]:
+    """The feature extractor's and the image processor's settings as one dict (what is saved)."""
+    merged = {**feature_extractor.to_dict(), **image_processor.to_dict()}
+    return json.loads(json.dumps(_public(merged), sort_keys=True, default=_jsonable))
+
+
+def _jsonable(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+@dataclass
+class QwenPrompted:
+    """Left-padded prompts: embeddings [B, P, H] (media features in), mask [B, P], the thinker's 3D
+    rope positions [3, B, P] and each row's next text position [B]."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    next_positions: torch.Tensor
+
+
+class QwenOmniModel(nn.Module):
+    """The thinker, with its tokenizer, feature extractor and image processor attached."""
+
+    peft_base = "thinker"  # `odrl export --format peft` writes the adapter for the bare thinker
+
+    def __init__(
+        self,
+        thinker: nn.Module,
+        tokenizer: Any,
+        feature_extractor: Any,
+        image_processor: Any,
+        chat_template: str | None = None,
+        fps: float = 2.0,
+        seconds: float = 4.0,
+        frame_size: int = 224,
+    ) -> None:
+        super().__init__()
+        self.thinker = thinker
+        self.tokenizer = tokenizer
+        self.feature_extractor, self.image_processor = feature_extractor, image_processor
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.chat_template = template or DEFAULT_CHAT_TEMPLATE
+        self.fps, self.seconds, self.frame_size = float(fps), float(seconds), int(frame_size)
+        ClipFormat(self.fps, int(feature_extractor.sampling_rate), self.seconds)  # refuses a bad one now
+        if frame_size < 1:
+            raise ValueError(f"frame_size={frame_size}: a positive number of pixels")
+        text = thinker.config.get_text_config()
+        if len(tokenizer) > text.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens, the thinker {text.vocab_size} embeddings"
+            )
+        self._vocabulary = vocabulary_fingerprint(tokenizer)
+        self._head, self._tail = self._template_ids()
+        special = {int(i) for i in tokenizer.all_special_ids} | set(self._placeholder_ids())
+        special |= {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        special.discard(self.eos_id)
+        self.register_buffer(
+            "suppressed",
+            torch.tensor(sorted(special | set(range(len(tokenizer), text.vocab_size))), dtype=torch.long),
+            persistent=False,
+        )
+        self._media_tokens: int | None = None
+
+    # ---- identity -----------------------------------------------------------------------------
+    @property
+    def lm(self) -> nn.Module:
+        """What samples: the thinker (inputs_embeds, attention_mask, 2D or 3D position_ids, a cache)."""
+        return self.thinker
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The model's identity for checkpoint fingerprints: the thinker's config, a hash of the
+        tokenizer's vocabulary, a hash of the processors' settings and chat template, the clip."""
+        settings = processor_settings(self.feature_extractor, self.image_processor)
+        processor = json.dumps([settings, self.chat_template], sort_keys=True)
+        return {
+            "thinker": _public(self.thinker.config.to_dict()),
+            "vocabulary": self._vocabulary,
+            "processor": hashlib.sha256(processor.encode()).hexdigest(),
+            "clip": {"fps": self.fps, "seconds": self.seconds, "frame_size": self.frame_size},
+        }
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+
+    def _token(self, name: str) -> int:
+        fallback = {"audio": "<|AUDIO|>", "video": "<|VIDEO|>", "image": "<|IMAGE|>"}[name]
+        token = getattr(self.tokenizer, f"{name}_token", None) or fallback
+        return int(self.tokenizer.convert_tokens_to_ids(token))
+
+    def _placeholder_ids(self) -> list[int]:
+        names = ("<|AUDIO|>", "<|VIDEO|>", "<|IMAGE|>", "<|audio_bos|>", "<|audio_eos|>")
+        names += ("<|vision_bos|>", "<|vision_eos|>", "<|im_start|>")
+        unk = self.tokenizer.unk_token_id
+        return [i for i in self.tokenizer.convert_tokens_to_ids(list(names)) if i is not None and i != unk]
+
+    # ---- text ---------------------------------------------------------------------------------
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each question (no specials); a question holding a special token is refused."""
+        out = []
+        for text in texts:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if any(i in self._special_set for i in ids):
+                raise ValueError(f"the question {text!r} holds a special token of the Qwen tokenizer")
+            out.append(ids)
+        return out
+
+    @property
+    def _special_set(self) -> set[int]:
+        return set(self.suppressed.tolist()) | {self.eos_id}
+
+    def _template_ids(self) -> tuple[list[int], list[int]]:
+        """The chat template's token ids before and after the question, one placeholder each."""
+        content = [{"type": "video"}, {"type": "audio"}, {"type": "text", "text": QUESTION}]
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}],
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        if text.count(QUESTION) != 1:
+            raise ValueError("the chat template does not place a user turn's text exactly once")
+        head, tail = text.split(QUESTION)
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in (head, tail)]
+        video, audio = self._token("video"), self._token("audio")
+        if ids[0].count(video) != 1 or ids[0].count(audio) != 1 or video in ids[1] or audio in ids[1]:
+            raise ValueError(
+                "the chat template must put one video and one audio placeholder before the question"
+            )
+        return ids[0], ids[1]
+
+    def _prompt_ids(self, question: list[int], n_video: int, n_audio: int) -> list[int]:
+        video, audio = self._token("video"), self._token("audio")
+        head: list[int] = []
+        for i in self._head:
+            head += [i] * (n_video if i == video else n_audio if i == audio else 1)
+        return head + list(question) + self._tail
+
+    # ---- clips --------------------------------------------------------------------------------
+    @property
+    def clip_format(self) -> ClipFormat:
+        """The clips the model reads: model.options' fps and seconds, the feature extractor's rate, mono."""
+        return ClipFormat(self.fps, int(self.feature_extractor.sampling_rate), self.seconds, 1)
+
+    def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Video [B, F, 3, S, S] (frames resized to frame_size, antialiased bilinear) and waveforms
+        [B, 1, samples]; a missing picture or sound is black frames or silence. A clip of another
+        length (frames or samples) is refused: it was made at another format."""
+        clip, size = self.clip_format, (self.frame_size, self.frame_size)
+        videos, sounds = [], []
+        for q in asked:
+            frames = clip.frames if q.video is None else q.video.shape[0]
+            samples = clip.samples if q.audio is None else q.audio.shape[-1]
+            if (frames, samples) != (clip.frames, clip.samples):  # e.g. a tiny AVQA clip, made at its own
+                raise ValueError(
+                    f"a clip of {frames} frames and {samples} samples: the model reads {clip.frames} "
+                    f"frames and {clip.samples} samples ({clip.fps:g} fps, {clip.sample_rate} Hz, "
+                    f"{clip.seconds:g} s; model.options and data.clip_*); nothing is resampled"
+                )
+            video = torch.zeros(clip.frames, 3, *size) if q.video is None else q.video.float()
+            if tuple(video.shape[-2:]) != size:
+                video = torch.nn.functional.interpolate(video, size, mode="bilinear", antialias=True)
+            videos.append(video.clamp(0, 1))
+            sounds.append(torch.zeros(1, clip.samples) if q.audio is None else q.audio[:1].float())
+        return torch.stack(videos), torch.stack(sounds)
+
+    def _video_inputs(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
+        """pixel_values_videos [sum t*h*w, C*tps*p*p], video_grid_thw [B, 3], video_second_per_grid [B]
+        as Qwen2VLVideoProcessor makes them, from frames in [0, 1] via the image processor."""
+        ip = self.image_processor
+        tps, p = int(ip.temporal_patch_size), int(ip.patch_size)
+        frames = (video.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        patches, grids = [], []
+        for clip in frames:
+            pictures = [f.permute(1, 2, 0).numpy() for f in clip]
+            pictures += [pictures[-1]] * (-len(pictures) % tps)  # the last frame repeated, as patchify does
+            out = ip(images=pictures, temporal_patch_size=1, return_tensors="np")
+            _, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+            t = len(pictures) // tps
+            pv = out["pixel_values"].reshape(t, tps, gh * gw, 3, p * p).transpose(0, 2, 3, 1, 4)
+            patches.append(pv.reshape(t * gh * gw, 3 * tps * p * p))
+            grids.append([t, gh, gw])
+        return {
+            "pixel_values_videos": torch.from_numpy(np.concatenate(patches)).to(video.device),
+            "video_grid_thw": torch.tensor(grids, dtype=torch.long, device=video.device),
+            "video_second_per_grid": torch.full((len(grids),), tps / self.fps, device=video.device),
+        }
+
+    def _audio_inputs(self, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
+        """input_features [B, mels, T] and feature_attention_mask [B, T] (the Qwen processor's call)."""
+        sounds = [w.detach().float().mean(0).cpu().numpy() for w in waveform]
+        with torch.autocast("cpu", enabled=False):  # the extractor's own torch STFT, in fp32
+            out = self.feature_extractor(
+                sounds,
+                sampling_rate=self.feature_extractor.sampling_rate,
+                return_attention_mask=True,
+                padding="max_length",
+                truncation=True,
+                return_tensors="pt",
+            )
+        return {
+            "input_features": out["input_features"].to(waveform.device, self.thinker.dtype),
+            "feature_attention_mask": out["attention_mask"].to(waveform.device),
+        }
+
+    @property
+    def media_tokens(self) -> int:
+        """Tokens a prompt takes besides its question (template and media placeholders)."""
+        if self._media_tokens is None:
+            clip = self.clip_format
+            video = torch.zeros(1, clip.frames, 3, self.frame_size, self.frame_size)
+            n_video, n_audio = self._media_counts(
+                self._video_inputs(video), self._audio_inputs(torch.zeros(1, 1, clip.samples))
+            )
+            self._media_tokens = len(self._prompt_ids([], n_video[0], n_audio[0]))
+        return self._media_tokens
+
+    def _media_counts(
+        self, vis: dict[str, torch.Tensor], aud: dict[str, torch.Tensor]
+    ) -> tuple[list[int], list[int]]:
+        merge = int(self.thinker.config.vision_config.spatial_merge_size)
+        n_video = (vis["video_grid_thw"].prod(-1) // merge**2).tolist()
+        tower = self.thinker.model.audio_tower
+        n_audio = tower._get_feat_extract_output_lengths(aud["feature_attention_mask"].sum(-1))[1].tolist()
+        return [int(n) for n in n_video], [int(n) for n in n_audio]
+
+    # ---- prompts and log-probs ----------------------------------------------------------------
+    def prompt(self, video: torch.Tensor, waveform: torch.Tensor, questions: list[list[int]]) -> QwenPrompted:
+        """The chat prompts of a batch, left-padded: embeddings with the media features scattered in
+        and the thinker's 3D rope positions."""
+        vis, aud = self._video_inputs(video), self._audio_inputs(waveform)
+        n_video, n_audio = self._media_counts(vis, aud)
+        rows = [self._prompt_ids(q, v, a) for q, v, a in zip(questions, n_video, n_audio, strict=True)]
+        width = max(map(len, rows))
+        device = video.device
+        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        inner = self.thinker.model
+        embeds = self.thinker.get_input_embeddings()(ids)
+        sound = inner.get_audio_features(
+            aud["input_features"], aud["feature_attention_mask"], return_dict=True
+        ).last_hidden_state
+        pictures = inner.get_video_features(
+            vis["pixel_values_videos"], vis["video_grid_thw"], return_dict=True
+        )
+        pictures = torch.cat(pictures.pooler_output)
+        for token, features in ((self._token("audio"), sound), (self._token("video"), pictures)):
+            where = (ids == token).unsqueeze(-1)
+            embeds = embeds.masked_scatter(where, features.to(embeds.dtype))
+        positions, _ = inner.get_rope_index(
+            ids,
+            None,
+            vis["video_grid_thw"],
+            mask,
+            False,
+            aud["feature_attention_mask"].sum(-1),
+            vis["video_second_per_grid"],
+        )
+        next_positions = positions.amax(0).masked_fill(mask == 0, -1).amax(-1) + 1
+        return QwenPrompted(embeds, mask, positions.to(device), next_positions.to(device))
+
+    def sampling_options(self, prompted: QwenPrompted) -> dict[str, Any]:
+        """What `text_sampling.sample_answers` takes besides the embeddings for this model."""
+        return {
+            "positions": prompted.positions,
+            "next_positions": prompted.next_positions,
+            "suppress_ids": self.suppressed,
+        }
+
+    def answer_log_probs(
+        self,
+        prompted: QwenPrompted,
+        answers: torch.Tensor,
+        answer_mask: torch.Tensor,
+        temperature: float = 1.0,
+        min_new_tokens: int = 0,
+    ) -> torch.Tensor:
+        """[B, L] log pi(answer token | clip, question, answer so far), teacher-forced in one pass at
+        the sampler's positions, under the sampler's distribution (the suppressed tokens and, before
+        `min_new_tokens`, the end token excluded); 0 on padding."""
+        from ..experience.text_sampling import token_log_probs
+
+        length = answers.shape[1]
+        embeds = torch.cat([prompted.embeds, self.thinker.get_input_embeddings()(answers)], dim=1)
+        mask = torch.cat([prompted.mask, answer_mask.long()], dim=1)
+        steps = torch.arange(length, device=answers.device)
+        after = (prompted.next_positions[:, None] + steps).unsqueeze(0).expand(3, -1, -1)
+        positions = torch.cat([prompted.positions, after], dim=2)
+        logits = self.thinker(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False
+        ).logits
+        p = prompted.embeds.shape[1]
+        logits = logits[:, p - 1 : -1].float()
+        logits[..., self.suppressed] = float("-inf")
+        if min_new_tokens > 0:
+            logits[:, :min_new_tokens, self.eos_id] = float("-inf")
+        logp = token_log_probs(logits, answers, temperature)
+        # 0 after the answer, as the sampler records it (the padding token is a suppressed one: -inf)
+        return torch.where(answer_mask.bool(), logp, torch.zeros_like(logp))
+
+    # ---- saving and loading -------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.thinker.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        settings = processor_settings(self.feature_extractor, self.image_processor)
+        (path / PROCESSOR_CONFIG).write_text(json.dumps(settings, indent=1, sort_keys=True))
+        (path / TEMPLATE_FILE).write_text(self.chat_template)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any
+    ) -> QwenOmniModel:
+        """A folder (or hub id) with the thinker, its tokenizer and preprocessor_config.json;
+        `options` are model.options (fps, seconds, frame_size)."""
+        from transformers import (
+            AutoTokenizer,
+            Qwen2_5OmniThinkerForConditionalGeneration,
+            Qwen2VLImageProcessorPil,
+            WhisperFeatureExtractor,
+        )
+
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown options {unknown} for qwen2_5_omni; it takes {', '.join(OPTIONS)}")
+        source = str(path)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        feature_extractor = WhisperFeatureExtractor.from_pretrained(source)
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(source)
+        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(source, dtype=dtype).eval()
+        template = None
+        local = Path(source)
+        if (local / TEMPLATE_FILE).is_file():
+            template = (local / TEMPLATE_FILE).read_text()
+        elif (local / "chat_template.json").is_file():
+            template = json.loads((local / "chat_template.json").read_text()).get("chat_template")
+        return cls(thinker, tokenizer, feature_extractor, image_processor, template, **options)
+
+
+def language_model_targets(thinker: nn.Module) -> tuple[str, ...]:
+    """LoRA targets naming each attention and MLP projection of the language model's layers by its
+    path under the thinker (so they match under this wrapper and on the bare thinker, where peft
+    loads an export), and nothing in the audio or vision towers, whose layers share those names."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    out = []
+    for name, module in thinker.named_modules():
+        in_language_model = name.startswith("model.language_model.layers.")
+        if in_language_model and name.rsplit(".", 1)[-1] in names and isinstance(module, nn.Linear):
+            out.append(name)
+    return tuple(out)
+
+
+class QwenOmniPolicy:
+    """The thinker as the trainer's policy: LoRA on the language model's attention and MLP
+    projections only (the audio and vision towers stay frozen and unadapted)."""
+
+    kind = "answers"
+
+    def __init__(self, model: QwenOmniModel) -> None:
+        self.model = model.requires_grad_(False)
+        self.transformer = model  # what LoRA, the fingerprint and the optimizer see
+        self.tokenizer = model.tokenizer
+        self.lora_targets = language_model_targets(model.thinker)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any
+    ) -> QwenOmniPolicy:
+        return cls(QwenOmniModel.from_pretrained(path, dtype, **options))
+
+    def to(self, device: torch.device | str) -> QwenOmniPolicy:
+        self.model.to(device)
+        return self

@@ -1,0 +1,329 @@
+"""model.family=qwen2_5_omni: GSPO on Qwen2.5-Omni's thinker, tested on a tiny random-init one
+(tests/qwen_omni_tiny.py). The behaviour log-probs recorded at sampling equal the teacher-forced
+recompute (and the thinker's own forward from token ids and processor tensors); a colocated run on
+the shipped question file trains on policy and resumes equal; LoRA stays in the language model; a
+checkpoint of another tokenizer is refused; `odrl export --format peft` loads onto the bare thinker.
+
+The tiny model's clip format is the shipped files' (8 fps, 0.5 s, mono 8000 Hz): its feature
+extractor's sampling rate is 8000 (Whisper's mel bank then has empty filters above 4 kHz: a warning,
+filtered here), since nothing resamples audio.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.answer_data.questions import AskedQuestion
+from omni_diffusion_rl.checkpoint import CheckpointError
+from omni_diffusion_rl.config import ConfigError, ModelConfig, load_config
+from omni_diffusion_rl.evaluation import avqa  # noqa: F401 - registers qwen2_5_omni's held-out evaluation
+from omni_diffusion_rl.experience.text_sampling import sample_answers
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.models import (
+    build_nft_policy,
+    build_policy,
+    families,  # noqa: F401 - registers the qwen2_5_omni family
+)
+from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.trainers.trainer import Trainer
+
+from .helpers import step_records
+from .qwen_omni_tiny import save_tiny_qwen_omni
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.filterwarnings("ignore:At least one mel filter has all zero values"),
+]
+QUESTIONS = (
+    Path(__file__).resolve().parent.parent / "recipes" / "data" / "tiny_avqa_files" / "questions.jsonl"
+)
+OPTIONS = {"fps": 8.0, "seconds": 0.5, "frame_size": 28}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen_omni(tmp_path_factory.mktemp("qwen_omni"))
+
+
+def model_config(path: Path) -> ModelConfig:
+    return ModelConfig(family="qwen2_5_omni", pretrained=str(path), options=dict(OPTIONS))
+
+
+def overrides(model_dir: Path, run: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "model.family=qwen2_5_omni",
+        f"model.pretrained={model_dir}",
+        "model.options={fps: 8.0, seconds: 0.5, frame_size: 28}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "algorithm.name=gspo",
+        "algorithm.max_new_tokens=4",
+        f"data.prompts={QUESTIONS}",
+        f"data.eval_prompts={QUESTIONS}",
+        "data.clip_fps=8.0",
+        "data.clip_sample_rate=8000",
+        "data.clip_seconds=0.5",
+        "data.clip_channels=1",
+        "data.prompts_per_step=2",
+        "data.group_size=4",
+        "data.eval_samples=20",
+        "reward.weights={answer_exact: 1.0}",
+        "eval.metrics=[]",
+        f"train.output_dir={run}",
+        f"train.steps={steps}",
+        "train.preview_every=0",
+        "train.progress=false",
+        "tracking.wandb=false",
+        "optim.lr=5e-2",
+        *extra,
+    ]
+
+
+@rewards.register("qwen_test_length", overwrite=True)
+class AnswerLength:
+    """A random model never answers right (answer_exact is 0 for all, no advantage, no update): the
+    answer's length in characters, so groups differ and the adapter moves."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        assert media.text is not None
+        return torch.tensor([len(t) / 10 for t in media.text])
+
+
+MOVING = "reward.weights={answer_exact: 1.0, qwen_test_length: 1.0}"  # with a smaller step:
+SMALL_STEP = "optim.lr=5e-3"
+
+
+def asked_pair() -> list[AskedQuestion]:
+    g = torch.Generator().manual_seed(0)
+    video, audio = torch.rand(4, 3, 16, 16, generator=g), torch.randn(1, 4000, generator=g) * 0.1
+    return [
+        AskedQuestion("what colour is the shape ?", "red", "color", video, audio),
+        AskedQuestion("which shape is shown ? options : circle square", "circle", "shape", None, None),
+    ]
+
+
+def test_the_family_loads_a_folder_and_checks_its_options(model_dir: Path, tmp_path: Path) -> None:
+    from omni_diffusion_rl.models.qwen_omni import QwenOmniModel, QwenOmniPolicy
+
+    # Registered by decorators when models/families.py and evaluation/avqa.py are imported (above):
+    # the config check and the evaluator find them then; without those imports (`odrl train`) only
+    # pyproject.toml's entry points are known, so the family and its evaluation need entry points.
+    from omni_diffusion_rl.registry import evaluations, models
+
+    assert "qwen2_5_omni" in models.names() and "qwen2_5_omni" in evaluations.names()
+    policy, targets = build_policy(model_config(model_dir))
+    assert isinstance(policy, QwenOmniPolicy) and policy.kind == "answers"
+    assert len(targets) == 2 * 7 and all(t.startswith("model.language_model.layers.") for t in targets)
+    clip = policy.model.clip_format
+    assert (clip.fps, clip.sample_rate, clip.seconds, clip.channels) == (8.0, 8000, 0.5, 1)
+    with pytest.raises(ConfigError, match="colour unknown to qwen2_5_omni"):
+        build_policy(ModelConfig(family="qwen2_5_omni", pretrained=str(model_dir), options={"colour": 1}))
+    cfg = load_config(None, overrides(model_dir, tmp_path / "run", 1))  # the config check passes
+    assert cfg.model.family == "qwen2_5_omni"
+    # save_pretrained / from_pretrained round trip: same identity
+    policy.model.save_pretrained(tmp_path / "again")
+    again = QwenOmniModel.from_pretrained(tmp_path / "again", **OPTIONS)
+    assert again.config == policy.model.config
+    video, audio = policy.model.clip_tensors(asked_pair())
+    assert video.shape == (2, 4, 3, 28, 28) and audio.shape == (2, 1, 4000) and not video[1].any()
+    at_16k = AskedQuestion("what colour is the shape ?", "red", "color", None, torch.zeros(1, 8000))
+    with pytest.raises(
+        ValueError, match="a clip of 4 frames and 8000 samples: the model reads 4 frames and 4000"
+    ):
+        policy.model.clip_tensors([at_16k])
+
+
+def test_behaviour_log_probs_equal_the_recompute_and_the_thinkers_own_forward(model_dir: Path) -> None:
+    policy, _ = build_policy(model_config(model_dir))
+    model = policy.model
+    asked = asked_pair()
+    video, audio = model.clip_tensors(asked)
+    questions = model.tokenize([q.text for q in asked])
+    prompted = model.prompt(video, audio, questions)
+    assert prompted.positions.shape == (3, 2, prompted.embeds.shape[1])
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    with torch.no_grad():
+        out = sample_answers(
+            model.lm, prompted.embeds, prompted.mask, model.eos_id, model.pad_id, 8, 1.0,
+            generators=gens, min_new_tokens=2, **model.sampling_options(prompted),
+        )  # fmt: skip
+        recomputed = model.answer_log_probs(prompted, out.tokens, out.mask, 1.0, 2)
+    gap = float(((recomputed - out.log_probs).abs() * out.mask).max())
+    assert gap < 1e-4, gap
+    assert out.mask.sum(-1).min() < 8 or out.truncated.all()
+    assert not torch.isin(out.tokens[out.mask], model.suppressed).any()  # no placeholder sampled
+    # the thinker's own path: token ids and processor tensors, its own 3D positions
+    vis, aud = model._video_inputs(video), model._audio_inputs(audio)
+    n_video, n_audio = model._media_counts(vis, aud)
+    rows = [
+        model._prompt_ids(q, v, a) + t[m].tolist()
+        for q, v, a, t, m in zip(questions, n_video, n_audio, out.tokens, out.mask, strict=True)
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([[model.pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        logits = model.thinker(input_ids=ids, attention_mask=mask, use_cache=False, **vis, **aud).logits
+    for i, (t, m) in enumerate(zip(out.tokens, out.mask, strict=True)):
+        n = int(m.sum())
+        row_logits = logits[i, width - n - 1 : width - 1].float()
+        row_logits[:, model.suppressed] = float("-inf")
+        row_logits[:2, model.eos_id] = float("-inf")
+        own = torch.log_softmax(row_logits, -1).gather(-1, t[:n, None]).squeeze(-1)
+        assert torch.allclose(own, out.log_probs[i, :n], atol=1e-4), (own, out.log_probs[i, :n])
+
+
+def test_lora_goes_into_the_language_model_only(model_dir: Path) -> None:
+    policy = build_nft_policy(
+        ModelConfig(family="qwen2_5_omni", pretrained=str(model_dir), options=dict(OPTIONS), lora_rank=2)
+    )
+    adapted = [n for n, m in policy.transformer.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 2 * 7
+    assert all(n.startswith("thinker.model.language_model.layers.") for n in adapted), adapted
+    lora = [n for n, _ in policy.transformer.named_parameters() if "lora_" in n]
+    assert lora and not any("audio_tower" in n or "visual" in n for n in lora)
+
+
+@pytest.fixture(scope="module")
+def moved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-step run whose adapter moved (the length reward), checkpointed."""
+    run = tmp_path_factory.mktemp("qwen_moved") / "run"
+    Trainer(
+        load_config(None, overrides(model_dir, run, 1, MOVING, "train.eval_at_start_and_end=false"))
+    ).fit()
+    return run
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    run = tmp_path_factory.mktemp("qwen_run") / "run"
+    summary = Trainer(load_config(None, overrides(model_dir, run, 2))).fit()
+    return run, summary
+
+
+def test_gspo_trains_colocated_on_the_question_file(trained: tuple[Path, dict]) -> None:
+    run, summary = trained
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["gspo/logp_gap"] < 1e-4 for r in rows), [r["gspo/logp_gap"] for r in rows]
+    assert all(abs(r["gspo/ratio_mean"] - 1) < 1e-4 for r in rows)
+    assert all(0 < r["answers/mean_tokens"] <= 4 for r in rows)
+    assert any(r["answers/mean_tokens"] < 4 for r in rows)  # some answers end before the limit
+    samples = summary["samples"]  # every sample accounted: generated, trained, none dropped
+    assert samples["generated"] == samples["trained"] == 2 * 2 * 4, samples
+    assert not any(v for k, v in samples.items() if k.startswith("dropped/")), samples
+    for when in ("before", "after"):
+        assert {"greedy", "sampled"} <= set(summary[f"heldout_accuracy_{when}"])
+
+
+def test_gspo_resumes_equal(model_dir: Path, tmp_path: Path) -> None:
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    off = "train.eval_at_start_and_end=false"
+    Trainer(load_config(None, overrides(model_dir, whole, 3, off, MOVING, SMALL_STEP))).fit()
+    Trainer(
+        load_config(None, overrides(model_dir, split, 2, off, MOVING, SMALL_STEP, "train.checkpoint_every=2"))
+    ).fit()
+    resumed = Trainer(load_config(None, overrides(model_dir, split, 3, off, MOVING, SMALL_STEP)))
+    resumed.fit(resume=str(split / "checkpoints"))
+    a, b = step_records(whole), step_records(split)
+    assert [r["step"] for r in b] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in a)
+    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-5, abs=1e-9)
+    assert a[-1]["reward/mean"] == pytest.approx(b[-1]["reward/mean"], abs=1e-6)
+
+
+def test_a_checkpoint_of_another_tokenizer_or_processor_is_refused(
+    model_dir: Path, moved: Path, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.inference import load_policy
+
+    run = moved
+    other = save_tiny_qwen_omni(tmp_path / "other", extra_words=("zebra",))
+    trainer = Trainer(load_config(None, overrides(other, tmp_path / "again", 2)))
+    with pytest.raises(CheckpointError, match="another model configuration"):
+        trainer.load(run / "checkpoints")
+    assert load_policy(run / "checkpoints").model.config["vocabulary"]  # loads with its own base
+    # the checkpoint's base folder, its tokenizer swapped for another one of the same size
+    swapped = tmp_path / "swapped"
+    shutil.copytree(model_dir, swapped)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(other / name, swapped / name)
+    assert len(build_tokenizer_of(swapped)) == len(build_tokenizer_of(model_dir))  # same size, other ids
+    third = Trainer(load_config(None, overrides(swapped, tmp_path / "third", 2)))
+    with pytest.raises(CheckpointError, match="another model configuration"):
+        third.load(run / "checkpoints")
+    # ... and another processor: the image processor's normalisation changed
+    import json
+
+    reprocessed = tmp_path / "reprocessed"
+    shutil.copytree(model_dir, reprocessed)
+    settings = json.loads((reprocessed / "preprocessor_config.json").read_text())
+    (reprocessed / "preprocessor_config.json").write_text(json.dumps({**settings, "image_mean": [0.5] * 3}))
+    fourth = Trainer(load_config(None, overrides(reprocessed, tmp_path / "fourth", 2)))
+    with pytest.raises(CheckpointError, match="another model configuration"):
+        fourth.load(run / "checkpoints")
+
+
+def build_tokenizer_of(path: Path) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_peft_export_loads_onto_the_bare_thinker(moved: Path, model_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    from omni_diffusion_rl.export import export_adapter
+    from omni_diffusion_rl.inference import load_policy
+
+    run = moved
+    out = export_adapter(run / "checkpoints", tmp_path / "export", "peft")
+    loaded = load_policy(run / "checkpoints")
+    base = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
+    ids = torch.tensor([[5, 20, 40, 60, 80, 100, 2]])
+    with torch.no_grad():
+        ours = loaded.model.thinker(input_ids=ids).logits
+        theirs = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=ids).logits
+    assert (ours - plain).abs().max() > 1e-6  # the adapter moved the model
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_a_bf16_base_trains_on_policy(model_dir: Path, tmp_path: Path) -> None:
+    """model.base_dtype=bf16 (a real thinker's weights) with bf16 mixed precision: the audio features
+    are made in fp32 and cast, sampling and the recompute agree."""
+    extra = ("model.base_dtype=bf16", "train.mixed_precision=bf16", "train.eval_at_start_and_end=false")
+    run = tmp_path / "run"
+    Trainer(load_config(None, overrides(model_dir, run, 1, MOVING, *extra))).fit()
+    (row,) = step_records(run)
+    assert row["gspo/logp_gap"] < 1e-2 and row["grad_norm"] > 0, row
+
+
+def test_a_whole_qwen_omni_folder_gives_its_thinker(model_dir: Path, tmp_path: Path) -> None:
+    """Qwen's own folders hold the whole model (config.json of model_type qwen2_5_omni with a
+    thinker_config, weights under `thinker.`; talker and token2wav besides): the thinker alone loads."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    whole = tmp_path / "Qwen2.5-Omni"
+    shutil.copytree(model_dir, whole)
+    thinker = json.loads((whole / "config.json").read_text())
+    config = {"model_type": "qwen2_5_omni", "thinker_config": thinker, "enable_audio_output": True}
+    (whole / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(whole / "model.safetensors"))
+    save_file({f"thinker.{k}": v for k, v in weights.items()}, str(whole / "model.safetensors"))
+    ours, _ = build_policy(model_config(model_dir))
+    theirs, _ = build_policy(model_config(whole))
+    assert theirs.model.config == ours.model.config
+    ids = torch.tensor([[5, 20, 40, 60]])
+    with torch.no_grad():
+        assert torch.equal(
+            theirs.model.thinker(input_ids=ids).logits, ours.model.thinker(input_ids=ids).logits
+        )
