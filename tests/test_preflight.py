@@ -116,3 +116,22 @@ def test_the_gspo_recipe_checks_ready_and_a_missing_tokenizer_is_named(
     assert main([*recipe, f"model.pretrained={tmp_path / 'omni'}"]) == 1
     out = capsys.readouterr().out
     assert "lacks lm, tokenizer, media_encoder.safetensors" in out, out
+
+
+def test_the_qwen_omni_recipe_names_what_to_download(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(REPO)
+    recipe = [
+        "train",
+        "recipes/configs/qwen2_5_omni_avqa_gspo.yaml",
+        f"train.output_dir={tmp_path}",
+        "--check",
+    ]
+    assert main(recipe) == 1
+    out = capsys.readouterr().out
+    assert (
+        "/models/Qwen2.5-Omni-7B does not exist: download the model with config.json, "
+        "preprocessor_config.json, tokenizer_config.json there"
+    ) in out, out
+    assert "question file /data/my_clips/questions.jsonl does not exist" in out, out

@@ -60,6 +60,7 @@ DEFAULT_CHAT_TEMPLATE = (
 when the model's folder has no template of its own."""
 QUESTION = "\x00question\x00"  # where the question's own tokens go in the rendered template
 PROCESSOR_CONFIG = "preprocessor_config.json"
+MAX_TEMPLATE_BYTES = 1 << 20
 TEMPLATE_FILE = "chat_template.jinja"
 OPTIONS = ("fps", "seconds", "frame_size")
 """model.options of the family: the clip's frame rate, length in seconds and square frame size."""
@@ -413,13 +414,20 @@ class QwenOmniModel(nn.Module):
         tokenizer = AutoTokenizer.from_pretrained(source)
         feature_extractor = WhisperFeatureExtractor.from_pretrained(source)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(source)
-        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(source, dtype=dtype).eval()
+        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+            source,
+            dtype=dtype,
+            use_safetensors=True,  # never unpickles weights
+        ).eval()
+        from ..checkpoint import read_bounded
+
         template = None
         local = Path(source)
         if (local / TEMPLATE_FILE).is_file():
             template = (local / TEMPLATE_FILE).read_text()
         elif (local / "chat_template.json").is_file():
-            template = json.loads((local / "chat_template.json").read_text()).get("chat_template")
+            raw = json.loads(read_bounded(local / "chat_template.json", MAX_TEMPLATE_BYTES))
+            template = raw.get("chat_template") if isinstance(raw, dict) else None
         return cls(thinker, tokenizer, feature_extractor, image_processor, template, **options)
 
 
