@@ -327,3 +327,27 @@ def test_a_whole_qwen_omni_folder_gives_its_thinker(model_dir: Path, tmp_path: P
         assert torch.equal(
             theirs.model.thinker(input_ids=ids).logits, ours.model.thinker(input_ids=ids).logits
         )
+
+
+@pytest.mark.slow  # starts launcher processes
+@pytest.mark.parametrize("mode", ["separate", "hybrid"])
+def test_gspo_on_the_thinker_runs_in_the_async_modes(model_dir: Path, tmp_path: Path, mode: str) -> None:
+    """A rollout process answers with the thinker from its own copy of the files; the answers, their
+    clips and behaviour log-probs reach the trainer through the replay buffer; every answer made is
+    trained (a random thinker never answers right: nothing need be learned)."""
+    from .helpers import last_json_line, step_records
+    from .test_separate import _launch
+
+    run = tmp_path / "run"
+    args = [
+        *overrides(model_dir, run, 3, "train.eval_at_start_and_end=false"),
+        f"execution.mode={mode}",
+        "execution.data_timeout_s=60",
+    ]
+    proc = _launch(args, 29679 if mode == "separate" else 29681)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    buffer = last_json_line(proc.stdout)["execution"]["buffer"]
+    assert buffer["trained"] == 3 * 2 * 4, buffer
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 < r["answers/mean_tokens"] <= 4 for r in rows)
