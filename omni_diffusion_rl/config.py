@@ -290,6 +290,10 @@ class DataConfig:
     eval_samples: int = _spec(
         256, "held-out samples for the before/after evaluation (eval_samples / prompts per prompt)", ge=1
     )
+    questions: str = _spec(
+        "tiny_avqa",
+        "answering runs: the registered question set that prompts not from a question file name",
+    )
     clip_fps: float = _spec(
         8.0, "question files: video frames a second the clips are decoded at (the model's own)", gt=0
     )

@@ -108,3 +108,7 @@ models = Registry("model", "omni_diffusion_rl.models")
 # whose first item is video [B, F, 3, H, W], or None.
 evaluations = Registry("held-out evaluation", "omni_diffusion_rl.evaluations")
 preview_references = Registry("preview reference", "omni_diffusion_rl.preview_references")
+# What an answering run's prompts name when they are not a question file's keys (data.questions): a
+# class made with no arguments that has ask(prompt, generator) -> AskedQuestion (answer_data/) and
+# text(prompt) -> str (the question alone, nothing rendered). Tiny AVQA is one.
+question_sets = Registry("question set", "omni_diffusion_rl.question_sets")

@@ -354,3 +354,12 @@ def test_the_parser_counts_lazy_and_relative_imports_but_not_type_checking_ones(
     assert f"{PACKAGE}.d" not in hidden
     assert find_cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == [["x", "y", "z", "x"]]
     assert find_cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_answer_rollouts_and_their_evaluation_ask_questions_through_plug_ins() -> None:
+    """Tiny AVQA is a registered question set like a user's (registry.question_sets): the answer
+    rollouts and the answering evaluation import no part of the tiny world (issue 27)."""
+    graph = import_graph()
+    users = (f"{PACKAGE}.experience.text_rollout", f"{PACKAGE}.evaluation.avqa")
+    worlds = {u: sorted(i for i in graph[u] if _matches(f"{PACKAGE}.world", i)) for u in users}
+    assert not any(worlds.values()), worlds

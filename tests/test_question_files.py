@@ -365,3 +365,32 @@ def test_gspo_on_the_question_file_runs_separate_with_every_sample_accounted(tmp
     buffer = last_json_line(proc.stdout)["execution"]["buffer"]
     assert buffer["trained"] == 3 * 2 * 4, buffer
     assert [r["step"] for r in step_records(run)] == [1, 2, 3]
+
+
+def test_a_registered_question_set_is_asked_as_tiny_avqa_is(tmp_path: Path) -> None:
+    """data.questions names a registered question set: tiny AVQA is one, a user's is another."""
+    import dataclasses
+
+    from omni_diffusion_rl.experience.text_rollout import ask
+    from omni_diffusion_rl.registry import RegistryError, question_sets
+    from omni_diffusion_rl.trainers.trainer import Trainer
+    from omni_diffusion_rl.world.avqa import TRAIN_QUESTIONS, TinyAVQAQuestions
+
+    @question_sets.register("test_in_the_dark", overwrite=True)
+    class InTheDark(TinyAVQAQuestions):
+        """Tiny AVQA's questions on black frames."""
+
+        def ask(self, prompt: str, gen: torch.Generator) -> AskedQuestion:
+            asked = super().ask(prompt, gen)
+            return dataclasses.replace(asked, video=torch.zeros_like(asked.video))
+
+    prompt = TRAIN_QUESTIONS[0]
+    lit = ask(prompt, torch.Generator().manual_seed(0), TINY)
+    dark = ask(prompt, torch.Generator().manual_seed(0), TINY, "test_in_the_dark")
+    assert lit.text == dark.text and lit.video.abs().sum() > 0 and dark.video.abs().sum() == 0
+    assert torch.equal(lit.audio, dark.audio)
+    from .test_gspo_loop import gspo_overrides
+
+    overrides = gspo_overrides("builtin-omni", tmp_path / "run", 1, "data.questions=nowhere")
+    with pytest.raises(RegistryError, match="nowhere.*tiny_avqa"):
+        Trainer(load_config(None, overrides))

@@ -13,12 +13,11 @@ import torch
 
 from ..answer_data.questions import AskedQuestion, is_right
 from ..experience.rollout import step_generator
-from ..experience.text_rollout import ask
+from ..experience.text_rollout import DEFAULT_QUESTIONS, ask
 from ..experience.text_sampling import sample_answers
 from ..media import MediaBatch, save_previews
 from ..models.tiny_omni import TinyOmniModel
 from ..registry import evaluations
-from ..world.avqa import HELDOUT_QUESTIONS
 
 
 @torch.no_grad()
@@ -29,11 +28,13 @@ def answer_questions(
     greedy: bool,
     max_new_tokens: int = 16,
     temperature: float = 1.0,
+    questions: str = DEFAULT_QUESTIONS,
 ) -> tuple[list[str], list[AskedQuestion], torch.Tensor, torch.Tensor]:
-    """The model's answers to the questions `prompts` name, the questions as asked, and the clips
-    they are about (video, waveform): each clip and sampling stream keyed by (seed, position)."""
+    """The model's answers to the questions `prompts` name (question-file keys, or prompts of the
+    registered question set `questions`), the questions as asked, and the clips they are about
+    (video, waveform): each clip and sampling stream keyed by (seed, position)."""
     gens = [step_generator(seed, 0, i, "eval") for i in range(len(prompts))]
-    asked = [ask(p, g, model.clip_format) for p, g in zip(prompts, gens, strict=True)]
+    asked = [ask(p, g, model.clip_format, questions) for p, g in zip(prompts, gens, strict=True)]
     video, audio = model.clip_tensors(asked)
     device = next(model.parameters()).device
     prompted = model.prompt(video.to(device), audio.to(device), model.tokenize([q.text for q in asked]))
@@ -58,22 +59,23 @@ def answer_questions(
 
 def avqa_accuracy(
     model: TinyOmniModel,
-    prompts: list[str] | None = None,
+    prompts: list[str],
     repeats: int = 4,
     seed: int = 0,
     max_new_tokens: int = 16,
+    questions: str = DEFAULT_QUESTIONS,
 ) -> dict[str, float]:
     """{greedy, sampled, greedy/<category>, sampled/<category>}: the share of right answers over the
-    questions `prompts` name that have a right answer (default: every held-out tiny AVQA question),
-    each asked `repeats` times (a tiny AVQA question on fresh clips)."""
-    prompts = HELDOUT_QUESTIONS if prompts is None else prompts
+    questions `prompts` name that have a right answer, each asked `repeats` times (a tiny AVQA
+    question on fresh clips)."""
     pool = [p for p in prompts for _ in range(repeats)]
     was_training = model.training
     model.eval()
     out: dict[str, float] = {}
     try:
         for mode in ("greedy", "sampled"):
-            answers, asked, _, _ = answer_questions(model, pool, seed, mode == "greedy", max_new_tokens)
+            greedy = mode == "greedy"
+            answers, asked, _, _ = answer_questions(model, pool, seed, greedy, max_new_tokens, 1.0, questions)
             by_kind: dict[str, list[float]] = defaultdict(list)
             for q, a in zip(asked, answers, strict=True):
                 if q.reference is not None:
@@ -95,19 +97,18 @@ def evaluate_answering(
     samples: int,
     seed: int,
     max_new_tokens: int,
+    questions: str = DEFAULT_QUESTIONS,
 ) -> dict[str, float]:
     """Held-out accuracy, greedy and sampled (accuracy/...), and the reward of the greedy answers
     (reward, reward/...; skipped when `reward` is None), about `samples` answers over `prompts`: the
     same questions, clips and random numbers at every call."""
     per_question = max(1, samples // len(prompts))
-    out = {
-        f"accuracy/{k}": v
-        for k, v in avqa_accuracy(model, prompts, per_question, seed, max_new_tokens).items()
-    }
+    accuracy = avqa_accuracy(model, prompts, per_question, seed, max_new_tokens, questions)
+    out = {f"accuracy/{k}": v for k, v in accuracy.items()}
     if reward is None:
         return out
     chosen = [p for p in prompts for _ in range(per_question)]
-    answers, _, video, audio = answer_questions(model, chosen, seed, True, max_new_tokens)
+    answers, _, video, audio = answer_questions(model, chosen, seed, True, max_new_tokens, 1.0, questions)
     clip = model.clip_format
     media = MediaBatch(video=video, audio=audio, fps=clip.fps, sample_rate=clip.sample_rate, text=answers)
     scored = reward(media, chosen)
@@ -137,6 +138,7 @@ class TinyAVQAEvaluation:
             self.cfg.data.eval_samples,
             self.cfg.train.seed,
             self.cfg.algorithm.max_new_tokens,
+            self.cfg.data.questions,
         )
 
     def preview(self, folder: Path, shown: int) -> Path:
@@ -145,7 +147,8 @@ class TinyAVQAEvaluation:
         n = len(self.eval_prompts)
         stride = max(1, n // shown)  # spread over the set, stepping one more each time to vary the kind
         chosen = [self.eval_prompts[(i * stride + i) % n] for i in range(min(shown, n))]
-        answers, asked, video, audio = answer_questions(self.model, chosen, 0, greedy=True)
+        questions = self.cfg.data.questions
+        answers, asked, video, audio = answer_questions(self.model, chosen, 0, True, questions=questions)
         pairs = list(zip(asked, answers, strict=True))
         titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.reference or '(judged)'}" for q, a in pairs]
         right = [is_right(a, q) if q.reference is not None else float("nan") for q, a in pairs]

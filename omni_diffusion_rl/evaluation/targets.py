@@ -183,7 +183,7 @@ def _questions(cfg: ExperimentConfig) -> list[str]:
     prompts = load_prompts(cfg.data.eval_prompts, "heldout", clip_format_of(cfg.data))
     for i, prompt in enumerate(prompts, 1):
         try:
-            question_text(prompt)
+            question_text(prompt, cfg.data.questions)
         except ValueError as e:
             raise ConfigError(
                 f"data.eval_prompts={cfg.data.eval_prompts}: prompt {i} is not a question ('<kind> | "
@@ -209,8 +209,10 @@ def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = Tru
     prompts = _questions(cfg)
     reward = reward_from_config(cfg.reward) if with_reward else None
     try:
+        data = cfg.data
+        limit = cfg.algorithm.max_new_tokens
         return evaluate_answering(
-            policy.model, prompts, reward, cfg.data.eval_samples, cfg.train.seed, cfg.algorithm.max_new_tokens
+            policy.model, prompts, reward, data.eval_samples, cfg.train.seed, limit, data.questions
         )
     finally:
         if reward is not None:

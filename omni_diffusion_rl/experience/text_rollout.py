@@ -12,6 +12,7 @@ async modes is handled by the ratio).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ from ..answer_data.questions import AskedQuestion, FileQuestion, is_file_key
 from ..config import ConfigError
 from ..media import MediaBatch
 from ..named_batch import BatchSchema, NamedBatch
+from ..registry import question_sets
 from ..reward import ScoreResult, WeightedReward
-from ..world.avqa import asked_question, parse_question
 from .answer_backends import AnswerBackend, HfAnswers
 from .rollout import PendingExtras, step_generator, stream_prompt
 
@@ -120,17 +121,31 @@ class TextRollout:
         )
 
 
-def ask(prompt: str, gen: torch.Generator, clip: ClipFormat) -> AskedQuestion:
+DEFAULT_QUESTIONS = "tiny_avqa"
+
+
+@functools.lru_cache(maxsize=16)
+def question_set(name: str) -> Any:
+    """The registered question set `name` (data.questions), made once."""
+    return question_sets.get(name)()
+
+
+def ask(
+    prompt: str, gen: torch.Generator, clip: ClipFormat, questions: str = DEFAULT_QUESTIONS
+) -> AskedQuestion:
     """The question a data-stream prompt names, with its clip: a question file's key is decoded from
-    its files at `clip`; a tiny AVQA prompt is rendered fresh from `gen`."""
+    its files at `clip`; any other prompt is asked by the registered question set `questions`
+    (tiny AVQA renders a fresh clip from `gen`)."""
     if is_file_key(prompt):
         return FileQuestion.from_key(prompt).asked(clip)
-    return asked_question(prompt, gen)
+    return question_set(questions).ask(prompt, gen)
 
 
-def question_text(prompt: str) -> str:
+def question_text(prompt: str, questions: str = DEFAULT_QUESTIONS) -> str:
     """The question a prompt names, as the model reads it (nothing decoded or rendered)."""
-    return FileQuestion.from_key(prompt).question if is_file_key(prompt) else parse_question(prompt).text
+    if is_file_key(prompt):
+        return FileQuestion.from_key(prompt).question
+    return question_set(questions).text(prompt)
 
 
 def answer_texts(policy: Any, rollout: TextRollout) -> list[str]:
@@ -168,8 +183,11 @@ class TextExperienceMaker:
         load_rollout_state: Callable[[dict[str, torch.Tensor]], None] | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         backend: AnswerBackend | None = None,
+        questions: str = DEFAULT_QUESTIONS,
     ) -> None:
-        texts = [question_text(p) for p in prompts[:1000]]  # refuse a set that names no questions now
+        texts = [
+            question_text(p, questions) for p in prompts[:1000]
+        ]  # refuse a set that names no questions now
         if min_new_tokens > max_new_tokens:
             raise ConfigError(
                 f"algorithm.min_new_tokens={min_new_tokens} is above "
@@ -190,6 +208,7 @@ class TextExperienceMaker:
         self._load_rollout_state = load_rollout_state
         self.autocast = autocast  # sampling's precision: the trainer recomputes log-probs in the same one
         self.backend = backend or HfAnswers()  # what samples the answers (answer_backends.py)
+        self.questions = questions  # the registered question set the prompts name (data.questions)
         self.annotator = None
         self.last_pending = None
         self.generated_at = 0.0
@@ -211,7 +230,7 @@ class TextExperienceMaker:
         k = self.group_size
         clip = model.clip_format
         batch = [
-            ask(p, step_generator(self.seed, step, g, "rollout"), clip)
+            ask(p, step_generator(self.seed, step, g, "rollout"), clip, self.questions)
             for p, g in zip(prompts, group_ids, strict=True)
         ]
         video, audio = model.clip_tensors(batch)

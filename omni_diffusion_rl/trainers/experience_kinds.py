@@ -180,6 +180,7 @@ class AnswerExperience(ExperienceKind):
             load_rollout_state=lambda tensors: algorithm.load_rollout_state(policy.transformer, tensors),
             autocast=autocast_factory(precision, device),
             backend=answer_backend(cfg, precision, lambda: algorithm.rollout_state(policy.transformer)),
+            questions=cfg.data.questions,
         )
 
     def held_out(

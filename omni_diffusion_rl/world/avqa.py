@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..answer_data.questions import AskedQuestion, normalise_answer
+from ..registry import question_sets
 from .tiny_clip import synthesize_audio
 from .tiny_world import (
     ALL_SCENES,
@@ -130,6 +131,18 @@ def parse_question(prompt: str) -> Question:
 
 TRAIN_QUESTIONS = [question_prompt(q) for q in questions(heldout=False)]
 HELDOUT_QUESTIONS = [question_prompt(q) for q in questions(heldout=True)]
+
+
+@question_sets.register("tiny_avqa")
+class TinyAVQAQuestions:
+    """Tiny AVQA as a question set (data.questions=tiny_avqa): a prompt "<kind> | <scene>" names a
+    question, asked about a clip of the scene rendered fresh from the generator."""
+
+    def ask(self, prompt: str, gen: torch.Generator) -> AskedQuestion:
+        return asked_question(prompt, gen)
+
+    def text(self, prompt: str) -> str:
+        return parse_question(prompt).text
 
 
 def asked_question(prompt: str, gen: torch.Generator) -> AskedQuestion:
