@@ -151,9 +151,14 @@ def test_answer_format_checks_descriptions_exactly_as_before() -> None:
 
 
 def test_answers_normalise_exactly_as_before() -> None:
-    for text in _prompt_corpus() + ["Á red, CIRCLE!", "a\tb\n c", "x_y-z 9 ½ ²"]:
+    """ASCII text normalises as the old regex did; other scripts keep their letters and digits
+    (NFKC, case-folded) instead of being erased, so an answer in them can be graded."""
+    for text in _prompt_corpus() + ["A red, CIRCLE!", "a\tb\n c", "x_y-z 9"]:
         expected = " ".join(re.sub(r"[^a-z0-9 ]+", " ", text.lower()).split())
         assert avqa.normalise_answer(text) == expected, repr(text)
+    assert avqa.normalise_answer("Á red, CIRCLE!") == "á red circle"
+    assert avqa.normalise_answer("x_y-z 9 ½ ²") == "x y z 9 1 2 2"  # NFKC: 1⁄2 and 2
+    assert avqa.normalise_answer("猫!") == "猫" and avqa.normalise_answer("?!") == ""
 
 
 _WORDS = [*tiny_world.COLORS, *tiny_world.SHAPES, *tiny_world.PITCH_BINS, "tone", "start", "end", "a", "Red"]
