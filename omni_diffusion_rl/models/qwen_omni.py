@@ -83,6 +83,8 @@ QUESTION = "\x00question\x00"  # where the question's own tokens go in the rende
 PROCESSOR_CONFIG = "preprocessor_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20
 TEMPLATE_FILE = "chat_template.jinja"
+MARKERS = ("audio", "video", "image", "audio_bos", "audio_eos", "vision_bos", "vision_eos")
+"""The tokenizer attributes (`<name>_token`) naming its media placeholders and their brackets."""
 OPTIONS = ("fps", "seconds", "frame_size")
 """model.options of the family: the clip's frame rate, length in seconds and square frame size."""
 
@@ -201,8 +203,12 @@ class QwenOmniModel(nn.Module):
         return int(self.tokenizer.convert_tokens_to_ids(token))
 
     def _placeholder_ids(self) -> list[int]:
+        """The media and turn markers: Qwen2.5-Omni's names and those the tokenizer names itself
+        (Qwen3-Omni's `<|audio_pad|>`, `<|vision_start|>`, ...)."""
         names = ("<|AUDIO|>", "<|VIDEO|>", "<|IMAGE|>", "<|audio_bos|>", "<|audio_eos|>")
         names += ("<|vision_bos|>", "<|vision_eos|>", "<|im_start|>")
+        own = (getattr(self.tokenizer, f"{k}_token", None) for k in MARKERS)
+        names += tuple(t for t in own if isinstance(t, str))
         unk = self.tokenizer.unk_token_id
         return [i for i in self.tokenizer.convert_tokens_to_ids(list(names)) if i is not None and i != unk]
 
