@@ -1,6 +1,8 @@
 """A tiny random-init Qwen3-Omni-MoE thinker saved as the qwen3_omni family reads it (the recipe of
 docs/research/qwen_omni.md section 5, docs/research/scripts/qwen_omni/qwen3_probe.py): the tokenizer
-and feature extractor of tests/qwen_omni_tiny.py (8000 Hz, the shipped question files' rate), a
+of tests/qwen_omni_tiny.py with Qwen3-Omni's names for the media markers (`<|audio_pad|>`,
+`<|vision_start|>`, ...; the tokenizer names them, the chat template uses them), its feature
+extractor (8000 Hz, the shipped question files' rate), a
 2-layer MoE text model (4 experts, 2 a token, q/k norm, interleaved mrope), a 2-block vision tower
 with patch 16, learned position embeddings and one deepstack layer, a 1-layer audio encoder, and
 the PIL Qwen2-VL image processor with patch 16. Nothing is downloaded.
@@ -12,9 +14,50 @@ from pathlib import Path
 
 import torch
 
-from .qwen_omni_tiny import build_tokenizer
+from .qwen_omni_tiny import CORPUS, SPECIALS
 
 FRAME_SIZE = 32  # one merged 2x2 group of 16-pixel patches per temporal patch
+NAMES = {  # Qwen2.5-Omni's marker -> Qwen3-Omni's, by the tokenizer attribute naming it
+    "audio_token": ("<|AUDIO|>", "<|audio_pad|>"),
+    "audio_bos_token": ("<|audio_bos|>", "<|audio_start|>"),
+    "audio_eos_token": ("<|audio_eos|>", "<|audio_end|>"),
+    "image_token": ("<|IMAGE|>", "<|image_pad|>"),
+    "video_token": ("<|VIDEO|>", "<|video_pad|>"),
+    "vision_bos_token": ("<|vision_bos|>", "<|vision_start|>"),
+    "vision_eos_token": ("<|vision_eos|>", "<|vision_end|>"),
+}
+
+
+def _renamed(text: str) -> str:
+    for old, new in NAMES.values():
+        text = text.replace(old, new)
+    return text
+
+
+def build_tokenizer(extra_words: tuple[str, ...] = ()) -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from omni_diffusion_rl.models.qwen_omni import DEFAULT_CHAT_TEMPLATE
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[*map(_renamed, SPECIALS), *extra_words],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    core.train_from_iterator(CORPUS * 10, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        chat_template=_renamed(DEFAULT_CHAT_TEMPLATE),
+        **{attribute: name for attribute, (_, name) in NAMES.items()},
+    )
 
 
 def build_thinker(tokenizer: object) -> object:
@@ -72,13 +115,13 @@ def build_thinker(tokenizer: object) -> object:
             num_position_embeddings=16,  # a square count (learned, interpolated to the grid)
             deepstack_visual_indexes=[0],
         ),
-        audio_token_id=ids("<|AUDIO|>"),
-        image_token_id=ids("<|IMAGE|>"),
-        video_token_id=ids("<|VIDEO|>"),
-        audio_start_token_id=ids("<|audio_bos|>"),
-        audio_end_token_id=ids("<|audio_eos|>"),
-        vision_start_token_id=ids("<|vision_bos|>"),
-        vision_end_token_id=ids("<|vision_eos|>"),
+        audio_token_id=ids("<|audio_pad|>"),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        audio_start_token_id=ids("<|audio_start|>"),
+        audio_end_token_id=ids("<|audio_end|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
         user_token_id=ids("<|im_start|>"),
         position_id_per_seconds=25,
     )

@@ -81,6 +81,13 @@ def test_the_family_loads_a_folder_and_checks_its_options(model_dir: Path, tmp_p
     # 2 temporal patches of one merged 2x2 group; 50 mel frames -> 7 audio tokens (Qwen3's count)
     vis, aud = policy.model._video_inputs(video), policy.model._audio_inputs(audio)
     assert policy.model._media_counts(vis, aud) == ([2, 2], [7, 7])
+    # Qwen3-Omni's marker names, read from the tokenizer: placed in the prompt, never sampled
+    tokenizer = policy.model.tokenizer
+    prompt = tokenizer.convert_ids_to_tokens(policy.model._prompt_ids([], 2, 7))
+    assert prompt.count("<|video_pad|>") == 2 and prompt.count("<|audio_pad|>") == 7
+    assert "<|vision_start|>" in prompt and "<|AUDIO|>" not in tokenizer.get_vocab()
+    markers = tokenizer.convert_tokens_to_ids(["<|audio_pad|>", "<|video_pad|>", "<|audio_start|>"])
+    assert set(markers) <= set(policy.model.suppressed.tolist())
 
 
 def test_behaviour_log_probs_equal_the_recompute_and_the_thinkers_own_forward(model_dir: Path) -> None:
@@ -180,3 +187,74 @@ def test_gspo_resumes_equal(model_dir: Path, tmp_path: Path) -> None:
     assert all(r["gspo/logp_gap"] < 1e-4 for r in a + b)
     assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-5, abs=1e-9)
     assert a[-1]["reward/mean"] == pytest.approx(b[-1]["reward/mean"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def moved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-step run whose adapter moved (the length reward), checkpointed."""
+    run = tmp_path_factory.mktemp("qwen3_moved") / "run"
+    Trainer(
+        load_config(None, overrides(model_dir, run, 1, MOVING, "train.eval_at_start_and_end=false"))
+    ).fit()
+    return run
+
+
+def test_peft_export_loads_onto_the_bare_thinker(moved: Path, model_dir: Path, tmp_path: Path) -> None:
+    """peft rewrites a MoE model's regex targets into leaf names (docs/research/qwen_omni.md 5): the
+    exported adapter, loaded by PeftModel, still adapts the language model's attention only."""
+    from peft import PeftModel
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from omni_diffusion_rl.export import export_adapter
+    from omni_diffusion_rl.inference import load_policy
+
+    out = export_adapter(moved / "checkpoints", tmp_path / "export", "peft")
+    loaded = load_policy(moved / "checkpoints")
+    base = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
+    adapted = [n for n, m in peft_model.named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 2 * 4 and all(".language_model.layers." in n for n in adapted), adapted
+    ids = torch.tensor([[5, 20, 40, 60, 80, 100, 2]])
+    with torch.no_grad():
+        ours = loaded.model.thinker(input_ids=ids).logits
+        theirs = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=ids).logits
+    assert (ours - plain).abs().max() > 1e-6  # the adapter moved the model
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_a_whole_qwen3_omni_folder_gives_its_thinker(model_dir: Path, tmp_path: Path) -> None:
+    """Qwen's own folders hold the whole model (config.json of model_type qwen3_omni_moe with a
+    thinker_config, weights under `thinker.`; talker and code2wav besides): the thinker alone loads."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    whole = tmp_path / "Qwen3-Omni"
+    shutil.copytree(model_dir, whole)
+    thinker = json.loads((whole / "config.json").read_text())
+    config = {"model_type": "qwen3_omni_moe", "thinker_config": thinker, "enable_audio_output": True}
+    (whole / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(whole / "model.safetensors"))
+    save_file({f"thinker.{k}": v for k, v in weights.items()}, str(whole / "model.safetensors"))
+    ours, _ = build_policy(model_config(model_dir))
+    theirs, _ = build_policy(model_config(whole))
+    assert theirs.model.config == ours.model.config
+    ids = torch.tensor([[5, 20, 40, 60]])
+    with torch.no_grad():
+        assert torch.equal(
+            theirs.model.thinker(input_ids=ids).logits, ours.model.thinker(input_ids=ids).logits
+        )
+
+
+def test_a_bf16_base_trains_on_policy(model_dir: Path, tmp_path: Path) -> None:
+    """model.base_dtype=bf16 (a real thinker's weights) with bf16 mixed precision: sampling and the
+    recompute (deepstack features cast to the embeddings' dtype) agree."""
+    extra = ("model.base_dtype=bf16", "train.mixed_precision=bf16", "train.eval_at_start_and_end=false")
+    run = tmp_path / "run"
+    Trainer(load_config(None, overrides(model_dir, run, 1, MOVING, *extra))).fit()
+    (row,) = step_records(run)
+    print(f"qwen3_omni bf16 gspo/logp_gap: {row['gspo/logp_gap']:.2e}")
+    assert row["gspo/logp_gap"] < 1e-2 and row["grad_norm"] > 0, row
