@@ -48,6 +48,7 @@ def family_downloads(family: str) -> tuple[str, ...] | None:
         "minimax_h3": COMPONENTS,
         "tiny_omni": ("omni_config.json", "lm", "tokenizer", "media_encoder.safetensors"),
         "qwen2_5_omni": ("config.json", "preprocessor_config.json", "tokenizer_config.json"),
+        "qwen3_omni": ("config.json", "preprocessor_config.json", "tokenizer_config.json"),
     }
     return needs.get(family)
 

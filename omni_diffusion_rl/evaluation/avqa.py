@@ -117,11 +117,12 @@ def evaluate_answering(
     return out
 
 
+@evaluations.register("qwen3_omni")
 @evaluations.register("qwen2_5_omni")
 class TinyAVQAEvaluation:
     """The held-out evaluation of an answering model (registered for model.family tiny_omni in
-    registry.evaluations by an entry point, and for qwen2_5_omni here, found once this module is
-    imported) on tiny AVQA or a question file's held-out lines: right-answer accuracy and
+    registry.evaluations by an entry point, and for qwen2_5_omni and qwen3_omni here, found once
+    this module is imported) on tiny AVQA or a question file's held-out lines: right-answer accuracy and
     the training reward of its greedy answers, and a preview of questions, clips and answers."""
 
     def __init__(self, cfg: Any, policy: Any, reward: Any, eval_prompts: list[str]) -> None:

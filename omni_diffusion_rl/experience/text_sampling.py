@@ -50,6 +50,7 @@ def sample_answers(
     positions: torch.Tensor | None = None,
     next_positions: torch.Tensor | None = None,
     suppress_ids: torch.Tensor | None = None,
+    prompt_inputs: dict[str, Any] | None = None,
 ) -> Answers:
     """Up to `max_new_tokens` tokens after the left-padded prompt `embeds` [B, P, H] / `mask` [B, P].
     `min_new_tokens` forbids the end token before that many tokens (the "forced long answers" of
@@ -59,7 +60,8 @@ def sample_answers(
     rows (Qwen2.5-Omni's 3D rope); default the count of real tokens before each. `next_positions`
     [B]: the first answer token's position (answer tokens then count up, one id for every row);
     default one past the prompt's last position. `suppress_ids`: tokens never sampled (their
-    probability is 0 in the recorded log-probs too)."""
+    probability is 0 in the recorded log-probs too). `prompt_inputs`: more inputs of the prompt's
+    forward only (Qwen3-Omni's deepstack visual features)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     if not greedy and (generators is None or len(generators) != len(embeds)):
@@ -69,7 +71,8 @@ def sample_answers(
     if positions is None:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_name = _cache_name(lm)
-    out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True)
+    prompt = prompt_inputs or {}
+    out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True, **prompt)
     cache: Any = getattr(out, cache_name)
     logits = out.logits[:, -1]
     if next_positions is None:  # the last prompt token is a real one (left padding)

@@ -51,13 +51,13 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
 
 def check_family_options(family: str, options: dict) -> None:
     """model.options against the family's policy constructor (ltx2, minimax_h3) or its option names
-    (qwen2_5_omni); a ConfigError names
+    (qwen2_5_omni, qwen3_omni); a ConfigError names
     the unknown keys. Families without options take none."""
     if family == "ltx2":
         from .ltx2 import LTX2Policy as policy_class
     elif family == "minimax_h3":
         from .minimax_h3 import MiniMaxH3Policy as policy_class
-    elif family == "qwen2_5_omni":
+    elif family in ("qwen2_5_omni", "qwen3_omni"):
         from .qwen_omni import OPTIONS
 
         unknown = sorted(set(options) - set(OPTIONS))
@@ -106,6 +106,19 @@ def load_qwen2_5_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
 
     check_family_options("qwen2_5_omni", cfg.options)
     policy = QwenOmniPolicy.from_pretrained(cfg.pretrained, dtype=BASE_DTYPES[cfg.base_dtype], **cfg.options)
+    return policy, list(policy.lora_targets)
+
+
+@models.register("qwen3_omni")
+def load_qwen3_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
+    """Qwen3-Omni-MoE's thinker (text out) as GSPO's answering policy, read as qwen2_5_omni's
+    (models/qwen_omni.py, Qwen3OmniModel): the same folder layout and model.options. LoRA goes on
+    the language model's attention projections only (not the MoE experts). Its held-out evaluation
+    is evaluation/avqa.py's, registered there."""
+    from .qwen_omni import Qwen3OmniPolicy
+
+    check_family_options("qwen3_omni", cfg.options)
+    policy = Qwen3OmniPolicy.from_pretrained(cfg.pretrained, dtype=BASE_DTYPES[cfg.base_dtype], **cfg.options)
     return policy, list(policy.lora_targets)
 
 

@@ -24,6 +24,26 @@ both.
 Saved layout: the thinker (config.json, model.safetensors), the tokenizer files, one
 preprocessor_config.json holding the feature extractor's and the image processor's settings (as
 Qwen's own folders do) and chat_template.jinja.
+
+Qwen3-Omni-MoE's thinker (`Qwen3OmniMoeThinkerForConditionalGeneration`, `model.family=qwen3_omni`)
+is read the same way by `Qwen3OmniModel`, a subclass differing only where the thinker does: its
+class, its audio token count (`_get_feat_extract_output_lengths(mel frames, n_window)`, a module
+function, not the tower's method), the image processor's patch (16, read from its settings), and
+its vision tower's *deepstack* features (one per `deepstack_visual_indexes` entry), which the text
+model adds to the hidden states at the video positions after its first layers. Those cannot go in
+through the thinker's own forward with `inputs_embeds` (it would set them from pixel values), so
+the Qwen3 policy's `lm` (`DeepstackThinker`) runs the thinker's text model and head directly,
+with the deepstack features on the prompt's forward (`sample_answers(prompt_inputs=...)`) and on
+the teacher-forced recompute; answer tokens get none. Its 3D positions are the thinker's own
+`get_rope_index` (floats: a temporal patch of 0.25 s is 6.25 position ids at 25 a second; the
+answers continue from the largest, as the thinker's own generation does).
+
+LoRA (Qwen3): the language model's attention projections (q/k/v/o_proj) only. The MoE experts are
+*not* adapted: they are fused 3D parameters (`mlp.experts.gate_up_proj` / `down_proj`, not
+nn.Linear), which peft reaches only through `target_parameters`; this project's adapter handling
+(two named adapters copied into each other, their state in checkpoints, the peft export, vLLM's
+LoRA) is written for LoRA on linear modules, and nothing here tests LoRA on parameters. The router
+(`mlp.gate`, a bare weight) is not adapted either.
 """
 
 from __future__ import annotations
@@ -32,7 +52,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -62,6 +83,8 @@ QUESTION = "\x00question\x00"  # where the question's own tokens go in the rende
 PROCESSOR_CONFIG = "preprocessor_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20
 TEMPLATE_FILE = "chat_template.jinja"
+MARKERS = ("audio", "video", "image", "audio_bos", "audio_eos", "vision_bos", "vision_eos")
+"""The tokenizer attributes (`<name>_token`) naming its media placeholders and their brackets."""
 OPTIONS = ("fps", "seconds", "frame_size")
 """model.options of the family: the clip's frame rate, length in seconds and square frame size."""
 
@@ -90,18 +113,23 @@ def _jsonable(value: Any) -> Any:
 @dataclass
 class QwenPrompted:
     """Left-padded prompts: embeddings [B, P, H] (media features in), mask [B, P], the thinker's 3D
-    rope positions [3, B, P] and each row's next text position [B]."""
+    rope positions [3, B, P] and each row's next text position [B]; for Qwen3-Omni the video
+    positions [B, P] and the deepstack features at them (one [n, H] per deepstack layer)."""
 
     embeds: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
     next_positions: torch.Tensor
+    visual_mask: torch.Tensor | None = None
+    deepstack: tuple[torch.Tensor, ...] = ()
 
 
 class QwenOmniModel(nn.Module):
     """The thinker, with its tokenizer, feature extractor and image processor attached."""
 
     peft_base = "thinker"  # `odrl export --format peft` writes the adapter for the bare thinker
+    family: ClassVar[str] = "qwen2_5_omni"
+    thinker_class: ClassVar[str] = "Qwen2_5OmniThinkerForConditionalGeneration"  # in transformers
 
     def __init__(
         self,
@@ -175,8 +203,12 @@ class QwenOmniModel(nn.Module):
         return int(self.tokenizer.convert_tokens_to_ids(token))
 
     def _placeholder_ids(self) -> list[int]:
+        """The media and turn markers: Qwen2.5-Omni's names and those the tokenizer names itself
+        (Qwen3-Omni's `<|audio_pad|>`, `<|vision_start|>`, ...)."""
         names = ("<|AUDIO|>", "<|VIDEO|>", "<|IMAGE|>", "<|audio_bos|>", "<|audio_eos|>")
         names += ("<|vision_bos|>", "<|vision_eos|>", "<|im_start|>")
+        own = (getattr(self.tokenizer, f"{k}_token", None) for k in MARKERS)
+        names += tuple(t for t in own if isinstance(t, str))
         unk = self.tokenizer.unk_token_id
         return [i for i in self.tokenizer.convert_tokens_to_ids(list(names)) if i is not None and i != unk]
 
@@ -306,9 +338,19 @@ class QwenOmniModel(nn.Module):
     ) -> tuple[list[int], list[int]]:
         merge = int(self.thinker.config.vision_config.spatial_merge_size)
         n_video = (vis["video_grid_thw"].prod(-1) // merge**2).tolist()
-        tower = self.thinker.model.audio_tower
-        n_audio = tower._get_feat_extract_output_lengths(aud["feature_attention_mask"].sum(-1))[1].tolist()
+        n_audio = self._audio_tokens(aud["feature_attention_mask"].sum(-1)).tolist()
         return [int(n) for n in n_video], [int(n) for n in n_audio]
+
+    def _audio_tokens(self, frames: torch.Tensor) -> torch.Tensor:
+        """The audio tower's output length for each clip's mel frames [B]."""
+        return self.thinker.model.audio_tower._get_feat_extract_output_lengths(frames)[1]
+
+    def _video_features(self, vis: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The video tower's merged features [sum n_video, H] (no deepstack features: Qwen2.5)."""
+        out = self.thinker.model.get_video_features(
+            vis["pixel_values_videos"], vis["video_grid_thw"], return_dict=True
+        )
+        return torch.cat(out.pooler_output), ()
 
     # ---- prompts and log-probs ----------------------------------------------------------------
     def prompt(self, video: torch.Tensor, waveform: torch.Tensor, questions: list[list[int]]) -> QwenPrompted:
@@ -326,10 +368,7 @@ class QwenOmniModel(nn.Module):
         sound = inner.get_audio_features(
             aud["input_features"], aud["feature_attention_mask"], return_dict=True
         ).last_hidden_state
-        pictures = inner.get_video_features(
-            vis["pixel_values_videos"], vis["video_grid_thw"], return_dict=True
-        )
-        pictures = torch.cat(pictures.pooler_output)
+        pictures, deepstack = self._video_features(vis)
         for token, features in ((self._token("audio"), sound), (self._token("video"), pictures)):
             where = (ids == token).unsqueeze(-1)
             embeds = embeds.masked_scatter(where, features.to(embeds.dtype))
@@ -343,15 +382,23 @@ class QwenOmniModel(nn.Module):
             vis["video_second_per_grid"],
         )
         next_positions = positions.amax(0).masked_fill(mask == 0, -1).amax(-1) + 1
-        return QwenPrompted(embeds, mask, positions.to(device), next_positions.to(device))
+        visual = (ids == self._token("video")) if deepstack else None
+        deep = tuple(f.to(embeds.dtype) for f in deepstack)
+        return QwenPrompted(embeds, mask, positions.to(device), next_positions.to(device), visual, deep)
 
     def sampling_options(self, prompted: QwenPrompted) -> dict[str, Any]:
         """What `text_sampling.sample_answers` takes besides the embeddings for this model."""
-        return {
+        options = {
             "positions": prompted.positions,
             "next_positions": prompted.next_positions,
             "suppress_ids": self.suppressed,
         }
+        if prompted.deepstack:  # Qwen3-Omni: the prompt's forward adds them at the video positions
+            options["prompt_inputs"] = {
+                "visual_pos_masks": prompted.visual_mask,
+                "deepstack_visual_embeds": list(prompted.deepstack),
+            }
+        return options
 
     def answer_log_probs(
         self,
@@ -371,9 +418,13 @@ class QwenOmniModel(nn.Module):
         mask = torch.cat([prompted.mask, answer_mask.long()], dim=1)
         steps = torch.arange(length, device=answers.device)
         after = (prompted.next_positions[:, None] + steps).unsqueeze(0).expand(3, -1, -1)
-        positions = torch.cat([prompted.positions, after], dim=2)
-        logits = self.thinker(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False
+        positions = torch.cat([prompted.positions, after.to(prompted.positions.dtype)], dim=2)
+        extra: dict[str, Any] = {}
+        if prompted.deepstack:  # the answer tokens are no video positions
+            visual = torch.cat([prompted.visual_mask, torch.zeros_like(answer_mask, dtype=torch.bool)], 1)
+            extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": list(prompted.deepstack)}
+        logits = self.lm(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False, **extra
         ).logits
         p = prompted.embeds.shape[1]
         logits = logits[:, p - 1 : -1].float()
@@ -400,21 +451,18 @@ class QwenOmniModel(nn.Module):
     ) -> QwenOmniModel:
         """A folder (or hub id) with the thinker, its tokenizer and preprocessor_config.json;
         `options` are model.options (fps, seconds, frame_size)."""
-        from transformers import (
-            AutoTokenizer,
-            Qwen2_5OmniThinkerForConditionalGeneration,
-            Qwen2VLImageProcessorPil,
-            WhisperFeatureExtractor,
-        )
+        import transformers
+        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"unknown options {unknown} for qwen2_5_omni; it takes {', '.join(OPTIONS)}")
+            raise ValueError(f"unknown options {unknown} for {cls.family}; it takes {', '.join(OPTIONS)}")
         source = str(path)
         tokenizer = AutoTokenizer.from_pretrained(source)
         feature_extractor = WhisperFeatureExtractor.from_pretrained(source)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(source)
-        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        thinker_class = getattr(transformers, cls.thinker_class)
+        thinker = thinker_class.from_pretrained(
             source,
             dtype=dtype,
             use_safetensors=True,  # never unpickles weights
@@ -431,11 +479,14 @@ class QwenOmniModel(nn.Module):
         return cls(thinker, tokenizer, feature_extractor, image_processor, template, **options)
 
 
-def language_model_targets(thinker: nn.Module) -> tuple[str, ...]:
+LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = LM_PROJECTIONS[:4]
+
+
+def language_model_targets(thinker: nn.Module, names: tuple[str, ...] = LM_PROJECTIONS) -> tuple[str, ...]:
     """LoRA targets naming each attention and MLP projection of the language model's layers by its
     path under the thinker (so they match under this wrapper and on the bare thinker, where peft
     loads an export), and nothing in the audio or vision towers, whose layers share those names."""
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     out = []
     for name, module in thinker.named_modules():
         in_language_model = name.startswith("model.language_model.layers.")
@@ -449,19 +500,98 @@ class QwenOmniPolicy:
     projections only (the audio and vision towers stay frozen and unadapted)."""
 
     kind = "answers"
+    model_class: ClassVar[type[QwenOmniModel]] = QwenOmniModel
+    lora_names: ClassVar[tuple[str, ...]] = LM_PROJECTIONS
 
     def __init__(self, model: QwenOmniModel) -> None:
         self.model = model.requires_grad_(False)
         self.transformer = model  # what LoRA, the fingerprint and the optimizer see
         self.tokenizer = model.tokenizer
-        self.lora_targets = language_model_targets(model.thinker)
+        self.lora_targets = language_model_targets(model.thinker, self.lora_names)
 
     @classmethod
     def from_pretrained(
         cls, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any
     ) -> QwenOmniPolicy:
-        return cls(QwenOmniModel.from_pretrained(path, dtype, **options))
+        return cls(cls.model_class.from_pretrained(path, dtype, **options))
 
     def to(self, device: torch.device | str) -> QwenOmniPolicy:
         self.model.to(device)
         return self
+
+
+class DeepstackThinker:
+    """Qwen3-Omni's thinker as the sampler and the recompute call it: its text model and head on
+    `inputs_embeds` (or answer token ids), with the deepstack features at the video positions
+    when given (the prompt's forward), a KV cache, and `.logits` / `.cache` out. Not a module of its
+    own: the thinker's parameters stay the thinker's (LoRA, checkpoints, export see them there)."""
+
+    def __init__(self, thinker: nn.Module) -> None:
+        self.thinker = thinker
+
+    @property
+    def config(self) -> Any:
+        return self.thinker.config
+
+    def __call__(self, **inputs: Any) -> SimpleNamespace:
+        return self.forward(**inputs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache: Any = None,
+        visual_pos_masks: torch.Tensor | None = None,
+        deepstack_visual_embeds: list[torch.Tensor] | None = None,
+    ) -> SimpleNamespace:
+        out = self.thinker.model.language_model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            cache=cache,
+            visual_pos_masks=visual_pos_masks,
+            deepstack_visual_embeds=deepstack_visual_embeds,
+        )
+        return SimpleNamespace(logits=self.thinker.lm_head(out.last_hidden_state), cache=out.cache)
+
+
+class Qwen3OmniModel(QwenOmniModel):
+    """Qwen3-Omni-MoE's thinker (`model.family=qwen3_omni`): as QwenOmniModel, with its own audio
+    token count and the vision tower's deepstack features (module docstring)."""
+
+    family: ClassVar[str] = "qwen3_omni"
+    thinker_class: ClassVar[str] = "Qwen3OmniMoeThinkerForConditionalGeneration"
+
+    @property
+    def lm(self) -> Any:
+        """What samples: the thinker's text model and head, deepstack features on the prompt."""
+        return DeepstackThinker(self.thinker)
+
+    def _audio_tokens(self, frames: torch.Tensor) -> torch.Tensor:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            _get_feat_extract_output_lengths,
+        )
+
+        return _get_feat_extract_output_lengths(frames, int(self.thinker.config.audio_config.n_window))
+
+    def _video_features(self, vis: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The merged features [sum n_video, H] and one deepstack feature [sum n_video, H] per
+        deepstack layer, rows in the order of the video positions over the batch."""
+        out = self.thinker.model.get_video_features(
+            vis["pixel_values_videos"], vis["video_grid_thw"], return_dict=True
+        )
+        deepstack = tuple(torch.cat(level) for level in out.deepstack_features)
+        return torch.cat(out.pooler_output), deepstack
+
+
+class Qwen3OmniPolicy(QwenOmniPolicy):
+    """Qwen3-Omni-MoE's thinker as the trainer's policy: LoRA on the language model's attention
+    projections only (the MoE experts, the router and the towers stay frozen and unadapted)."""
+
+    model_class: ClassVar[type[QwenOmniModel]] = Qwen3OmniModel
+    lora_names: ClassVar[tuple[str, ...]] = ATTENTION_PROJECTIONS
