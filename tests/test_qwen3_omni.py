@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from omni_diffusion_rl.config import ConfigError, ModelConfig, load_config
-from omni_diffusion_rl.evaluation import avqa  # noqa: F401 - registers qwen3_omni's held-out evaluation
 from omni_diffusion_rl.experience.text_sampling import sample_answers
 from omni_diffusion_rl.models import (
     build_nft_policy,

@@ -20,7 +20,6 @@ import torch
 from omni_diffusion_rl.answer_data.questions import AskedQuestion
 from omni_diffusion_rl.checkpoint import CheckpointError
 from omni_diffusion_rl.config import ConfigError, ModelConfig, load_config
-from omni_diffusion_rl.evaluation import avqa  # noqa: F401 - registers qwen2_5_omni's held-out evaluation
 from omni_diffusion_rl.experience.text_sampling import sample_answers
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.models import (

@@ -17,7 +17,6 @@ from ..experience.text_rollout import DEFAULT_QUESTIONS, ask
 from ..experience.text_sampling import sample_answers
 from ..media import MediaBatch, save_previews
 from ..models.tiny_omni import TinyOmniModel
-from ..registry import evaluations
 
 
 @torch.no_grad()
@@ -117,13 +116,11 @@ def evaluate_answering(
     return out
 
 
-@evaluations.register("qwen3_omni")
-@evaluations.register("qwen2_5_omni")
 class TinyAVQAEvaluation:
-    """The held-out evaluation of an answering model (registered for model.family tiny_omni in
-    registry.evaluations by an entry point, and for qwen2_5_omni and qwen3_omni here, found once
-    this module is imported) on tiny AVQA or a question file's held-out lines: right-answer accuracy and
-    the training reward of its greedy answers, and a preview of questions, clips and answers."""
+    """The held-out evaluation of an answering model (registered in registry.evaluations by entry
+    points for model.family tiny_omni, qwen2_5_omni and qwen3_omni) on a question set's or a question
+    file's held-out questions: right-answer accuracy and the training reward of its greedy answers,
+    and a preview of questions, clips and answers."""
 
     def __init__(self, cfg: Any, policy: Any, reward: Any, eval_prompts: list[str]) -> None:
         self.cfg, self.model, self.reward, self.eval_prompts = cfg, policy.model, reward, eval_prompts
