@@ -153,5 +153,5 @@ def save_tiny_qwen3_omni(path: Path, extra_words: tuple[str, ...] = (), seed: in
     with torch.no_grad():  # an end token likely enough that some answers finish before the limit
         thinker.lm_head.weight[tokenizer.eos_token_id] *= 40.0  # type: ignore[attr-defined,index]
     audio, image = build_processors()
-    Qwen3OmniModel(thinker, tokenizer, audio, image).save_pretrained(path)
+    Qwen3OmniModel(thinker, tokenizer, audio, image, seconds=0.5).save_pretrained(path)
     return path

@@ -148,5 +148,5 @@ def save_tiny_qwen_omni(path: Path, extra_words: tuple[str, ...] = (), seed: int
     with torch.no_grad():  # an end token likely enough that some answers finish before the limit
         thinker.lm_head.weight[tokenizer.eos_token_id] *= 40.0  # type: ignore[attr-defined,index]
     audio, image = build_processors()
-    QwenOmniModel(thinker, tokenizer, audio, image).save_pretrained(path)
+    QwenOmniModel(thinker, tokenizer, audio, image, seconds=0.5).save_pretrained(path)
     return path

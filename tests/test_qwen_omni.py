@@ -11,6 +11,7 @@ filtered here), since nothing resamples audio.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -107,11 +108,7 @@ def asked_pair() -> list[AskedQuestion]:
 
 def test_the_family_loads_a_folder_and_checks_its_options(model_dir: Path, tmp_path: Path) -> None:
     from omni_diffusion_rl.models.qwen_omni import QwenOmniModel, QwenOmniPolicy
-
-    # Registered by decorators when models/families.py and evaluation/avqa.py are imported (above):
-    # the config check and the evaluator find them then; without those imports (`odrl train`) only
-    # pyproject.toml's entry points are known, so the family and its evaluation need entry points.
-    from omni_diffusion_rl.registry import evaluations, models
+    from omni_diffusion_rl.registry import evaluations, models  # found by pyproject's entry points
 
     assert "qwen2_5_omni" in models.names() and "qwen2_5_omni" in evaluations.names()
     policy, targets = build_policy(model_config(model_dir))
@@ -134,6 +131,13 @@ def test_the_family_loads_a_folder_and_checks_its_options(model_dir: Path, tmp_p
         ValueError, match="a clip of 4 frames and 8000 samples: the model reads 4 frames and 4000"
     ):
         policy.model.clip_tensors([at_16k])
+    with pytest.raises(ValueError, match="reads at most 1 s of sound a clip"):
+        QwenOmniModel.from_pretrained(model_dir, **(OPTIONS | {"seconds": 2.0}))
+    # a folder whose template comes as chat_template.json (Qwen's own layout) gives the same model
+    template = (tmp_path / "again" / "chat_template.jinja").read_text()
+    (tmp_path / "again" / "chat_template.jinja").unlink()
+    (tmp_path / "again" / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert QwenOmniModel.from_pretrained(tmp_path / "again", **OPTIONS).config == policy.model.config
 
 
 def test_behaviour_log_probs_equal_the_recompute_and_the_thinkers_own_forward(model_dir: Path) -> None:
@@ -350,3 +354,18 @@ def test_gspo_on_the_thinker_runs_in_the_async_modes(model_dir: Path, tmp_path: 
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 < r["answers/mean_tokens"] <= 4 for r in rows)
+
+
+def test_held_out_answers_in_small_batches_equal_one_batch(model_dir: Path) -> None:
+    """A real model answers held-out questions `answer_batch` at a time (memory); the answers are
+    those of one batch (each row keyed by its position, left padding masked)."""
+    from omni_diffusion_rl.evaluation.avqa import answer_questions
+    from omni_diffusion_rl.prompts import load_prompts
+
+    model = build_policy(model_config(model_dir))[0].model
+    prompts = load_prompts(str(QUESTIONS), "heldout", model.clip_format)[:6]
+    model.answer_batch = 2
+    small = answer_questions(model, prompts, 0, greedy=False, max_new_tokens=4)[0]
+    model.answer_batch = None
+    whole = answer_questions(model, prompts, 0, greedy=False, max_new_tokens=4)[0]
+    assert small == whole and len(small) == 6

@@ -31,10 +31,32 @@ def answer_questions(
 ) -> tuple[list[str], list[AskedQuestion], torch.Tensor, torch.Tensor]:
     """The model's answers to the questions `prompts` name (question-file keys, or prompts of the
     registered question set `questions`), the questions as asked, and the clips they are about
-    (video, waveform): each clip and sampling stream keyed by (seed, position)."""
+    (video, waveform): each clip and sampling stream keyed by (seed, position). A model that sets
+    `answer_batch` answers that many questions at a time (a real model's memory), the rest all at
+    once."""
     gens = [step_generator(seed, 0, i, "eval") for i in range(len(prompts))]
     asked = [ask(p, g, model.clip_format, questions) for p, g in zip(prompts, gens, strict=True)]
     video, audio = model.clip_tensors(asked)
+    size = getattr(model, "answer_batch", None) or len(prompts)
+    texts: list[str] = []
+    for at in range(0, len(prompts), size):
+        part = slice(at, at + size)
+        texts += _answer(
+            model, asked[part], video[part], audio[part], gens[part], greedy, max_new_tokens, temperature
+        )
+    return texts, asked, video, audio
+
+
+def _answer(
+    model: TinyOmniModel,
+    asked: list[AskedQuestion],
+    video: torch.Tensor,
+    audio: torch.Tensor,
+    gens: list[torch.Generator],
+    greedy: bool,
+    max_new_tokens: int,
+    temperature: float,
+) -> list[str]:
     device = next(model.parameters()).device
     prompted = model.prompt(video.to(device), audio.to(device), model.tokenize([q.text for q in asked]))
     out = sample_answers(
@@ -49,11 +71,10 @@ def answer_questions(
         generators=None if greedy else gens,
         **model.sampling_options(prompted),
     )
-    texts = [
+    return [
         model.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
         for row, m in zip(out.tokens, out.mask, strict=True)
     ]
-    return texts, asked, video, audio
 
 
 def avqa_accuracy(

@@ -35,8 +35,9 @@ through the thinker's own forward with `inputs_embeds` (it would set them from p
 the Qwen3 policy's `lm` (`DeepstackThinker`) runs the thinker's text model and head directly,
 with the deepstack features on the prompt's forward (`sample_answers(prompt_inputs=...)`) and on
 the teacher-forced recompute; answer tokens get none. Its 3D positions are the thinker's own
-`get_rope_index` (floats: a temporal patch of 0.25 s is 6.25 position ids at 25 a second; the
-answers continue from the largest, as the thinker's own generation does).
+`get_rope_index` (floats: a temporal patch of 0.25 s is 6.25 position ids at the config's
+`position_id_per_seconds` of the tiny test thinker, 25; the answers continue from the largest, as
+the thinker's own generation does).
 
 LoRA (Qwen3): the language model's attention projections (q/k/v/o_proj) only. The MoE experts are
 *not* adapted: they are fused 3D parameters (`mlp.experts.gate_up_proj` / `down_proj`, not
@@ -128,6 +129,7 @@ class QwenOmniModel(nn.Module):
     """The thinker, with its tokenizer, feature extractor and image processor attached."""
 
     peft_base = "thinker"  # `odrl export --format peft` writes the adapter for the bare thinker
+    answer_batch = 16  # held-out questions answered at a time: full-vocabulary logits are large
     family: ClassVar[str] = "qwen2_5_omni"
     thinker_class: ClassVar[str] = "Qwen2_5OmniThinkerForConditionalGeneration"  # in transformers
 
@@ -150,6 +152,12 @@ class QwenOmniModel(nn.Module):
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
         self.fps, self.seconds, self.frame_size = float(fps), float(seconds), int(frame_size)
         ClipFormat(self.fps, int(feature_extractor.sampling_rate), self.seconds)  # refuses a bad one now
+        chunk = getattr(feature_extractor, "chunk_length", None)
+        if chunk is not None and self.seconds > float(chunk):
+            raise ValueError(
+                f"seconds={self.seconds:g}: the feature extractor reads at most {chunk} s of sound a clip "
+                "(its chunk_length); a longer clip would be cut. Use seconds <= chunk_length"
+            )
         if frame_size < 1:
             raise ValueError(f"frame_size={frame_size}: a positive number of pixels")
         text = thinker.config.get_text_config()
@@ -162,11 +170,9 @@ class QwenOmniModel(nn.Module):
         special = {int(i) for i in tokenizer.all_special_ids} | set(self._placeholder_ids())
         special |= {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         special.discard(self.eos_id)
-        self.register_buffer(
-            "suppressed",
-            torch.tensor(sorted(special | set(range(len(tokenizer), text.vocab_size))), dtype=torch.long),
-            persistent=False,
-        )
+        never = special | set(range(len(tokenizer), text.vocab_size))
+        self.register_buffer("suppressed", torch.tensor(sorted(never), dtype=torch.long), persistent=False)
+        self._special_set = frozenset(never | {self.eos_id})  # what a question may not hold
         self._media_tokens: int | None = None
 
     # ---- identity -----------------------------------------------------------------------------
@@ -222,10 +228,6 @@ class QwenOmniModel(nn.Module):
                 raise ValueError(f"the question {text!r} holds a special token of the Qwen tokenizer")
             out.append(ids)
         return out
-
-    @property
-    def _special_set(self) -> set[int]:
-        return set(self.suppressed.tolist()) | {self.eos_id}
 
     def _template_ids(self) -> tuple[list[int], list[int]]:
         """The chat template's token ids before and after the question, one placeholder each."""
@@ -467,16 +469,37 @@ class QwenOmniModel(nn.Module):
             dtype=dtype,
             use_safetensors=True,  # never unpickles weights
         ).eval()
-        from ..checkpoint import read_bounded
-
-        template = None
-        local = Path(source)
-        if (local / TEMPLATE_FILE).is_file():
-            template = (local / TEMPLATE_FILE).read_text()
-        elif (local / "chat_template.json").is_file():
-            raw = json.loads(read_bounded(local / "chat_template.json", MAX_TEMPLATE_BYTES))
-            template = raw.get("chat_template") if isinstance(raw, dict) else None
+        template = _chat_template(source)
         return cls(thinker, tokenizer, feature_extractor, image_processor, template, **options)
+
+
+def _template_file(source: str, name: str) -> Path | None:
+    """`name` in a model folder, or in a hub id's files (the local cache when offline); None if absent."""
+    if Path(source).exists():
+        return Path(source) / name if (Path(source) / name).is_file() else None
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+    except OSError:
+        return None
+    return Path(found) if found else None
+
+
+def _chat_template(source: str) -> str | None:
+    """The model's own chat template (chat_template.jinja, else chat_template.json's), read with a
+    size bound, from a folder or a hub id; None when it has none (DEFAULT_CHAT_TEMPLATE is used)."""
+    from ..checkpoint import read_bounded
+
+    jinja = _template_file(source, TEMPLATE_FILE)
+    if jinja is not None:
+        return read_bounded(jinja, MAX_TEMPLATE_BYTES).decode("utf-8")
+    packed = _template_file(source, "chat_template.json")
+    if packed is None:
+        return None
+    raw = json.loads(read_bounded(packed, MAX_TEMPLATE_BYTES))
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
+    return template if isinstance(template, str) else None
 
 
 LM_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
