@@ -12,6 +12,7 @@ filtered here), since nothing resamples audio.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -369,3 +370,15 @@ def test_held_out_answers_in_small_batches_equal_one_batch(model_dir: Path) -> N
     model.answer_batch = None
     whole = answer_questions(model, prompts, 0, greedy=False, max_new_tokens=4)[0]
     assert small == whole and len(small) == 6
+
+
+def test_the_length_check_counts_positions_not_tokens(model_dir: Path) -> None:
+    """Qwen's video time positions can run ahead of the prompt's tokens: the check at start counts
+    the next position after the longest prompt."""
+    model = build_policy(model_config(model_dir))[0].model
+    question = model.tokenize(["what colour is the shape ? options : red green blue yellow purple cyan"])[0]
+    tokens = model.media_tokens + len(question)
+    assert model.prompt_length(question) >= tokens
+    video = torch.zeros(1, 4, 3, 28, 28)
+    prompted = model.prompt(video, torch.zeros(1, 1, 4000), [question])
+    assert model.prompt_length(question) == math.ceil(float(prompted.next_positions.max()))

@@ -194,7 +194,9 @@ class TextExperienceMaker:
                 f"algorithm.max_new_tokens={max_new_tokens}"
             )
         model = policy.model
-        longest = model.media_tokens + max(map(len, model.tokenize(texts)))
+        question = max(model.tokenize(texts), key=len)
+        span = getattr(model, "prompt_length", None)  # where positions can outrun tokens (3D rope)
+        longest = span(question) if span is not None else model.media_tokens + len(question)
         limit = int(model.lm.config.get_text_config().max_position_embeddings)
         if longest + max_new_tokens > limit:
             raise ConfigError(

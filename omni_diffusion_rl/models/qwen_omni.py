@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -334,6 +335,16 @@ class QwenOmniModel(nn.Module):
             )
             self._media_tokens = len(self._prompt_ids([], n_video[0], n_audio[0]))
         return self._media_tokens
+
+    @torch.no_grad()
+    def prompt_length(self, question: list[int]) -> int:
+        """The positions a prompt with this question takes: the next text position after it, which
+        the 3D rope's time positions can push past the prompt's token count."""
+        clip = self.clip_format
+        device = next(self.parameters()).device
+        video = torch.zeros(1, clip.frames, 3, self.frame_size, self.frame_size, device=device)
+        prompted = self.prompt(video, torch.zeros(1, clip.channels, clip.samples, device=device), [question])
+        return max(math.ceil(float(prompted.next_positions.max())), self.media_tokens + len(question))
 
     def _media_counts(
         self, vis: dict[str, torch.Tensor], aud: dict[str, torch.Tensor]
