@@ -185,9 +185,8 @@ class TextExperienceMaker:
         backend: AnswerBackend | None = None,
         questions: str = DEFAULT_QUESTIONS,
     ) -> None:
-        texts = [
-            question_text(p, questions) for p in prompts[:1000]
-        ]  # refuse a set that names no questions now
+        # a set that names no questions is refused now, not at the first step
+        texts = [question_text(p, questions) for p in prompts[:1000]]
         if min_new_tokens > max_new_tokens:
             raise ConfigError(
                 f"algorithm.min_new_tokens={min_new_tokens} is above "
