@@ -14,50 +14,23 @@ from pathlib import Path
 
 import torch
 
-from .qwen_omni_tiny import CORPUS, SPECIALS
+from . import qwen_omni_tiny
 
 FRAME_SIZE = 32  # one merged 2x2 group of 16-pixel patches per temporal patch
-NAMES = {  # Qwen2.5-Omni's marker -> Qwen3-Omni's, by the tokenizer attribute naming it
-    "audio_token": ("<|AUDIO|>", "<|audio_pad|>"),
-    "audio_bos_token": ("<|audio_bos|>", "<|audio_start|>"),
-    "audio_eos_token": ("<|audio_eos|>", "<|audio_end|>"),
-    "image_token": ("<|IMAGE|>", "<|image_pad|>"),
-    "video_token": ("<|VIDEO|>", "<|video_pad|>"),
-    "vision_bos_token": ("<|vision_bos|>", "<|vision_start|>"),
-    "vision_eos_token": ("<|vision_eos|>", "<|vision_end|>"),
+NAMES = {  # Qwen3-Omni's names for the media markers, by the tokenizer attribute naming each
+    "audio_token": "<|audio_pad|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
 }
 
 
-def _renamed(text: str) -> str:
-    for old, new in NAMES.values():
-        text = text.replace(old, new)
-    return text
-
-
 def build_tokenizer(extra_words: tuple[str, ...] = ()) -> object:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from omni_diffusion_rl.models.qwen_omni import DEFAULT_CHAT_TEMPLATE
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=[*map(_renamed, SPECIALS), *extra_words],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    core.train_from_iterator(CORPUS * 10, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        padding_side="left",
-        chat_template=_renamed(DEFAULT_CHAT_TEMPLATE),
-        **{attribute: name for attribute, (_, name) in NAMES.items()},
-    )
+    """tests/qwen_omni_tiny.py's tokenizer with Qwen3-Omni's marker names."""
+    return qwen_omni_tiny.build_tokenizer(extra_words, NAMES)
 
 
 def build_thinker(tokenizer: object) -> object:
@@ -128,30 +101,11 @@ def build_thinker(tokenizer: object) -> object:
     return Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
 
 
-def build_processors(sampling_rate: int = 8000) -> tuple[object, object]:
-    from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
-
-    audio = WhisperFeatureExtractor(
-        feature_size=32, sampling_rate=sampling_rate, hop_length=80, n_fft=400, chunk_length=1
-    )
-    image = Qwen2VLImageProcessorPil(
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
-    )
-    return audio, image
-
-
 def save_tiny_qwen3_omni(path: Path, extra_words: tuple[str, ...] = (), seed: int = 0) -> Path:
     """The tiny thinker, its tokenizer and processors in `path` (Qwen3OmniModel.save_pretrained)."""
     from omni_diffusion_rl.models.qwen_omni import Qwen3OmniModel
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(extra_words)
-    thinker = build_thinker(tokenizer)
-    with torch.no_grad():  # an end token likely enough that some answers finish before the limit
-        thinker.lm_head.weight[tokenizer.eos_token_id] *= 40.0  # type: ignore[attr-defined,index]
-    audio, image = build_processors()
-    Qwen3OmniModel(thinker, tokenizer, audio, image, seconds=0.5).save_pretrained(path)
-    return path
+    processors = qwen_omni_tiny.build_processors(patch_size=16)
+    return qwen_omni_tiny.save_model(path, Qwen3OmniModel, tokenizer, build_thinker(tokenizer), processors)

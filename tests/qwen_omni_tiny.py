@@ -35,18 +35,38 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(extra_words: tuple[str, ...] = ()) -> object:
+MARKERS = {  # the tokenizer attributes naming the media markers, and Qwen2.5-Omni's names for them
+    "audio_token": "<|AUDIO|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+}
+
+
+def build_tokenizer(extra_words: tuple[str, ...] = (), markers: dict[str, str] | None = None) -> object:
+    """The byte-level BPE tokenizer with the chat template; `markers` renames the media markers
+    (attribute -> name; Qwen3-Omni's names differ), in the special tokens and the template alike."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from omni_diffusion_rl.models.qwen_omni import DEFAULT_CHAT_TEMPLATE
+
+    names = MARKERS | (markers or {})
+
+    def renamed(text: str) -> str:
+        for attribute, old in MARKERS.items():
+            text = text.replace(old, names[attribute])
+        return text
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=[*SPECIALS, *extra_words],
+        special_tokens=[*map(renamed, SPECIALS), *extra_words],
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -56,14 +76,8 @@ def build_tokenizer(extra_words: tuple[str, ...] = ()) -> object:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         padding_side="left",
-        audio_token="<|AUDIO|>",
-        audio_bos_token="<|audio_bos|>",
-        audio_eos_token="<|audio_eos|>",
-        image_token="<|IMAGE|>",
-        video_token="<|VIDEO|>",
-        vision_bos_token="<|vision_bos|>",
-        vision_eos_token="<|vision_eos|>",
-        chat_template=DEFAULT_CHAT_TEMPLATE,
+        chat_template=renamed(DEFAULT_CHAT_TEMPLATE),
+        **names,
     )
 
 
@@ -123,17 +137,17 @@ def build_thinker(tokenizer: object) -> object:
     return Qwen2_5OmniThinkerForConditionalGeneration(config).eval()
 
 
-def build_processors(sampling_rate: int = 8000) -> tuple[object, object]:
+def build_processors(sampling_rate: int = 8000, patch_size: int = 14) -> tuple[object, object]:
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
     audio = WhisperFeatureExtractor(
         feature_size=32, sampling_rate=sampling_rate, hop_length=80, n_fft=400, chunk_length=1
     )
     image = Qwen2VLImageProcessorPil(
-        patch_size=14,
+        patch_size=patch_size,
         temporal_patch_size=2,
         merge_size=2,
-        size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
+        size={"shortest_edge": (2 * patch_size) ** 2, "longest_edge": (4 * patch_size) ** 2},
     )
     return audio, image
 
@@ -144,9 +158,15 @@ def save_tiny_qwen_omni(path: Path, extra_words: tuple[str, ...] = (), seed: int
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(extra_words)
-    thinker = build_thinker(tokenizer)
-    with torch.no_grad():  # an end token likely enough that some answers finish before the limit
+    return save_model(path, QwenOmniModel, tokenizer, build_thinker(tokenizer), build_processors())
+
+
+def save_model(
+    path: Path, model_class: type, tokenizer: object, thinker: object, processors: tuple[object, object]
+) -> Path:
+    """A tiny thinker saved by its family's model class, its end token made likely enough that some
+    answers finish before the limit."""
+    with torch.no_grad():
         thinker.lm_head.weight[tokenizer.eos_token_id] *= 40.0  # type: ignore[attr-defined,index]
-    audio, image = build_processors()
-    QwenOmniModel(thinker, tokenizer, audio, image, seconds=0.5).save_pretrained(path)
+    model_class(thinker, tokenizer, *processors, seconds=0.5).save_pretrained(path)
     return path
