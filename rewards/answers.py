@@ -28,7 +28,7 @@ from omni_diffusion_rl.answer_data.questions import (
 )
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.world.avqa import answer_options, parse_question
+from omni_diffusion_rl.world.avqa import parse_question
 
 
 def question_of(prompt: str) -> FileQuestion:
@@ -36,8 +36,7 @@ def question_of(prompt: str) -> FileQuestion:
     if is_file_key(prompt):
         return FileQuestion.from_key(prompt)
     q = parse_question(prompt)
-    choices = () if q.kind == "describe" else answer_options(q.kind)
-    return FileQuestion(question=q.text, answer=q.answer, choices=choices, category=q.kind)
+    return FileQuestion(question=q.text, answer=q.answer, choices=q.choices, category=q.kind)
 
 
 def _answers(media: MediaBatch) -> list[str]:

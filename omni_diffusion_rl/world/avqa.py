@@ -50,6 +50,11 @@ class Question:
         return f"{_ASK[self.kind]} ? options : {' '.join(answer_options(self.kind))}"
 
     @property
+    def choices(self) -> tuple[str, ...]:
+        """The options a multiple-choice question lists (a description lists none)."""
+        return () if self.kind == "describe" else answer_options(self.kind)
+
+    @property
     def answer(self) -> str:
         """The one right answer."""
         if self.kind == "describe":
@@ -155,5 +160,5 @@ def asked_question(prompt: str, gen: torch.Generator) -> AskedQuestion:
         category=question.kind,
         video=video[0],
         audio=synthesize_audio(amps)[0],
-        choices=() if question.kind == "describe" else answer_options(question.kind),
+        choices=question.choices,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..answer_data.clip_files import write_mp4, write_wav
-from .avqa import QUESTION_KINDS, Question, answer_options, split_scenes
+from .avqa import QUESTION_KINDS, Question, split_scenes
 from .tiny_clip import FPS, SAMPLE_RATE, synthesize_audio
 from .tiny_world import Scene, render_scene
 
@@ -58,8 +58,8 @@ def question_lines(clip: ExampleClip) -> list[dict[str, object]]:
             "question": q.text,
             "answer": q.answer,
         }
-        if kind != "describe":
-            line["choices"] = list(answer_options(kind))
+        if q.choices:
+            line["choices"] = list(q.choices)
         lines.append(line | {"category": kind, "split": clip.split})
     return lines
 
