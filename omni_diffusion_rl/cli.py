@@ -284,8 +284,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         from .models.tiny_omni import OMNI_BASE
         from .world.pretrain_omni import pretrain_omni_model
 
-        if args.teacher or args.label_noise is not None or args.parts is not None:
-            print("odrl pretrain: --omni takes no --teacher, --label-noise or --parts", file=sys.stderr)
+        diffusion_only = (args.label_noise, args.parts, args.prompt_dropout)
+        if args.teacher or any(option is not None for option in diffusion_only):
+            print(
+                "odrl pretrain: --omni takes no --teacher, --label-noise, --parts or --prompt-dropout",
+                file=sys.stderr,
+            )
             return 2
         stages = {
             "steps": 1500 if args.steps is None else args.steps,
@@ -302,6 +306,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
     if args.label_noise is not None:
         recipe["label_noise"] = args.label_noise
+    if args.prompt_dropout is not None:
+        recipe["prompt_dropout"] = args.prompt_dropout
     output = args.output or (TEACHER_WEIGHTS if args.teacher else BUILTIN_WEIGHTS)
     if args.parts is not None:
         if not args.parts:
@@ -902,6 +908,13 @@ def _add_pretrain(sub: Subcommands) -> None:
         default=None,
         help="learn only these parts of the latent (picture,visibility: a video-only teacher; "
         "spectrum,loudness: an audio-only one), for teacher.routes; needs --output",
+    )
+    pretrain.add_argument(
+        "--prompt-dropout",
+        type=float,
+        default=None,
+        help="share of clips trained on the empty prompt, so that classifier-free guidance works "
+        "(the teacher's recipe: 0.1; the base: 0)",
     )
     pretrain.add_argument(
         "--omni",

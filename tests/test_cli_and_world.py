@@ -61,6 +61,29 @@ def test_pretraining_is_reproducible(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_prompt_dropout_trains_on_the_empty_prompt(tmp_path: Path) -> None:
+    """prompt_dropout (for guidance): the empty prompt's velocity is trained toward the clips, so its
+    loss on held clips falls further than without dropout; a share outside [0, 1) is refused."""
+    small = {"dim": 32, "depth": 1, "heads": 2, "mlp_ratio": 2, "batch_size": 16, "progress": False}
+    for share in (0.0, 0.5):
+        out = tmp_path / str(share)
+        pretrain_base_model(out, steps=40, lr=3e-3, ema_decay=0.0, prompt_dropout=share, **small)
+    gen = torch.Generator().manual_seed(7)
+    _, video, amps = world.synthetic_clips(64, gen)
+    losses = {}
+    for share in (0.0, 0.5):
+        policy = TinyAVPolicy.from_pretrained(tmp_path / str(share))
+        x0 = policy.transformer.layout.encode(video, amps)
+        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(8))
+        t = torch.full((64,), 0.5)
+        with torch.no_grad():
+            v = policy.velocity((x0 + noise) / 2, t, policy.encode_prompts([""] * 64))
+        losses[share] = float(((v - (noise - x0)) ** 2).mean())
+    assert losses[0.5] < losses[0.0], losses
+    with pytest.raises(ValueError, match=r"prompt_dropout=1.0: give a share in \[0, 1\)"):
+        pretrain_base_model(tmp_path / "x", steps=1, prompt_dropout=1.0, **small)
+
+
 def test_the_latent_encodes_world_clips_exactly() -> None:
     layout = TinyAVPolicy.from_pretrained().transformer.layout
     prompts, video, amps = world.synthetic_clips(32, torch.Generator().manual_seed(3), label_noise=0.5)

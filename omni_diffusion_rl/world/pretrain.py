@@ -63,11 +63,15 @@ def pretrain_base_model(
     seed: int = 0,
     progress: bool = True,
     parts: list[str] | None = None,
+    prompt_dropout: float = 0.0,
     **model_config: object,
 ) -> dict[str, float]:
     """Train from scratch and save the moving average with save_pretrained; returns summary numbers.
     `parts`: learn only these parts of the latent (a video-only or audio-only teacher, for
-    teacher.routes); the others' velocity is left untrained."""
+    teacher.routes); the others' velocity is left untrained. `prompt_dropout`: the share of clips
+    trained on the empty prompt, so that it can be sampled with classifier-free guidance."""
+    if not 0.0 <= prompt_dropout < 1.0:
+        raise ValueError(f"prompt_dropout={prompt_dropout}: give a share in [0, 1), e.g. 0.1")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     noise_levels = DEFAULT_LABEL_NOISE if label_noise is None else label_noise
@@ -82,6 +86,9 @@ def pretrain_base_model(
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, steps, lr)
         prompts, video, amps = world.synthetic_clips(batch_size, gen, noise_levels)
+        if prompt_dropout > 0:
+            dropped = torch.rand(batch_size, generator=gen) < prompt_dropout
+            prompts = ["" if drop else prompt for prompt, drop in zip(prompts, dropped.tolist(), strict=True)]
         x0 = transformer.layout.encode(video, amps)
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.sigmoid(torch.randn(batch_size, generator=gen))  # logit-normal times
