@@ -232,7 +232,7 @@ class TeacherConfig:
     options: dict[str, Any] = _spec(
         {},
         "the teacher's options, e.g. {pretrained: builtin-teacher, cfg_scale: 1.0, device: cuda:1} "
-        "(policy's default: the shipped tiny teacher); in process, when no urls are given",
+        "(policy's default: the shipped tiny teacher, guided at 3); in process, when no urls are given",
     )
     urls: list[str] = _spec(
         [],

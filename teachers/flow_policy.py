@@ -22,7 +22,8 @@ from omni_diffusion_rl.teacher import CONVENTION, TeacherInfo, latent_layout
 class FlowPolicyTeacher:
     """family / pretrained: the model (default the tiny teacher, `odrl pretrain --teacher`);
     checkpoint: a training checkpoint whose trained adapter is used instead (its own model config);
-    cfg_scale: classifier-free guidance, v = v(empty) + s (v(prompt) - v(empty)) (1: off);
+    cfg_scale: classifier-free guidance, v = v(empty) + s (v(prompt) - v(empty)) (1: off; default
+    the shipped tiny teacher's measured TEACHER_GUIDANCE for builtin-teacher, else 1);
     device: where it runs; options: the family's model.options."""
 
     def __init__(
@@ -30,13 +31,15 @@ class FlowPolicyTeacher:
         family: str = "tiny_av",
         pretrained: str = "builtin-teacher",
         checkpoint: str | None = None,
-        cfg_scale: float = 1.0,
+        cfg_scale: float | None = None,
         device: str = "cpu",
         options: dict[str, Any] | None = None,
     ) -> None:
         from omni_diffusion_rl.inference import load_policy
         from omni_diffusion_rl.models import build_policy, left_in_place
 
+        if cfg_scale is None:
+            cfg_scale = default_guidance(family, pretrained, checkpoint)
         _check_options(cfg_scale, device, options)
         if checkpoint is not None:
             self.policy = load_policy(checkpoint)
@@ -104,6 +107,14 @@ class FlowPolicyTeacher:
             v_empty = self.policy.velocity(x_t, t, empty).float()
             v = guided_velocity(v, v_empty, self.cfg_scale)
         return v.cpu()
+
+
+def default_guidance(family: str, pretrained: str, checkpoint: str | None) -> float:
+    """The guidance of a teacher given none: the shipped tiny teacher's measured one, else off."""
+    from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE
+
+    shipped = checkpoint is None and family == "tiny_av" and pretrained == "builtin-teacher"
+    return TEACHER_GUIDANCE if shipped else 1.0
 
 
 def _check_options(cfg_scale: Any, device: Any, options: Any) -> None:
