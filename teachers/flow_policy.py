@@ -111,9 +111,10 @@ class FlowPolicyTeacher:
 
 def default_guidance(family: str, pretrained: str, checkpoint: str | None) -> float:
     """The guidance of a teacher given none: the shipped tiny teacher's measured one, else off."""
-    from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE
+    from omni_diffusion_rl.models.tiny_av import BUILTIN_NAMES, TEACHER_GUIDANCE, TEACHER_WEIGHTS
 
-    shipped = checkpoint is None and family == "tiny_av" and pretrained == "builtin-teacher"
+    where = BUILTIN_NAMES.get(pretrained, Path(pretrained))  # the name, or the shipped folder itself
+    shipped = checkpoint is None and family == "tiny_av" and where.resolve() == TEACHER_WEIGHTS.resolve()
     return TEACHER_GUIDANCE if shipped else 1.0
 
 

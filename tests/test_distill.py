@@ -12,7 +12,7 @@ import torch
 from omni_diffusion_rl.config import load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.teacher_targets import STATES, TEACHER_V, TeacherTargets, noised_states
-from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE
+from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE, TEACHER_WEIGHTS
 from omni_diffusion_rl.registry import teachers
 from omni_diffusion_rl.teacher import TeacherMismatch
 from omni_diffusion_rl.trainers.algorithms import state_weights
@@ -143,8 +143,8 @@ def test_a_teacher_answering_nan_or_the_wrong_shape_is_an_error(model_dir: Path)
 
 
 def test_the_shipped_teacher_is_guided_by_default_and_others_are_not(model_dir: Path) -> None:
-    """builtin-teacher without cfg_scale: its measured guidance, v = v(empty) + 3 (v(prompt) -
-    v(empty)); another model, or a cfg_scale given, as asked (1 is off)."""
+    """builtin-teacher (or its folder) without cfg_scale: its measured guidance, v = v(empty) + 3
+    (v(prompt) - v(empty)); another model, or a cfg_scale given, as asked (1 is off)."""
     shipped, plain = FlowPolicyTeacher(), FlowPolicyTeacher(cfg_scale=1)
     assert (shipped.cfg_scale, plain.cfg_scale) == (TEACHER_GUIDANCE, 1.0)
     assert shipped.info().fingerprint != plain.info().fingerprint
@@ -153,6 +153,7 @@ def test_the_shipped_teacher_is_guided_by_default_and_others_are_not(model_dir: 
     v_prompt, v_empty = plain.velocity(x, t, prompts), plain.velocity(x, t, ["", ""])
     torch.testing.assert_close(shipped.velocity(x, t, prompts), v_empty + 3 * (v_prompt - v_empty))
     assert FlowPolicyTeacher(pretrained=str(model_dir)).cfg_scale == 1.0
+    assert FlowPolicyTeacher(pretrained=str(TEACHER_WEIGHTS)).cfg_scale == TEACHER_GUIDANCE  # its folder
 
 
 def test_targets_are_the_teachers_velocity_at_the_students_states(model_dir: Path) -> None:
