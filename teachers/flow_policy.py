@@ -111,10 +111,13 @@ class FlowPolicyTeacher:
 
 def default_guidance(family: str, pretrained: str, checkpoint: str | None) -> float:
     """The guidance of a teacher given none: the shipped tiny teacher's measured one, else off."""
-    from omni_diffusion_rl.models.tiny_av import BUILTIN_NAMES, TEACHER_GUIDANCE, TEACHER_WEIGHTS
+    from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE, TEACHER_WEIGHTS, model_folder
 
-    where = BUILTIN_NAMES.get(pretrained, Path(pretrained))  # the name, or the shipped folder itself
-    shipped = checkpoint is None and family == "tiny_av" and where.resolve() == TEACHER_WEIGHTS.resolve()
+    shipped = (  # named builtin-teacher, or its folder itself
+        checkpoint is None
+        and family == "tiny_av"
+        and model_folder(pretrained).resolve() == TEACHER_WEIGHTS.resolve()
+    )
     return TEACHER_GUIDANCE if shipped else 1.0
 
 

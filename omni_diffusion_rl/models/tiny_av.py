@@ -31,6 +31,12 @@ TEACHER_GUIDANCE = 3.0
 BUILTIN_NAMES = {"builtin": BUILTIN_WEIGHTS, "builtin-teacher": TEACHER_WEIGHTS}
 
 
+def model_folder(name: str | Path) -> Path:
+    """The folder a tiny_av model name stands for: a shipped model's ('builtin', 'builtin-teacher')
+    or the path itself."""
+    return BUILTIN_NAMES.get(str(name), Path(name))
+
+
 class HashedWordTokenizer:
     """Words -> ids by a stable hash: works offline on any text, no vocabulary file."""
 
@@ -273,7 +279,7 @@ class TinyAVPolicy:
     def from_pretrained(cls, path: str | Path = "builtin") -> TinyAVPolicy:
         """Load 'builtin' (the shipped base model), 'builtin-teacher' (the shipped tiny teacher) or a
         directory written by save_pretrained."""
-        path = BUILTIN_NAMES.get(str(path), Path(path))
+        path = model_folder(path)
         if not (path / "config.json").is_file():
             command = {BUILTIN_WEIGHTS: "odrl pretrain", TEACHER_WEIGHTS: "odrl pretrain --teacher"}.get(path)
             hint = f" Run `{command}` to create it." if command else ""
