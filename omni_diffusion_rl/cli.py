@@ -308,6 +308,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         recipe["label_noise"] = args.label_noise
     if args.prompt_dropout is not None:
         recipe["prompt_dropout"] = args.prompt_dropout
+        if not args.prompt_dropout:  # no empty prompt learned: no guidance to recommend
+            recipe.pop("guidance", None)
     output = args.output or (TEACHER_WEIGHTS if args.teacher else BUILTIN_WEIGHTS)
     if args.parts is not None:
         if not args.parts:

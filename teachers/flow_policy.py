@@ -23,7 +23,7 @@ class FlowPolicyTeacher:
     """family / pretrained: the model (default the tiny teacher, `odrl pretrain --teacher`);
     checkpoint: a training checkpoint whose trained adapter is used instead (its own model config);
     cfg_scale: classifier-free guidance, v = v(empty) + s (v(prompt) - v(empty)) (1: off; default
-    the shipped tiny teacher's measured TEACHER_GUIDANCE for builtin-teacher, else 1);
+    the model folder's recommended one, its guidance.json: 3 for builtin-teacher, else 1);
     device: where it runs; options: the family's model.options."""
 
     def __init__(
@@ -110,15 +110,20 @@ class FlowPolicyTeacher:
 
 
 def default_guidance(family: str, pretrained: str, checkpoint: str | None) -> float:
-    """The guidance of a teacher given none: the shipped tiny teacher's measured one, else off."""
-    from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE, TEACHER_WEIGHTS, model_folder
+    """The guidance of a teacher given none: what its model folder recommends (guidance.json, which
+    `odrl pretrain` writes for a model trained with prompt dropout; the shipped teacher's is 3), else
+    off. A checkpoint's adapter, a hub id or a folder without the file: off."""
+    from omni_diffusion_rl.models.folder_guidance import FolderGuidanceError, read_folder_guidance
+    from omni_diffusion_rl.models.tiny_av import model_folder
 
-    shipped = (  # named builtin-teacher, or its folder itself
-        checkpoint is None
-        and family == "tiny_av"
-        and model_folder(pretrained).resolve() == TEACHER_WEIGHTS.resolve()
-    )
-    return TEACHER_GUIDANCE if shipped else 1.0
+    if checkpoint is not None:
+        return 1.0
+    folder = model_folder(pretrained) if family == "tiny_av" else Path(pretrained)
+    try:
+        recommended = read_folder_guidance(folder) if folder.is_dir() else None
+    except FolderGuidanceError as e:
+        raise ConfigError(f"teacher 'policy': {e} (or give teacher.options.cfg_scale)") from e
+    return 1.0 if recommended is None else recommended
 
 
 def _check_options(cfg_scale: Any, device: Any, options: Any) -> None:

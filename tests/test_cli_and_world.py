@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from omni_diffusion_rl.models.folder_guidance import read_folder_guidance
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.world import tiny_world as world
 from omni_diffusion_rl.world.pretrain import pretrain_base_model
@@ -82,6 +83,18 @@ def test_prompt_dropout_trains_on_the_empty_prompt(tmp_path: Path) -> None:
     assert losses[0.5] < losses[0.0], losses
     with pytest.raises(ValueError, match=r"prompt_dropout=1.0: give a share in \[0, 1\)"):
         pretrain_base_model(tmp_path / "x", steps=1, prompt_dropout=1.0, **small)
+
+
+def test_pretraining_records_its_recommended_guidance_in_the_folder(tmp_path: Path) -> None:
+    """guidance= writes guidance.json (what a teacher uses when given none); a model without the empty
+    prompt may not recommend any, and a folder retrained without guidance loses the old file."""
+    small = {"dim": 32, "depth": 1, "heads": 2, "mlp_ratio": 2, "batch_size": 8, "progress": False}
+    pretrain_base_model(tmp_path, steps=2, prompt_dropout=0.2, guidance=2.5, **small)
+    assert read_folder_guidance(tmp_path) == 2.5
+    pretrain_base_model(tmp_path, steps=2, prompt_dropout=0.2, **small)
+    assert read_folder_guidance(tmp_path) is None and not (tmp_path / "guidance.json").exists()
+    with pytest.raises(ValueError, match=r"guidance=3.0 needs a model trained on the empty prompt"):
+        pretrain_base_model(tmp_path / "y", steps=1, guidance=3.0, **small)
 
 
 def test_the_latent_encodes_world_clips_exactly() -> None:

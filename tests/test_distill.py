@@ -4,12 +4,13 @@ targets follow the student's states, and a different teacher pulls the student t
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from omni_diffusion_rl.config import load_config
+from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.teacher_targets import STATES, TEACHER_V, TeacherTargets, noised_states
 from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE, TEACHER_WEIGHTS
@@ -154,6 +155,34 @@ def test_the_shipped_teacher_is_guided_by_default_and_others_are_not(model_dir: 
     torch.testing.assert_close(shipped.velocity(x, t, prompts), v_empty + 3 * (v_prompt - v_empty))
     assert FlowPolicyTeacher(pretrained=str(model_dir)).cfg_scale == 1.0
     assert FlowPolicyTeacher(pretrained=str(TEACHER_WEIGHTS)).cfg_scale == TEACHER_GUIDANCE  # its folder
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ('{"cfg_scale": 2.0}', None),
+        ('{"cfg_scale": 1e9}', r"cfg_scale 1000000000.0 is outside \[1, 20\]"),
+        ('{"cfg_scale": NaN}', "must be a finite number"),
+        ('{"cfg_scale": "3"}', "must be a finite number"),
+        ('{"cfg_scale": 3, "url": "http://x"}', r"give exactly \{\"cfg_scale\": <number>\}"),
+        ("[" * 5000, "over 1024 bytes"),
+        ("{cfg_scale: 3", "not JSON"),
+    ],
+)
+def test_a_model_folder_recommends_its_guidance_bounded_and_checked(
+    model_dir: Path, tmp_path: Path, content: str, error: str | None
+) -> None:
+    """A folder's guidance.json is the teacher's default guidance; anything but one number in
+    [1, 20] is refused, naming the file; a cfg_scale given wins over it."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    (folder / "guidance.json").write_text(content)
+    if error is None:
+        assert FlowPolicyTeacher(pretrained=str(folder)).cfg_scale == 2.0
+    else:
+        with pytest.raises(ConfigError, match=rf"guidance.json: .*{error}"):
+            FlowPolicyTeacher(pretrained=str(folder))
+    assert FlowPolicyTeacher(pretrained=str(folder), cfg_scale=1.5).cfg_scale == 1.5
 
 
 def test_targets_are_the_teachers_velocity_at_the_students_states(model_dir: Path) -> None:

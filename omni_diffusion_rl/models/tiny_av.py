@@ -26,8 +26,9 @@ BUILTIN_WEIGHTS = Path(__file__).resolve().parent.parent / "assets" / "tiny_av_b
 TEACHER_WEIGHTS = BUILTIN_WEIGHTS.parent / "tiny_av_teacher"
 """The shipped tiny teacher (`odrl pretrain --teacher`): larger, trained on clean labels."""
 TEACHER_GUIDANCE = 3.0
-"""The shipped teacher's classifier-free guidance when none is given (teacher 'policy'): measured
-(docs/algorithms.md), held-out all four right 0.766 unguided, 0.883 at 2, 0.906 at 3, 0.902 at 4."""
+"""The tiny teacher's recommended classifier-free guidance, which `odrl pretrain --teacher` writes to
+its folder (guidance.json) and teacher 'policy' uses when none is given: measured (docs/algorithms.md),
+held-out all four right 0.766 unguided, 0.883 at 2, 0.906 at 3, 0.902 at 4."""
 BUILTIN_NAMES = {"builtin": BUILTIN_WEIGHTS, "builtin-teacher": TEACHER_WEIGHTS}
 
 

@@ -17,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms.nft import flow_matching_loss
-from ..models.tiny_av import BUILTIN_WEIGHTS, TinyAVPolicy, TinyAVTransformer
+from ..models.folder_guidance import GUIDANCE_FILE, write_folder_guidance
+from ..models.tiny_av import BUILTIN_WEIGHTS, TEACHER_GUIDANCE, TinyAVPolicy, TinyAVTransformer
 from . import tiny_world as world
 
 # Chosen by measurement (docs/tiny-world.md): base accuracy well below what post-training
@@ -29,11 +30,12 @@ TEACHER_RECIPE: dict[str, object] = {
     "depth": 6,
     "heads": 4,
     "prompt_dropout": 0.1,
+    "guidance": TEACHER_GUIDANCE,
 }
 """The tiny teacher: clean labels and about 2.7x the base's compute per forward (dim 128 x 6 blocks
 against 96 x 4), so it knows every attribute and its time is a real share of a distillation step;
-one clip in ten on the empty prompt, so that it is sampled and asked with guidance
-(models.tiny_av.TEACHER_GUIDANCE)."""
+one clip in ten on the empty prompt, so that it is sampled and asked with guidance, which its folder
+recommends (guidance.json: models.tiny_av.TEACHER_GUIDANCE)."""
 
 
 def trained_entries(layout_parts: dict[str, tuple[int, int]], parts: list[str] | None) -> torch.Tensor:
@@ -67,14 +69,20 @@ def pretrain_base_model(
     progress: bool = True,
     parts: list[str] | None = None,
     prompt_dropout: float = 0.0,
+    guidance: float | None = None,
     **model_config: object,
 ) -> dict[str, float]:
     """Train from scratch and save the moving average with save_pretrained; returns summary numbers.
     `parts`: learn only these parts of the latent (a video-only or audio-only teacher, for
     teacher.routes); the others' velocity is left untrained. `prompt_dropout`: the share of clips
-    trained on the empty prompt, so that it can be sampled with classifier-free guidance."""
+    trained on the empty prompt, so that it can be sampled with classifier-free guidance; `guidance`:
+    the guidance written to the folder as its recommended one (guidance.json), which needs it."""
     if not 0.0 <= prompt_dropout < 1.0:
         raise ValueError(f"prompt_dropout={prompt_dropout}: give a share in [0, 1), e.g. 0.1")
+    if guidance is not None and guidance != 1.0 and prompt_dropout == 0:
+        raise ValueError(
+            f"guidance={guidance} needs a model trained on the empty prompt: set prompt_dropout, e.g. 0.1"
+        )
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     noise_levels = DEFAULT_LABEL_NOISE if label_noise is None else label_noise
@@ -108,4 +116,8 @@ def pretrain_base_model(
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.4f}")
     average.save_pretrained(output_dir)
+    if guidance is not None and guidance != 1.0:
+        write_folder_guidance(output_dir, guidance)
+    else:  # an earlier model's recommendation in this folder no longer holds
+        (Path(output_dir) / GUIDANCE_FILE).unlink(missing_ok=True)
     return {"final_loss": float(loss_ema), "seconds": time.time() - start, "steps": steps}
