@@ -284,10 +284,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         from .models.tiny_omni import OMNI_BASE
         from .world.pretrain_omni import pretrain_omni_model
 
-        diffusion_only = (args.label_noise, args.parts, args.prompt_dropout)
+        diffusion_only = (args.label_noise, args.parts, args.prompt_dropout, args.dim, args.depth, args.heads)
         if args.teacher or any(option is not None for option in diffusion_only):
             print(
-                "odrl pretrain: --omni takes no --teacher, --label-noise, --parts or --prompt-dropout",
+                "odrl pretrain: --omni takes no --teacher, --label-noise, --parts, --prompt-dropout, "
+                "--dim, --depth or --heads",
                 file=sys.stderr,
             )
             return 2
@@ -301,11 +302,13 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.encoder_steps is not None or args.align_steps is not None:
         print("odrl pretrain: --encoder-steps and --align-steps are stages of --omni", file=sys.stderr)
         return 2
-    from .world.pretrain import TEACHER_RECIPE, pretrain_base_model
+    from .world.pretrain import TEACHER_RECIPE, check_pretrain_options, pretrain_base_model
 
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
     if args.label_noise is not None:
         recipe["label_noise"] = args.label_noise
+    size = {key: getattr(args, key) for key in ("dim", "depth", "heads")}
+    recipe.update({key: value for key, value in size.items() if value is not None})
     if args.prompt_dropout is not None:
         recipe["prompt_dropout"] = args.prompt_dropout
         if not args.prompt_dropout:  # no empty prompt learned: no guidance to recommend
@@ -319,6 +322,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
             print("odrl pretrain: --parts makes a partial model; give it its own --output", file=sys.stderr)
             return 2
         recipe["parts"] = args.parts
+    try:
+        check_pretrain_options(**recipe)  # type: ignore[arg-type]
+    except ValueError as e:
+        print(f"odrl pretrain: {e}", file=sys.stderr)
+        return 2
     result = pretrain_base_model(output, steps=args.steps or 6000, seed=args.seed, **recipe)
     print(json.dumps(result))
     return 0
@@ -918,6 +926,12 @@ def _add_pretrain(sub: Subcommands) -> None:
         help="share of clips trained on the empty prompt, so that classifier-free guidance works "
         "(the teacher's recipe: 0.1; the base: 0)",
     )
+    for flag, what in (
+        ("--dim", "width (base 96, teacher 128)"),
+        ("--depth", "blocks (base 4, teacher 6)"),
+        ("--heads", "attention heads (4); --dim must be a multiple"),
+    ):
+        pretrain.add_argument(flag, type=int, default=None, help=f"the model's {what}")
     pretrain.add_argument(
         "--omni",
         action="store_true",

@@ -31,6 +31,26 @@ def test_pretrain_writes_a_loadable_model_and_lowers_the_loss(tmp_path: Path) ->
     assert v.shape == (2, dim) and torch.isfinite(v).all()
 
 
+def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(tmp_path: Path) -> None:
+    """--dim/--depth/--heads size the model; --teacher's folder recommends guidance 3 unless it
+    learned no empty prompt; a size that cannot work is refused before any training."""
+
+    def pretrain(*extra: str) -> subprocess.CompletedProcess:
+        command = odrl("pretrain", "--steps", "1", "--dim", "32", "--depth", "1", "--heads", "2", *extra)
+        return subprocess.run(command, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    guided, unguided = tmp_path / "guided", tmp_path / "unguided"
+    assert pretrain("--teacher", "--output", str(guided)).returncode == 0
+    config = json.loads((guided / "config.json").read_text())
+    assert (config["dim"], config["depth"], config["heads"]) == (32, 1, 2)
+    assert read_folder_guidance(guided) == 3.0
+    assert pretrain("--teacher", "--prompt-dropout", "0", "--output", str(unguided)).returncode == 0
+    assert read_folder_guidance(unguided) is None
+    bad = pretrain("--heads", "5", "--output", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "dim 32 must be a multiple of heads 5" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_partial_pretraining_learns_only_its_parts(tmp_path: Path) -> None:
     """--parts spectrum,loudness: the picture's head gets no gradient and stays the init's; the
     pitch head learns (a tiny audio-only teacher for teacher.routes)."""

@@ -10,6 +10,7 @@ diffusion models).
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from pathlib import Path
 
@@ -36,6 +37,24 @@ TEACHER_RECIPE: dict[str, object] = {
 against 96 x 4), so it knows every attribute and its time is a real share of a distillation step;
 one clip in ten on the empty prompt, so that it is sampled and asked with guidance, which its folder
 recommends (guidance.json: models.tiny_av.TEACHER_GUIDANCE)."""
+
+
+def check_pretrain_options(
+    prompt_dropout: float = 0.0, guidance: float | None = None, **model_config: object
+) -> None:
+    """Refuse, before any training, options that cannot work (ValueError naming the fix)."""
+    if not 0.0 <= prompt_dropout < 1.0:
+        raise ValueError(f"prompt_dropout={prompt_dropout}: give a share in [0, 1), e.g. 0.1")
+    if guidance is not None and guidance != 1.0 and prompt_dropout == 0:
+        raise ValueError(
+            f"guidance={guidance} needs a model trained on the empty prompt: set prompt_dropout, e.g. 0.1"
+        )
+    defaults = {k: p.default for k, p in inspect.signature(TinyAVTransformer.__init__).parameters.items()}
+    size = {key: model_config.get(key, defaults[key]) for key in ("dim", "depth", "heads")}
+    if any(not isinstance(v, int) or v < 1 for v in size.values()):
+        raise ValueError(f"dim, depth and heads must be positive whole numbers; got {size}")
+    if size["dim"] % size["heads"]:  # type: ignore[operator]
+        raise ValueError(f"dim {size['dim']} must be a multiple of heads {size['heads']}")
 
 
 def trained_entries(layout_parts: dict[str, tuple[int, int]], parts: list[str] | None) -> torch.Tensor:
@@ -77,12 +96,7 @@ def pretrain_base_model(
     teacher.routes); the others' velocity is left untrained. `prompt_dropout`: the share of clips
     trained on the empty prompt, so that it can be sampled with classifier-free guidance; `guidance`:
     the guidance written to the folder as its recommended one (guidance.json), which needs it."""
-    if not 0.0 <= prompt_dropout < 1.0:
-        raise ValueError(f"prompt_dropout={prompt_dropout}: give a share in [0, 1), e.g. 0.1")
-    if guidance is not None and guidance != 1.0 and prompt_dropout == 0:
-        raise ValueError(
-            f"guidance={guidance} needs a model trained on the empty prompt: set prompt_dropout, e.g. 0.1"
-        )
+    check_pretrain_options(prompt_dropout=prompt_dropout, guidance=guidance, **model_config)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     noise_levels = DEFAULT_LABEL_NOISE if label_noise is None else label_noise
