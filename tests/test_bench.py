@@ -148,6 +148,11 @@ def test_teacher_bench_compares_schedules_and_replicas(
         schedule["one_step_off"]["staleness"]["median"] == 1
         and schedule["overlap"]["staleness"]["median"] == 0
     )
+    served = report["schedule_teacher_server"]  # the same schedules, the teacher a server
+    assert served["service_ms_per_batch"] > 0 and served["one_step_off"]["staleness"]["median"] == 1
+    for name in SCHEDULES:
+        assert served[name]["trained"]["median"] == 12 and served[name]["teacher_s_per_step"]["median"] > 0
+    assert math.isfinite(served["hidden_share_of_teacher_time_one_step_off"]["median"])
     assert set(report["replicas"]) == {
         "compute-bound",
         "service 100 ms per batch (remote accelerator stand-in)",
@@ -157,4 +162,5 @@ def test_teacher_bench_compares_schedules_and_replicas(
         # the lone replica computes on the host's cores, each of two on half of them
         assert row["threads"] == {"1 replica": thread_share(1), "2 replicas, each": thread_share(2)}
     out = capsys.readouterr().out
-    assert "teacher time hidden" in out and f"| {thread_share(1)} / {thread_share(2)} |" in out
+    assert "teacher time hidden" in out and "teacher server, 100 ms per batch" in out
+    assert f"| {thread_share(1)} / {thread_share(2)} |" in out

@@ -8,7 +8,11 @@ replica adds.
    on rollouts one update old); and blocking after each chunk (teacher.overlap=false, the reference
    release's schedule). Reported: steady seconds per trained sample of each, the teacher's own
    seconds, the wait for targets, the staleness, and the share of the blocking run's teacher time
-   each schedule hid: (blocking - schedule) / teacher seconds per step.
+   each schedule hid: (blocking - schedule) / teacher seconds per step. Twice: the teacher in the
+   training process (its compute shares the host's cores with training, so on a small CPU host no
+   schedule can hide all of it), and the same teacher as an `odrl serve-teacher` process on one
+   thread with a fixed SERVER_SERVICE_MS per batch (a remote accelerator's stand-in, as on a
+   cluster where teachers have their own devices).
 2. Replicas: teacher throughput (states per second) through 1 and 2 `odrl serve-teacher` processes
    on 127.0.0.1, compute-bound and with `--service-ms` (a fixed time per batch standing in for a
    remote accelerator: on 2 CPU cores two compute-bound replicas share the same cores). Each server
@@ -26,6 +30,7 @@ from typing import Any
 from ..runtime.threads import thread_share
 from .common import DEFAULT_CONFIG, QUIET, compare_paired, machine_info, median, spread
 
+SERVER_SERVICE_MS = 100  # the schedules' teacher server: a fixed time per batch (a remote accelerator)
 SCHEDULES = {
     "overlap": ("teacher.overlap=true",),
     "one_step_off": ("teacher.overlap=true", "teacher.one_step_off=true"),
@@ -87,21 +92,12 @@ def _throughput(urls: list[str], states: int, request_samples: int, rounds: int)
     return out
 
 
-def run_teacher_bench(
-    output: Path,
-    config: str | None = DEFAULT_CONFIG,
-    overrides: list[str] | None = None,
-    steps: int = 12,
-    repeats: int = 3,
-    states: int = 512,
+def _schedule_bench(
+    config: str | None, overrides: list[str], steps: int, repeats: int, base: Path
 ) -> dict[str, Any]:
-    """Both parts; prints a table, writes JSON."""
-    from ..serving.process import ServerProcess
-
-    overrides = ["sampling.rollout_chunks=2", *(overrides or [])]  # chunks: what the teacher overlaps with
-    base = output.parent / "teacher_runs"
+    """The three schedules in interleaved rounds, each round opened by the other end."""
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in SCHEDULES}
-    for k in range(repeats):  # interleaved, each round opened by the other schedule
+    for k in range(repeats):
         order = list(SCHEDULES) if k % 2 == 0 else list(reversed(SCHEDULES))
         for name in order:
             rounds[name].append(_schedule_run(config, overrides, name, steps, base / f"{name}_{k}"))
@@ -120,6 +116,39 @@ def run_teacher_bench(
                 for r, b in zip(runs, blocking, strict=True)
             ]
         )
+    return schedule
+
+
+def run_teacher_bench(
+    output: Path,
+    config: str | None = DEFAULT_CONFIG,
+    overrides: list[str] | None = None,
+    steps: int = 12,
+    repeats: int = 3,
+    states: int = 512,
+) -> dict[str, Any]:
+    """Both parts; prints a table, writes JSON."""
+    from ..config import load_config
+    from ..serving.process import ServerProcess
+
+    overrides = ["sampling.rollout_chunks=2", *(overrides or [])]  # chunks: what the teacher overlaps with
+    base = output.parent / "teacher_runs"
+    schedule = _schedule_bench(config, overrides, steps, repeats, base / "in_process")
+    teacher = load_config(config, overrides).teacher
+    with ServerProcess(
+        [teacher.name],
+        "--options",
+        json.dumps(teacher.options),
+        "--max-batch",
+        "64",
+        "--threads",
+        "1",
+        "--service-ms",
+        str(SERVER_SERVICE_MS),
+        command="serve-teacher",
+    ) as server:
+        served = [*overrides, f"teacher.urls=[{server.url}]"]
+        schedule_server = _schedule_bench(config, served, steps, repeats, base / "server")
     replicas: dict[str, Any] = {}
     server: dict[str, Any] = {"command": "serve-teacher"}
     for label, extra in (
@@ -147,6 +176,7 @@ def run_teacher_bench(
         "steps": steps,
         "repeats": repeats,
         "schedule": schedule,
+        "schedule_teacher_server": {"service_ms_per_batch": SERVER_SERVICE_MS, **schedule_server},
         "replicas": replicas,
     }
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -170,12 +200,20 @@ def _table(result: dict[str, Any]) -> str:
             f"{_fmt(r['teacher_wait_s_per_step'])} | {r['staleness']['median']:g} |"
         )
     lines.append("")
-    for name in ("overlap", "one_step_off"):
-        versus, hidden = s[f"{name}_vs_blocking_s_per_sample"], s[f"hidden_share_of_teacher_time_{name}"]
-        lines.append(
-            f"{name} vs blocking: {versus['median']:+.1%} [{versus['min']:+.1%}, {versus['max']:+.1%}] "
-            f"({versus['verdict']}); teacher time hidden: {_fmt(hidden, pct=True)}"
-        )
+    served = result["schedule_teacher_server"]
+    for where, figures in (
+        ("in-process teacher (shares the host's cores)", s),
+        (f"teacher server, {served['service_ms_per_batch']} ms per batch (a remote accelerator)", served),
+    ):
+        lines.append(f"{where}:")
+        for name in ("overlap", "one_step_off"):
+            versus = figures[f"{name}_vs_blocking_s_per_sample"]
+            hidden = figures[f"hidden_share_of_teacher_time_{name}"]
+            lines.append(
+                f"  {name} vs blocking: {versus['median']:+.1%} [{versus['min']:+.1%}, {versus['max']:+.1%}] "
+                f"({versus['verdict']}); teacher time hidden: {_fmt(hidden, pct=True)}; waited "
+                f"{_fmt(figures[name]['teacher_wait_s_per_step'])} s per step"
+            )
     lines.append("")
     lines += [
         "| teacher servers | 1 replica states/s | 2 replicas states/s | speed-up | threads (1 / each of 2) |",
