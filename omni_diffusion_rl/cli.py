@@ -278,7 +278,7 @@ def _label_noise(text: str) -> dict[str, float]:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from .models.tiny_av import BUILTIN_WEIGHTS, TEACHER_WEIGHTS
+    from .models.tiny_av import BUILTIN_WEIGHTS, SHIPPED_PART_TEACHERS, TEACHER_WEIGHTS
 
     if args.omni:
         from .models.tiny_omni import OMNI_BASE
@@ -318,9 +318,15 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         if not args.parts:
             print("odrl pretrain: --parts names no part (e.g. --parts spectrum,loudness)", file=sys.stderr)
             return 2
-        if args.output is None:
-            print("odrl pretrain: --parts makes a partial model; give it its own --output", file=sys.stderr)
+        shipped = SHIPPED_PART_TEACHERS.get(frozenset(args.parts)) if args.teacher else None
+        if args.output is None and shipped is None:
+            print(
+                "odrl pretrain: --parts makes a partial model; give it its own --output (only --teacher "
+                "with picture,visibility or spectrum,loudness has a shipped location)",
+                file=sys.stderr,
+            )
             return 2
+        output = args.output or shipped
         recipe["parts"] = args.parts
     try:
         check_pretrain_options(**recipe)  # type: ignore[arg-type]
@@ -917,7 +923,8 @@ def _add_pretrain(sub: Subcommands) -> None:
         type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
         default=None,
         help="learn only these parts of the latent (picture,visibility: a video-only teacher; "
-        "spectrum,loudness: an audio-only one), for teacher.routes; needs --output",
+        "spectrum,loudness: an audio-only one), for teacher.routes; with --teacher these two default "
+        "to the shipped builtin-teacher-video / builtin-teacher-audio locations, others need --output",
     )
     pretrain.add_argument(
         "--prompt-dropout",

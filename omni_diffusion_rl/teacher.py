@@ -17,6 +17,8 @@ import torch
 
 CONVENTION = "flow: x_t = (1 - t) x0 + t noise, v = noise - x0, t = 1 noise"
 """The only convention teachers and students use here (adapters convert models that differ)."""
+MAX_PARTS = 32
+"""The most latent parts a teacher may name as trained (TeacherInfo.trained_parts)."""
 PROBE_MIN_COSINE = 0.2
 """cos(v(noise, t = 1), noise) of a sane model is clearly positive (v = noise - E[x0])."""
 
@@ -31,20 +33,30 @@ class TeacherInfo:
     layout: str  # what the latent's entries mean (model family and data dimensions)
     convention: str
     fingerprint: str  # of the teacher's weights and config
+    trained_parts: tuple[str, ...] | None = None  # the latent parts it was trained on (None: all)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "latent_shape": list(self.latent_shape)}
+        parts = None if self.trained_parts is None else list(self.trained_parts)
+        return {**asdict(self), "latent_shape": list(self.latent_shape), "trained_parts": parts}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TeacherInfo:
         try:
+            parts = data.get("trained_parts")
+            if parts is not None and (
+                not isinstance(parts, list)
+                or len(parts) > MAX_PARTS
+                or not all(isinstance(p, str) and len(p) <= 64 for p in parts)
+            ):
+                raise ValueError(f"trained_parts (at most {MAX_PARTS} names): {parts!r:.100}")
             return cls(
                 latent_shape=tuple(int(d) for d in data["latent_shape"]),
                 layout=str(data["layout"]),
                 convention=str(data["convention"]),
                 fingerprint=str(data["fingerprint"]),
+                trained_parts=None if parts is None else tuple(parts),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise TeacherMismatch(f"a teacher described itself without a usable {e}: {data!r:.300}") from e
 
 
@@ -86,6 +98,19 @@ def check_pair(student: TeacherInfo, teacher: TeacherInfo) -> None:
         problems.append(f"convention '{teacher.convention}' against '{student.convention}'")
     if problems:
         raise TeacherMismatch("the teacher does not fit the student: " + "; ".join(problems))
+
+
+def check_trained_parts(info: TeacherInfo, needed: list[str], who: str) -> None:
+    """Refuse a teacher asked for latent parts it was not trained on (their heads are untrained, and
+    the convention probe cannot tell: an untrained head of a sample-predicting model passes it)."""
+    if info.trained_parts is None:
+        return
+    missing = [part for part in needed if part not in info.trained_parts]
+    if missing:
+        raise TeacherMismatch(
+            f"the {who} was trained on {', '.join(info.trained_parts)} only, not {', '.join(missing)}: "
+            "route it to its parts (teacher.routes) and give the others a teacher trained on them"
+        )
 
 
 def probe_convention(

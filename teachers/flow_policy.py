@@ -72,6 +72,7 @@ class FlowPolicyTeacher:
             layout=latent_layout(self.policy),
             convention=CONVENTION,
             fingerprint=_fingerprint(self.policy.transformer, {**source, "cfg_scale": self.cfg_scale}),
+            trained_parts=trained_parts(family, pretrained, checkpoint),
         )
 
     def info(self) -> TeacherInfo:
@@ -109,21 +110,39 @@ class FlowPolicyTeacher:
         return v.cpu()
 
 
+def model_folder_of(family: str, pretrained: str, checkpoint: str | None) -> Path | None:
+    """The local folder of a teacher's model, or None (a checkpoint's adapter, a hub id)."""
+    from omni_diffusion_rl.models.tiny_av import model_folder
+
+    if checkpoint is not None:
+        return None
+    folder = model_folder(pretrained) if family == "tiny_av" else Path(pretrained)
+    return folder if folder.is_dir() else None
+
+
 def default_guidance(family: str, pretrained: str, checkpoint: str | None) -> float:
     """The guidance of a teacher given none: what its model folder recommends (guidance.json, which
     `odrl pretrain` writes for a model trained with prompt dropout; the shipped teacher's is 3), else
     off. A checkpoint's adapter, a hub id or a folder without the file: off."""
-    from omni_diffusion_rl.models.folder_guidance import FolderGuidanceError, read_folder_guidance
-    from omni_diffusion_rl.models.tiny_av import model_folder
+    from omni_diffusion_rl.models.folder_card import FolderCardError, read_folder_guidance
 
-    if checkpoint is not None:
-        return 1.0
-    folder = model_folder(pretrained) if family == "tiny_av" else Path(pretrained)
+    folder = model_folder_of(family, pretrained, checkpoint)
     try:
-        recommended = read_folder_guidance(folder) if folder.is_dir() else None
-    except FolderGuidanceError as e:
+        recommended = None if folder is None else read_folder_guidance(folder)
+    except FolderCardError as e:
         raise ConfigError(f"teacher 'policy': {e} (or give teacher.options.cfg_scale)") from e
     return 1.0 if recommended is None else recommended
+
+
+def trained_parts(family: str, pretrained: str, checkpoint: str | None) -> tuple[str, ...] | None:
+    """The latent parts a teacher's model was trained on (trained_parts.json), None for all."""
+    from omni_diffusion_rl.models.folder_card import FolderCardError, read_trained_parts
+
+    folder = model_folder_of(family, pretrained, checkpoint)
+    try:
+        return None if folder is None else read_trained_parts(folder)
+    except FolderCardError as e:
+        raise ConfigError(f"teacher 'policy': {e}") from e
 
 
 def _check_options(cfg_scale: Any, device: Any, options: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omni_diffusion_rl.models.folder_guidance import read_folder_guidance
+from omni_diffusion_rl.models.folder_card import read_folder_guidance, read_trained_parts
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.world import tiny_world as world
 from omni_diffusion_rl.world.pretrain import pretrain_base_model
@@ -61,6 +61,10 @@ def test_a_partial_pretraining_learns_only_its_parts(tmp_path: Path) -> None:
     init, audio = (TinyAVPolicy.from_pretrained(tmp_path / name).transformer for name in ("init", "audio"))
     torch.testing.assert_close(audio.picture_out.weight, init.picture_out.weight, rtol=0, atol=1e-5)
     assert not torch.allclose(audio.pitch_out.weight, init.pitch_out.weight, atol=1e-3), "the audio learned"
+    assert read_trained_parts(tmp_path / "audio") == ("spectrum", "loudness")  # the folder says so
+    assert read_trained_parts(tmp_path / "init") is None
+    pretrain_base_model(tmp_path / "audio", steps=1, **small)  # retrained on every part: the file goes
+    assert read_trained_parts(tmp_path / "audio") is None
     with pytest.raises(ValueError, match=r"parts \['depth'\]: the latent's parts are picture"):
         pretrain_base_model(tmp_path / "x", steps=1, parts=["depth"], **small)
 

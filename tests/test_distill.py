@@ -4,6 +4,7 @@ targets follow the student's states, and a different teacher pulls the student t
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -555,6 +556,32 @@ def test_the_loss_of_a_none_route_is_the_loss_without_its_entries(focus: float) 
     routed = distillation_loss(v_student, v_teacher * answered, weight, focus, answered)
     alone = distillation_loss(v_student[:, :6], v_teacher[:, :6], weight, focus)
     torch.testing.assert_close(routed, alone, rtol=1e-6, atol=0)
+
+
+def test_a_teacher_of_some_parts_is_refused_for_the_others(model_dir: Path, tmp_path: Path) -> None:
+    """A folder's trained_parts.json (odrl pretrain --parts) marks the other parts' heads untrained:
+    such a teacher is refused as the whole latent's teacher and for a route with other parts, though
+    the convention probe passes it; bad files are refused naming the file; the parts cross /info."""
+    from omni_diffusion_rl.teacher import TeacherInfo
+
+    folder = tmp_path / "video_teacher"
+    shutil.copytree(model_dir, folder)
+    (folder / "trained_parts.json").write_text('{"parts": ["picture", "visibility"]}')
+    assert FlowPolicyTeacher(pretrained=str(folder)).info().trained_parts == ("picture", "visibility")
+    alone = load_config(None, _distill(model_dir, tmp_path / "alone", 1, str(folder)))
+    with pytest.raises(TeacherMismatch, match=r"trained on picture, visibility only, not spectrum, loudness"):
+        Trainer(alone)
+    wrong_route = (_routes(str(model_dir), str(folder)), "teacher.options={}")
+    with pytest.raises(TeacherMismatch, match=r"route 'audio' .* only, not spectrum, loudness"):
+        Trainer(load_config(None, _distill(model_dir, tmp_path / "r", 1, str(model_dir), *wrong_route)))
+    info = FlowPolicyTeacher(pretrained=str(folder)).info()
+    assert TeacherInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+    with pytest.raises(TeacherMismatch, match="trained_parts"):
+        TeacherInfo.from_dict({**info.to_dict(), "trained_parts": ["x"] * 1000})
+    for bad in ('{"parts": []}', '{"parts": ["Picture!"]}', '{"parts": "picture"}', '{"parts": ["a", "a"]}'):
+        (folder / "trained_parts.json").write_text(bad)
+        with pytest.raises(ConfigError, match=r"trained_parts.json: parts must be 1 to 32 distinct names"):
+            FlowPolicyTeacher(pretrained=str(folder))
 
 
 def test_a_route_whose_teacher_fails_the_probe_is_refused_by_name(

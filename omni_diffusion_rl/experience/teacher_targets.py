@@ -24,6 +24,7 @@ from ..teacher import (
     TeacherInfo,
     TeacherMismatch,
     check_pair,
+    check_trained_parts,
     latent_layout,
     latent_parts,
     probe_convention,
@@ -128,6 +129,7 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
     if not c.routes:
         teacher = built_teacher(cfg, c.name, c.options, c.urls, sharder)
         check_pair(student, teacher.info())
+        check_trained_parts(teacher.info(), list(latent_parts(policy) or {}), f"teacher '{c.name}'")
         probe_convention(student_velocity, student.latent_shape, prompts, "student")
         probe_convention(teacher.velocity, student.latent_shape, prompts, f"teacher '{c.name}'")
         return teacher
@@ -147,6 +149,7 @@ def make_checked_teacher(cfg: ExperimentConfig, policy: object, sharder: Any = N
         except TeacherMismatch as e:
             raise TeacherMismatch(f"teacher route '{route}': {e}") from e
         who = f"teacher of route '{route}' ({', '.join(spec['parts'])})"
+        check_trained_parts(member.info(), list(spec["parts"]), who)
         probe_convention(member.velocity, student.latent_shape, prompts, who, entries[route])
         members[route] = member
     remote = all(spec.get("urls") or spec.get("name") == NO_TEACHER for spec in c.routes.values())

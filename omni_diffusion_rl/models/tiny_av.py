@@ -29,12 +29,32 @@ TEACHER_GUIDANCE = 3.0
 """The tiny teacher's recommended classifier-free guidance, which `odrl pretrain --teacher` writes to
 its folder (guidance.json) and teacher 'policy' uses when none is given: measured (docs/algorithms.md),
 held-out all four right 0.766 unguided, 0.883 at 2, 0.906 at 3, 0.902 at 4."""
-BUILTIN_NAMES = {"builtin": BUILTIN_WEIGHTS, "builtin-teacher": TEACHER_WEIGHTS}
+VIDEO_TEACHER_WEIGHTS = BUILTIN_WEIGHTS.parent / "tiny_av_teacher_video"
+AUDIO_TEACHER_WEIGHTS = BUILTIN_WEIGHTS.parent / "tiny_av_teacher_audio"
+"""The shipped per-modality tiny teachers (teacher.routes): the teacher's recipe, trained on the
+picture and visibility parts only, or on the spectrum and loudness parts only."""
+BUILTIN_NAMES = {
+    "builtin": BUILTIN_WEIGHTS,
+    "builtin-teacher": TEACHER_WEIGHTS,
+    "builtin-teacher-video": VIDEO_TEACHER_WEIGHTS,
+    "builtin-teacher-audio": AUDIO_TEACHER_WEIGHTS,
+}
+MAKE_COMMANDS = {
+    BUILTIN_WEIGHTS: "odrl pretrain",
+    TEACHER_WEIGHTS: "odrl pretrain --teacher",
+    VIDEO_TEACHER_WEIGHTS: "odrl pretrain --teacher --parts picture,visibility",
+    AUDIO_TEACHER_WEIGHTS: "odrl pretrain --teacher --parts spectrum,loudness",
+}
+"""The command that re-creates each shipped model."""
+SHIPPED_PART_TEACHERS = {
+    frozenset({"picture", "visibility"}): VIDEO_TEACHER_WEIGHTS,
+    frozenset({"spectrum", "loudness"}): AUDIO_TEACHER_WEIGHTS,
+}
 
 
 def model_folder(name: str | Path) -> Path:
-    """The folder a tiny_av model name stands for: a shipped model's ('builtin', 'builtin-teacher')
-    or the path itself."""
+    """The folder a tiny_av model name stands for: a shipped model's ('builtin', 'builtin-teacher',
+    'builtin-teacher-video', 'builtin-teacher-audio') or the path itself."""
     return BUILTIN_NAMES.get(str(name), Path(name))
 
 
@@ -278,11 +298,12 @@ class TinyAVPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str | Path = "builtin") -> TinyAVPolicy:
-        """Load 'builtin' (the shipped base model), 'builtin-teacher' (the shipped tiny teacher) or a
-        directory written by save_pretrained."""
+        """Load 'builtin' (the shipped base model), 'builtin-teacher' (the shipped tiny teacher),
+        'builtin-teacher-video' / 'builtin-teacher-audio' (its per-modality ones) or a directory
+        written by save_pretrained."""
         path = model_folder(path)
         if not (path / "config.json").is_file():
-            command = {BUILTIN_WEIGHTS: "odrl pretrain", TEACHER_WEIGHTS: "odrl pretrain --teacher"}.get(path)
+            command = MAKE_COMMANDS.get(path)
             hint = f" Run `{command}` to create it." if command else ""
             raise FileNotFoundError(f"no tiny_av model at {path} (config.json missing).{hint}")
         return cls(TinyAVTransformer.from_pretrained(path))

@@ -383,7 +383,7 @@ def _teacher_url(url: str) -> str:
 
 def _difference(got: TeacherInfo, want: TeacherInfo) -> str:
     """What differs between a replica's description and the run's teacher."""
-    names = ("fingerprint", "latent_shape", "layout", "convention")
+    names = ("fingerprint", "latent_shape", "layout", "convention", "trained_parts")
     return "; ".join(
         f"{name} {getattr(got, name)} where the run's is {getattr(want, name)}"
         for name in names

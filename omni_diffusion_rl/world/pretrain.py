@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms.nft import flow_matching_loss
-from ..models.folder_guidance import GUIDANCE_FILE, write_folder_guidance
+from ..models.folder_card import GUIDANCE_FILE, TRAINED_PARTS_FILE, write_folder_guidance, write_trained_parts
 from ..models.tiny_av import BUILTIN_WEIGHTS, TEACHER_GUIDANCE, TinyAVPolicy, TinyAVTransformer
 from . import tiny_world as world
 
@@ -134,4 +134,8 @@ def pretrain_base_model(
         write_folder_guidance(output_dir, guidance)
     else:  # an earlier model's recommendation in this folder no longer holds
         (Path(output_dir) / GUIDANCE_FILE).unlink(missing_ok=True)
+    if parts is not None:  # the other parts' heads are untrained: say so, for teacher.routes' checks
+        write_trained_parts(output_dir, parts)
+    else:
+        (Path(output_dir) / TRAINED_PARTS_FILE).unlink(missing_ok=True)
     return {"final_loss": float(loss_ema), "seconds": time.time() - start, "steps": steps}
