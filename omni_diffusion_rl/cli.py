@@ -302,7 +302,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     if args.encoder_steps is not None or args.align_steps is not None:
         print("odrl pretrain: --encoder-steps and --align-steps are stages of --omni", file=sys.stderr)
         return 2
-    from .world.pretrain import TEACHER_RECIPE, check_pretrain_options, pretrain_base_model
+    from .world.pretrain import TEACHER_RECIPE, TEACHER_STEPS, check_pretrain_options, pretrain_base_model
 
     recipe: dict[str, object] = dict(TEACHER_RECIPE) if args.teacher else {}
     if args.label_noise is not None:
@@ -333,7 +333,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"odrl pretrain: {e}", file=sys.stderr)
         return 2
-    result = pretrain_base_model(output, steps=args.steps or 6000, seed=args.seed, **recipe)
+    steps = args.steps or (TEACHER_STEPS if args.teacher else 6000)
+    result = pretrain_base_model(output, steps=steps, seed=args.seed, **recipe)
     print(json.dumps(result))
     return 0
 
@@ -895,8 +896,8 @@ def _add_pretrain(sub: Subcommands) -> None:
         "--steps",
         type=_positive_int,
         default=None,
-        help="6000 (tiny_av); 1500 (--omni: its noisy-answer stage, after 2500 encoder and 600 "
-        "clean-answer steps)",
+        help="6000 (tiny_av); 12000 (--teacher); 1500 (--omni: its noisy-answer stage, after 2500 "
+        "encoder and 600 clean-answer steps)",
     )
     pretrain.add_argument(
         "--encoder-steps", type=_positive_int, default=None, help="--omni: its encoder stage (2500)"

@@ -558,6 +558,22 @@ def test_the_loss_of_a_none_route_is_the_loss_without_its_entries(focus: float) 
     torch.testing.assert_close(routed, alone, rtol=1e-6, atol=0)
 
 
+def test_the_shipped_per_modality_teachers_route_together(model_dir: Path, tmp_path: Path) -> None:
+    """builtin-teacher-video and builtin-teacher-audio: guided by their folders' recommendation, and
+    routed over a student (video teacher on the video's parts, audio on the audio's) they pass the
+    start checks and train; swapped, the probe on each route's own entries refuses them."""
+    for name in ("builtin-teacher-video", "builtin-teacher-audio"):
+        assert FlowPolicyTeacher(pretrained=name).cfg_scale == TEACHER_GUIDANCE
+    routed = (_routes("builtin-teacher-video", "builtin-teacher-audio"), "teacher.options={}")
+    run = tmp_path / "routed"
+    Trainer(load_config(None, _distill(model_dir, run, 1, "builtin-teacher", *routed))).fit()
+    assert step_records(run)[0]["loss/distill"] > 0
+    swapped = (_routes("builtin-teacher-audio", "builtin-teacher-video"), "teacher.options={}")
+    cfg = load_config(None, _distill(model_dir, tmp_path / "swapped", 1, "builtin-teacher", *swapped))
+    with pytest.raises(TeacherMismatch, match=r"route 'video' .* trained on spectrum, loudness only"):
+        Trainer(cfg)
+
+
 def test_a_teacher_of_some_parts_is_refused_for_the_others(model_dir: Path, tmp_path: Path) -> None:
     """A folder's trained_parts.json (odrl pretrain --parts) marks the other parts' heads untrained:
     such a teacher is refused as the whole latent's teacher and for a route with other parts, though
