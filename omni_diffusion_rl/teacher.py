@@ -10,6 +10,7 @@ built-in ones live in the top-level `teachers` package.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,6 +20,24 @@ CONVENTION = "flow: x_t = (1 - t) x0 + t noise, v = noise - x0, t = 1 noise"
 """The only convention teachers and students use here (adapters convert models that differ)."""
 MAX_PARTS = 32
 """The most latent parts a teacher may name as trained (TeacherInfo.trained_parts)."""
+_PART_NAME = re.compile(r"[a-z0-9_]{1,64}")
+
+
+def part_names_problem(parts: object) -> str | None:
+    """Why `parts` is not 1 to MAX_PARTS distinct part names (lower-case letters, digits, _), or None."""
+    if (
+        isinstance(parts, list)
+        and 0 < len(parts) <= MAX_PARTS
+        and all(isinstance(p, str) and _PART_NAME.fullmatch(p) for p in parts)
+        and len(set(parts)) == len(parts)
+    ):
+        return None
+    return (
+        f"parts must be 1 to {MAX_PARTS} distinct names of lower-case letters, digits and _; "
+        f"got {str(parts)[:80]}"
+    )
+
+
 PROBE_MIN_COSINE = 0.2
 """cos(v(noise, t = 1), noise) of a sane model is clearly positive (v = noise - E[x0])."""
 
@@ -43,12 +62,9 @@ class TeacherInfo:
     def from_dict(cls, data: dict[str, Any]) -> TeacherInfo:
         try:
             parts = data.get("trained_parts")
-            if parts is not None and (
-                not isinstance(parts, list)
-                or len(parts) > MAX_PARTS
-                or not all(isinstance(p, str) and len(p) <= 64 for p in parts)
-            ):
-                raise ValueError(f"trained_parts (at most {MAX_PARTS} names): {parts!r:.100}")
+            problem = None if parts is None else part_names_problem(parts)
+            if problem:
+                raise ValueError(f"trained_parts: {problem}")
             return cls(
                 latent_shape=tuple(int(d) for d in data["latent_shape"]),
                 layout=str(data["layout"]),
@@ -105,6 +121,11 @@ def check_trained_parts(info: TeacherInfo, needed: list[str], who: str) -> None:
     the convention probe cannot tell: an untrained head of a sample-predicting model passes it)."""
     if info.trained_parts is None:
         return
+    if not needed:
+        raise TeacherMismatch(
+            f"the {who} was trained on {', '.join(info.trained_parts)} only, and the student's latent "
+            "names no parts to route: use a teacher trained on the whole latent"
+        )
     missing = [part for part in needed if part not in info.trained_parts]
     if missing:
         raise TeacherMismatch(

@@ -149,7 +149,7 @@ def test_teacher_bench_compares_schedules_and_replicas(
         and schedule["overlap"]["staleness"]["median"] == 0
     )
     served = report["schedule_teacher_server"]  # the same schedules, the teacher a server
-    assert served["service_ms_per_batch"] > 0 and served["one_step_off"]["staleness"]["median"] == 1
+    assert served["one_step_off"]["staleness"]["median"] == 1
     for name in SCHEDULES:
         assert served[name]["trained"]["median"] == 12 and served[name]["teacher_s_per_step"]["median"] > 0
     assert math.isfinite(served["hidden_share_of_teacher_time_one_step_off"]["median"])

@@ -119,6 +119,14 @@ def test_pretraining_records_its_recommended_guidance_in_the_folder(tmp_path: Pa
     assert read_folder_guidance(tmp_path) is None and not (tmp_path / "guidance.json").exists()
     with pytest.raises(ValueError, match=r"guidance=3.0 needs a model trained on the empty prompt"):
         pretrain_base_model(tmp_path / "y", steps=1, guidance=3.0, **small)
+    # refused before any training, so nothing is written
+    with pytest.raises(ValueError, match=r"cfg_scale 0.5 is outside \[1, 20\]"):
+        pretrain_base_model(tmp_path / "z", steps=1, prompt_dropout=0.1, guidance=0.5, **small)
+    with pytest.raises(ValueError, match="distinct names"):
+        pretrain_base_model(tmp_path / "z", steps=1, parts=["picture", "picture"], **small)
+    with pytest.raises(ValueError, match=r"parts \['depth'\]"):
+        pretrain_base_model(tmp_path / "z", steps=1, parts=["depth"], **small)
+    assert not (tmp_path / "z").exists() and not (tmp_path / "y").exists()
 
 
 def test_the_latent_encodes_world_clips_exactly() -> None:

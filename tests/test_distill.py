@@ -167,6 +167,8 @@ def test_the_shipped_teacher_is_guided_by_default_and_others_are_not(model_dir: 
         ('{"cfg_scale": "3"}', "must be a finite number"),
         ('{"cfg_scale": 3, "url": "http://x"}', r"give exactly \{\"cfg_scale\": <number>\}"),
         ("[" * 5000, "over 1024 bytes"),
+        ("[" * 1020, "not JSON"),  # under the size limit, past the parser's nesting
+        ('{"cfg_scale": 1' + "0" * 400 + "}", "must be a finite number"),  # no float holds it
         ("{cfg_scale: 3", "not JSON"),
     ],
 )
@@ -561,7 +563,7 @@ def test_the_loss_of_a_none_route_is_the_loss_without_its_entries(focus: float) 
 def test_the_shipped_per_modality_teachers_route_together(model_dir: Path, tmp_path: Path) -> None:
     """builtin-teacher-video and builtin-teacher-audio: guided by their folders' recommendation, and
     routed over a student (video teacher on the video's parts, audio on the audio's) they pass the
-    start checks and train; swapped, the probe on each route's own entries refuses them."""
+    start checks and train; swapped, their trained parts refuse them (the probe would not)."""
     for name in ("builtin-teacher-video", "builtin-teacher-audio"):
         assert FlowPolicyTeacher(pretrained=name).cfg_scale == TEACHER_GUIDANCE
     routed = (_routes("builtin-teacher-video", "builtin-teacher-audio"), "teacher.options={}")
@@ -578,7 +580,7 @@ def test_a_teacher_of_some_parts_is_refused_for_the_others(model_dir: Path, tmp_
     """A folder's trained_parts.json (odrl pretrain --parts) marks the other parts' heads untrained:
     such a teacher is refused as the whole latent's teacher and for a route with other parts, though
     the convention probe passes it; bad files are refused naming the file; the parts cross /info."""
-    from omni_diffusion_rl.teacher import TeacherInfo
+    from omni_diffusion_rl.teacher import TeacherInfo, check_trained_parts
 
     folder = tmp_path / "video_teacher"
     shutil.copytree(model_dir, folder)
@@ -592,6 +594,8 @@ def test_a_teacher_of_some_parts_is_refused_for_the_others(model_dir: Path, tmp_
         Trainer(load_config(None, _distill(model_dir, tmp_path / "r", 1, str(model_dir), *wrong_route)))
     info = FlowPolicyTeacher(pretrained=str(folder)).info()
     assert TeacherInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+    with pytest.raises(TeacherMismatch, match="names no parts to route"):  # a latent without parts
+        check_trained_parts(info, [], "teacher 'policy'")
     with pytest.raises(TeacherMismatch, match="trained_parts"):
         TeacherInfo.from_dict({**info.to_dict(), "trained_parts": ["x"] * 1000})
     for bad in ('{"parts": []}', '{"parts": ["Picture!"]}', '{"parts": "picture"}', '{"parts": ["a", "a"]}'):

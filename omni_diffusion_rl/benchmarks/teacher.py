@@ -39,7 +39,7 @@ SCHEDULES = {
 
 
 def _schedule_run(
-    config: str, overrides: list[str], schedule: str, steps: int, run: Path
+    config: str | None, overrides: list[str], schedule: str, steps: int, run: Path
 ) -> dict[str, float]:
     from ..config import load_config
     from ..trainers.trainer import Trainer
@@ -133,8 +133,13 @@ def run_teacher_bench(
 
     overrides = ["sampling.rollout_chunks=2", *(overrides or [])]  # chunks: what the teacher overlaps with
     base = output.parent / "teacher_runs"
-    schedule = _schedule_bench(config, overrides, steps, repeats, base / "in_process")
     teacher = load_config(config, overrides).teacher
+    if teacher.urls or teacher.routes:
+        raise ValueError(
+            "odrl bench teacher runs the teacher in process and as its own server: drop the "
+            "teacher.urls and teacher.routes overrides"
+        )
+    schedule = _schedule_bench(config, overrides, steps, repeats, base / "in_process")
     with ServerProcess(
         [teacher.name],
         "--options",
@@ -150,16 +155,16 @@ def run_teacher_bench(
         served = [*overrides, f"teacher.urls=[{server.url}]"]
         schedule_server = _schedule_bench(config, served, steps, repeats, base / "server")
     replicas: dict[str, Any] = {}
-    server: dict[str, Any] = {"command": "serve-teacher"}
+    serve: dict[str, Any] = {"command": "serve-teacher"}
     for label, extra in (
         ("compute-bound", []),
         ("service 100 ms per batch (remote accelerator stand-in)", ["--service-ms", "100"]),
     ):
         alone, shared = ["--threads", str(thread_share(1))], ["--threads", str(thread_share(2))]
         with (
-            ServerProcess(["policy"], "--max-batch", "16", *alone, *extra, **server) as solo,
-            ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **server) as one,
-            ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **server) as two,
+            ServerProcess(["policy"], "--max-batch", "16", *alone, *extra, **serve) as solo,
+            ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **serve) as one,
+            ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **serve) as two,
         ):
             single, double = [], []
             for _ in range(repeats):  # alternate the arms

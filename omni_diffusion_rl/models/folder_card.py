@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
+
+from ..teacher import part_names_problem
 
 GUIDANCE_FILE = "guidance.json"
 TRAINED_PARTS_FILE = "trained_parts.json"
 MAX_GUIDANCE = 20.0
 _MAX_BYTES = 1024
-_MAX_PARTS = 32
-_PART_NAME = re.compile(r"[a-z0-9_]{1,64}")
 
 
 class FolderCardError(ValueError):
@@ -25,14 +24,14 @@ class FolderCardError(ValueError):
 
 def write_folder_guidance(folder: str | Path, cfg_scale: float) -> Path:
     """Record `cfg_scale` as the folder's recommended guidance (checked like a read one)."""
-    return _write(Path(folder) / GUIDANCE_FILE, {"cfg_scale": float(cfg_scale)}, _checked_guidance)
+    return _write(Path(folder) / GUIDANCE_FILE, {"cfg_scale": float(cfg_scale)}, checked_guidance)
 
 
 def read_folder_guidance(folder: str | Path) -> float | None:
     """The folder's recommended guidance, or None when it declares none (or is not a folder)."""
     path = Path(folder) / GUIDANCE_FILE
     data = _read(path, '{"cfg_scale": 3.0}')
-    return None if data is None else _checked_guidance(data, path)
+    return None if data is None else checked_guidance(data, path)
 
 
 def write_trained_parts(folder: str | Path, parts: list[str]) -> Path:
@@ -63,33 +62,34 @@ def _read(path: Path, example: str) -> object | None:
         raise FolderCardError(f"{path}: over {_MAX_BYTES} bytes; write {example}")
     try:
         return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:  # deep, huge
         raise FolderCardError(f"{path}: not JSON ({e}); write {example} or delete it") from e
 
 
-def _checked_guidance(data: object, path: Path) -> float:
+def checked_guidance(data: object, path: Path) -> float:
+    """`data` as a guidance.json must hold it: {"cfg_scale": a number in [1, MAX_GUIDANCE]}."""
     if not isinstance(data, dict) or set(data) != {"cfg_scale"}:
         raise FolderCardError(f'{path}: give exactly {{"cfg_scale": <number>}}; got {str(data)[:80]}')
     scale = data["cfg_scale"]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not _finite(scale):
         raise FolderCardError(f"{path}: cfg_scale must be a finite number; got {scale!r}")
     if not 1.0 <= scale <= MAX_GUIDANCE:
         raise FolderCardError(f"{path}: cfg_scale {scale} is outside [1, {MAX_GUIDANCE:g}] (1 is off)")
     return float(scale)
 
 
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(float(number))
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
 def _checked_parts(data: object, path: Path) -> tuple[str, ...]:
     if not isinstance(data, dict) or set(data) != {"parts"}:
         raise FolderCardError(f'{path}: give exactly {{"parts": [<part>, ...]}}; got {str(data)[:80]}')
     parts = data["parts"]
-    if (
-        not isinstance(parts, list)
-        or not 0 < len(parts) <= _MAX_PARTS
-        or not all(isinstance(p, str) and _PART_NAME.fullmatch(p) for p in parts)
-        or len(set(parts)) != len(parts)
-    ):
-        raise FolderCardError(
-            f"{path}: parts must be 1 to {_MAX_PARTS} distinct names of lower-case letters, digits "
-            f"and _; got {str(parts)[:80]}"
-        )
+    problem = part_names_problem(parts)
+    if problem:
+        raise FolderCardError(f"{path}: {problem}")
     return tuple(parts)

@@ -43,8 +43,8 @@ BUILTIN_NAMES = {
 MAKE_COMMANDS = {
     BUILTIN_WEIGHTS: "odrl pretrain",
     TEACHER_WEIGHTS: "odrl pretrain --teacher",
-    VIDEO_TEACHER_WEIGHTS: "odrl pretrain --teacher --parts picture,visibility",
-    AUDIO_TEACHER_WEIGHTS: "odrl pretrain --teacher --parts spectrum,loudness",
+    VIDEO_TEACHER_WEIGHTS: "odrl pretrain --teacher --parts picture,visibility --steps 6000",
+    AUDIO_TEACHER_WEIGHTS: "odrl pretrain --teacher --parts spectrum,loudness --steps 6000",
 }
 """The command that re-creates each shipped model."""
 SHIPPED_PART_TEACHERS = {

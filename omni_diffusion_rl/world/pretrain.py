@@ -18,8 +18,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..algorithms.nft import flow_matching_loss
-from ..models.folder_card import GUIDANCE_FILE, TRAINED_PARTS_FILE, write_folder_guidance, write_trained_parts
+from ..models.folder_card import (
+    GUIDANCE_FILE,
+    TRAINED_PARTS_FILE,
+    checked_guidance,
+    write_folder_guidance,
+    write_trained_parts,
+)
 from ..models.tiny_av import BUILTIN_WEIGHTS, TEACHER_GUIDANCE, TinyAVPolicy, TinyAVTransformer
+from ..teacher import part_names_problem
 from . import tiny_world as world
 
 # Chosen by measurement (docs/tiny-world.md): base accuracy well below what post-training
@@ -43,7 +50,10 @@ recommends (guidance.json: models.tiny_av.TEACHER_GUIDANCE)."""
 
 
 def check_pretrain_options(
-    prompt_dropout: float = 0.0, guidance: float | None = None, **model_config: object
+    prompt_dropout: float = 0.0,
+    guidance: float | None = None,
+    parts: list[str] | None = None,
+    **model_config: object,
 ) -> None:
     """Refuse, before any training, options that cannot work (ValueError naming the fix)."""
     if not 0.0 <= prompt_dropout < 1.0:
@@ -58,6 +68,14 @@ def check_pretrain_options(
         raise ValueError(f"dim, depth and heads must be positive whole numbers; got {size}")
     if size["dim"] % size["heads"]:  # type: ignore[operator]
         raise ValueError(f"dim {size['dim']} must be a multiple of heads {size['heads']}")
+    if guidance is not None:
+        checked_guidance({"cfg_scale": guidance}, Path("guidance"))
+    if parts is not None:
+        problem = part_names_problem(parts)
+        if problem:
+            raise ValueError(f"--parts: {problem}")
+        layout = {k: v for k, v in model_config.items() if k not in ("dim", "depth", "heads", "label_noise")}
+        trained_entries(TinyAVTransformer(**layout).layout.parts(), parts)  # type: ignore[arg-type]
 
 
 def trained_entries(layout_parts: dict[str, tuple[int, int]], parts: list[str] | None) -> torch.Tensor:
@@ -99,7 +117,7 @@ def pretrain_base_model(
     teacher.routes); the others' velocity is left untrained. `prompt_dropout`: the share of clips
     trained on the empty prompt, so that it can be sampled with classifier-free guidance; `guidance`:
     the guidance written to the folder as its recommended one (guidance.json), which needs it."""
-    check_pretrain_options(prompt_dropout=prompt_dropout, guidance=guidance, **model_config)
+    check_pretrain_options(prompt_dropout=prompt_dropout, guidance=guidance, parts=parts, **model_config)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     noise_levels = DEFAULT_LABEL_NOISE if label_noise is None else label_noise
@@ -132,13 +150,11 @@ def pretrain_base_model(
                 kept.lerp_(trained, 1 - ema_decay)
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.4f}")
+    for stale in (GUIDANCE_FILE, TRAINED_PARTS_FILE):  # an earlier model's word must not outlive it
+        (Path(output_dir) / stale).unlink(missing_ok=True)
+    if parts is not None:  # the other parts' heads are untrained: say so, for teacher.routes' checks
+        write_trained_parts(output_dir, parts)
     average.save_pretrained(output_dir)
     if guidance is not None and guidance != 1.0:
         write_folder_guidance(output_dir, guidance)
-    else:  # an earlier model's recommendation in this folder no longer holds
-        (Path(output_dir) / GUIDANCE_FILE).unlink(missing_ok=True)
-    if parts is not None:  # the other parts' heads are untrained: say so, for teacher.routes' checks
-        write_trained_parts(output_dir, parts)
-    else:
-        (Path(output_dir) / TRAINED_PARTS_FILE).unlink(missing_ok=True)
     return {"final_loss": float(loss_ema), "seconds": time.time() - start, "steps": steps}

@@ -41,7 +41,7 @@ def main() -> None:
     video, audio = FlowPolicyTeacher(pretrained=video_dir), FlowPolicyTeacher(pretrained=audio_dir)
     teachers = {
         "full": full,
-        "routed": RoutedTeacher({"video": video, "audio": audio}, entries, decoder.latent_shape[0]),
+        "routed": RoutedTeacher({"video": video, "audio": audio}, entries, torch.Size(decoder.latent_shape).numel()),
         "video only": video,
     }
     prompts = [p for p in load_prompts("builtin:tiny_world_heldout")[:16] for _ in range(16)]
