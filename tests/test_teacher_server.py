@@ -6,6 +6,7 @@ a slow replica gets fewer requests, a broken teacher is never a silent target.""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 import urllib.error
@@ -317,3 +318,23 @@ def test_one_replica_that_fails_once_is_used_again(model_dir: Path, tmp_path: Pa
         stats = remote.stats()
         assert stats["teacher/retries"] == 1 and stats["teacher/replica0/failures"] == 1, stats
         remote.close()
+
+
+def test_a_servers_info_carries_the_parts_its_teacher_was_trained_on(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """trained_parts.json crosses /info: the client sees the parts (and refuses the teacher for
+    others) as it would in process."""
+    from omni_diffusion_rl.teacher import check_trained_parts
+
+    folder = tmp_path / "video_only"
+    shutil.copytree(model_dir, folder)
+    (folder / "trained_parts.json").write_text('{"parts": ["picture", "visibility"]}')
+    with teacher_servers(folder, 1) as (server,):
+        remote = RemoteTeacher([server.url])
+        info = remote.info()
+        remote.close()
+    in_process = FlowPolicyTeacher(pretrained=str(folder)).info()
+    assert info.trained_parts == ("picture", "visibility") == in_process.trained_parts
+    with pytest.raises(TeacherMismatch, match="not spectrum"):
+        check_trained_parts(info, ["picture", "spectrum"], "teacher 'policy'")
