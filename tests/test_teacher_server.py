@@ -320,9 +320,7 @@ def test_one_replica_that_fails_once_is_used_again(model_dir: Path, tmp_path: Pa
         remote.close()
 
 
-def test_a_servers_info_carries_the_parts_its_teacher_was_trained_on(
-    model_dir: Path, tmp_path: Path
-) -> None:
+def test_a_servers_info_carries_the_parts_its_teacher_was_trained_on(model_dir: Path, tmp_path: Path) -> None:
     """trained_parts.json crosses /info: the client sees the parts (and refuses the teacher for
     others) as it would in process."""
     from omni_diffusion_rl.teacher import check_trained_parts
