@@ -68,6 +68,7 @@ ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defa
     "adv_per_reward": False,
     "timestep_choice": "random",
     "distill_focus": 0.0,
+    "distill_target": "velocity",
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},
@@ -174,7 +175,13 @@ def test_train_help_lists_each_algorithms_options_under_its_name() -> None:
     assert {"beta", "kl_coef", "decay_schedule"} <= blocks["nft"] and "raft_keep" not in blocks["nft"]
     assert blocks["raft"] == {"raft_keep"}
     assert {"adv_std", "max_new_tokens", "rollout_backend"} <= blocks["gspo"]
-    assert blocks["distill"] == {"distill_states", "distill_weighting", "distill_focus", "nft_coef"}
+    assert blocks["distill"] == {
+        "distill_states",
+        "distill_target",
+        "distill_weighting",
+        "distill_focus",
+        "nft_coef",
+    }
     assert "algorithm.name=distill (distillation) reads nft's options and:" in out.stdout
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_diffusion_rl.algorithms.distill import endpoint_velocities
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.teacher_targets import STATES, TEACHER_V, TeacherTargets, noised_states
@@ -62,8 +63,9 @@ def test_self_distillation_gives_loss_zero_exactly(model_dir: Path, tmp_path: Pa
         [],
         ["algorithm.distill_weighting=x0", "algorithm.distill_focus=1.0"],
         ["algorithm.distill_weighting=sde_kl"],
+        ["algorithm.distill_target=endpoint", "algorithm.distill_weighting=x0"],
     ],
-    ids=["velocity", "x0-focus", "sde-kl"],
+    ids=["velocity", "x0-focus", "sde-kl", "endpoint"],
 )
 def test_a_different_teacher_pulls_the_student_toward_itself(
     model_dir: Path, other_dir: Path, tmp_path: Path, loss: list[str]
@@ -203,6 +205,58 @@ def test_targets_are_the_teachers_velocity_at_the_students_states(model_dir: Pat
     expected = teacher.velocity(states[:, k], grid[k].expand(4), rollout.prompts)
     torch.testing.assert_close(extras[TEACHER_V][:, k], expected, rtol=0, atol=0)
     torch.testing.assert_close(states[:, 0], (1 - grid[0]) * x0 + grid[0] * (states[:, 0] - 0 * x0))
+
+
+def test_endpoint_targets_point_each_visited_state_at_the_teachers_own_sample(model_dir: Path) -> None:
+    """distill_target=endpoint: the teacher runs Euler from the student's starting noise on the
+    student's grid, and each state's target is the straight line from it to that sample."""
+    teacher = FlowPolicyTeacher(pretrained=str(model_dir))
+    gen = torch.Generator().manual_seed(3)
+    grid = torch.tensor([1.0, 0.7, 0.3, 0.0])
+    states = torch.randn(3, 3, *teacher.info().latent_shape, generator=gen)
+    prompts = ["a red circle", "a blue square", "a low tone"]
+    rollout = Rollout(prompts, torch.tensor([0, 1, 2]), states[:, -1], {}, grid, {STATES: states})
+    x = states[:, 0]
+    for k in range(3):
+        x = x + (grid[k + 1] - grid[k]) * teacher.velocity(x, grid[k].expand(3), prompts)
+    targets = TeacherTargets(teacher, "visited", target="endpoint").targets(rollout)[TEACHER_V]
+    expected = (states - x[:, None]) / grid[:-1].view(1, 3, 1)
+    torch.testing.assert_close(targets, expected, rtol=1e-5, atol=1e-5)
+    assert (
+        float((targets[:, 0] - teacher.velocity(states[:, 0], grid[:1].expand(3), prompts)).abs().max()) > 0
+    )
+
+
+def test_endpoint_velocities_are_constant_along_the_straight_line() -> None:
+    """A student already walking the straight line from its noise to the teacher's sample gets its
+    own velocity back at every state: the fixed point; off the line, the target points back to it."""
+    noise, x0 = torch.randn(2, 5), torch.randn(2, 5)
+    times = torch.tensor([1.0, 0.6, 0.2])
+    line = (1 - times.view(1, 3, 1)) * x0[:, None] + times.view(1, 3, 1) * noise[:, None]
+    targets = endpoint_velocities(line, x0, times)
+    torch.testing.assert_close(targets, (noise - x0)[:, None].expand(2, 3, 5))
+    off = line.clone()
+    off[:, 2] += 1.0
+    torch.testing.assert_close(off[:, 2] - 0.2 * endpoint_velocities(off, x0, times)[:, 2], x0)
+    with pytest.raises(ValueError, match="one time > 0 per state"):
+        endpoint_velocities(line, x0, torch.tensor([1.0, 0.5, 0.0]))
+
+
+def test_endpoint_targets_need_visited_states(model_dir: Path, tmp_path: Path) -> None:
+    bad = _distill(
+        model_dir,
+        tmp_path / "run",
+        1,
+        str(model_dir),
+        "algorithm.distill_target=endpoint",
+        "algorithm.distill_states=noised",
+    )
+    with pytest.raises(
+        ConfigError, match="distill_target=endpoint .* needs algorithm.distill_states=visited"
+    ):
+        Trainer(load_config(None, bad))
+    with pytest.raises(ValueError, match="use distill_states=visited"):
+        TeacherTargets(FlowPolicyTeacher(pretrained=str(model_dir)), "noised", target="endpoint")
 
 
 def test_step_weights_follow_the_squared_step_and_average_one() -> None:

@@ -11,6 +11,26 @@ DISTILL_WEIGHTINGS = ("uniform", "step", "x0", "sde_kl")
 """algorithm.distill_weighting: the weight of the state at each sampler time (`state_weights`)."""
 SDE_KL_NOISE = 0.7
 """The SDE noise level of the sde_kl weighting (Flow-GRPO's default)."""
+DISTILL_TARGETS = ("velocity", "endpoint")
+"""algorithm.distill_target: what the student's velocity at a state is trained toward."""
+
+
+def endpoint_velocities(states: torch.Tensor, x0_teacher: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """[N, T, ...]: the straight-line velocity (x_k - x0_T) / t_k from each state x_k = states[:, k]
+    at time t_k > 0 to the teacher's sample x0_T [N, ...] (under x_t = (1 - t) x0 + t noise).
+
+    Trained toward these, the student's x0 prediction at every state it visits is pulled to the
+    teacher's sample from the same noise; the fixed point is a student whose sampler walks the straight
+    line from that noise to the teacher's sample, so a few pixels that decide a shape weigh as much at
+    the noisy states as at the clean end."""
+    if times.ndim != 1 or len(times) != states.shape[1] or bool((times <= 0).any()):
+        raise ValueError(f"endpoint targets need one time > 0 per state; got {times.tolist()}")
+    if x0_teacher.shape != (states.shape[0], *states.shape[2:]):
+        raise ValueError(
+            f"the teacher's samples {tuple(x0_teacher.shape)} do not fit states {tuple(states.shape)}"
+        )
+    t = times.to(states.dtype).view(1, -1, *([1] * (states.ndim - 2)))
+    return (states - x0_teacher[:, None].to(states.dtype)) / t
 
 
 def distillation_loss(

@@ -5,7 +5,10 @@ with the group (through the replay buffer in the async modes).
 `TeacherTargets.submit` returns a future: the teacher works on a thread of its own while the next
 chunk generates (colocated mode overlaps the two; a rollout process does the same). States are the
 ones the student's sampler visited (`extras["states"]`, recorded by `generate`) or its x0
-forward-noised at each grid time with noise keyed by the prompt group.
+forward-noised at each grid time with noise keyed by the prompt group. The targets are the
+teacher's velocity at each state (`velocity`) or, with `endpoint`, the straight-line velocity from
+each visited state to the teacher's own sample from the student's starting noise (the teacher's
+Euler trajectory on the student's time grid: the same number of teacher forwards).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..algorithms.distill import DISTILL_TARGETS, endpoint_velocities
 from ..config import NO_TEACHER, ConfigError, ExperimentConfig
 from ..runtime.sharding import compute_device
 from ..teacher import (
@@ -169,10 +173,19 @@ class TeacherTargets:
         seed: int = 0,
         max_batch: int = 256,
         overlap: bool = True,
+        target: str = "velocity",
     ) -> None:
         if states not in STATE_KINDS:
             raise ValueError(f"distillation states must be one of {', '.join(STATE_KINDS)}; got {states!r}")
-        self.teacher = teacher
+        if target not in DISTILL_TARGETS:
+            raise ValueError(
+                f"distillation targets must be one of {', '.join(DISTILL_TARGETS)}; got {target!r}"
+            )
+        if target == "endpoint" and states != "visited":
+            raise ValueError(
+                "endpoint targets start from the student's own noise: use distill_states=visited"
+            )
+        self.teacher, self.target = teacher, target
         self.states, self.seed, self.max_batch = states, seed, max_batch
         self.needs_states, self.overlap = states == "visited", overlap
         self.seconds, self.calls, self._reported = 0.0, 0, 0.0
@@ -187,7 +200,8 @@ class TeacherTargets:
 
     @torch.no_grad()  # grad mode is per thread: this runs on the teacher's own thread
     def targets(self, rollout: Rollout) -> dict[str, torch.Tensor]:
-        """The teacher's velocity at each state of each sample (blocking)."""
+        """The teacher's velocity at each state of each sample, or the straight-line velocity to its
+        sample (blocking)."""
         started = time.perf_counter()
         if self.states == "visited":
             if STATES not in rollout.extras:
@@ -199,18 +213,53 @@ class TeacherTargets:
             states = noised_states(rollout, self.seed)
             extras = {STATES: states}
         times = rollout.grid[:-1].to(states.device)
+        answered = self.teacher.answered if isinstance(self.teacher, RoutedTeacher) else None
+        if answered is not None and not bool(answered.all()):  # routes with no teacher: left alone
+            shape = (len(states), *states.shape[2:])
+            extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
+        if self.target == "endpoint":
+            x0 = self._teacher_sample(rollout, states, extras.get(TEACHER_MASK))
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+            return {**extras, TEACHER_V: endpoint_velocities(states.float(), x0, times)}
         # time-major: a batch shares one time, as the student trains; every answer is checked once
         # all are in, so that a sharded teacher runs the same forwards on every process even when
         # one process's answers are bad (its error then comes after the others' last gather)
         answers = [self._answers(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
         columns = [torch.cat([checked_targets(v, piece) for v, piece in column]) for column in answers]
-        answered = self.teacher.answered if isinstance(self.teacher, RoutedTeacher) else None
-        if answered is not None and not bool(answered.all()):  # routes with no teacher: left alone
-            shape = (len(states), *states.shape[2:])
-            extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
         self.seconds += time.perf_counter() - started
         self.calls += 1
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
+
+    def _teacher_sample(
+        self, rollout: Rollout, states: torch.Tensor, answered: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The teacher's Euler sample [N, ...] from the student's starting noise states[:, 0] on the
+        rollout's grid; entries no teacher answers (a `none` route) follow the student's states. Every
+        answer is checked after the last forward (as `targets` does), a bad one carried as NaN."""
+        grid = rollout.grid.to(states.device)
+        x = states[:, 0].detach().float()
+        answers = []
+        for k in range(len(grid) - 1):
+            column = self._answers(x, grid[k], rollout.prompts)
+            answers.append(column)
+            v = torch.cat(
+                [
+                    raw.detach().to(x.device, torch.float32)
+                    if raw.shape == piece.shape
+                    else torch.full_like(piece, float("nan"))
+                    for raw, piece in column
+                ]
+            )
+            stepped = x + (grid[k + 1] - grid[k]) * v
+            if answered is not None:
+                student = states[:, k + 1] if k + 1 < states.shape[1] else rollout.x0.to(x.device)
+                stepped = torch.where(answered, stepped, student.float())
+            x = stepped
+        for column in answers:
+            for raw, piece in column:
+                checked_targets(raw, piece)
+        return x
 
     def _answers(
         self, x: torch.Tensor, t: torch.Tensor, prompts: list[str]

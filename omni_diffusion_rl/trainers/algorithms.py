@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..algorithms.advantages import ADV_MODES, optimality_probability
-from ..algorithms.distill import DISTILL_WEIGHTINGS, distillation_loss, state_weights
+from ..algorithms.distill import DISTILL_TARGETS, DISTILL_WEIGHTINGS, distillation_loss, state_weights
 from ..algorithms.nft import flow_matching_loss, nft_loss
 from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from ..config import NO_TEACHER, ConfigError, ExperimentConfig, check_registered_name, option
@@ -494,6 +494,13 @@ class DistillOwnOptions:
         "(the student's x0 forward-noised to each grid time)",
         choices=STATE_KINDS,
     )
+    distill_target: str = option(
+        "velocity",
+        "what the student's velocity at a state is trained toward: velocity (the teacher's, at that "
+        "state) | endpoint (the straight line from the state to the teacher's own sample from the "
+        "student's starting noise; visited states only)",
+        choices=DISTILL_TARGETS,
+    )
     distill_weighting: str = option(
         "uniform",
         "weight per state, scaled to mean 1 over the grid: uniform | step (dt_k^2, the transition-mean "
@@ -551,6 +558,12 @@ class OnPolicyDistillation(DiffusionNFT):
             name = spec.get("name", "policy")
             if name != NO_TEACHER:
                 check_registered_name(f"teacher.routes.{route}.name", name, teachers)
+        a = cfg.algorithm
+        if a.distill_target == "endpoint" and a.distill_states != "visited":
+            raise ConfigError(
+                "algorithm.distill_target=endpoint starts from the student's own noise and needs "
+                "algorithm.distill_states=visited"
+            )
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
@@ -565,7 +578,10 @@ class OnPolicyDistillation(DiffusionNFT):
             in_process = not c.urls
         nccl_shards = in_process and sharder is not None and sharder.active and sharder.device.type == "cuda"
         overlap = cfg.teacher.overlap and not nccl_shards
-        return TeacherTargets(teacher, cfg.algorithm.distill_states, cfg.train.seed, overlap=overlap)
+        a = cfg.algorithm
+        return TeacherTargets(
+            teacher, a.distill_states, cfg.train.seed, overlap=overlap, target=a.distill_target
+        )
 
     def metric_names(self) -> list[str]:
         names = ["loss/distill", "loss/total"]
