@@ -381,7 +381,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .benchmarks.teacher import run_teacher_bench
 
         output = args.output or Path("runs/bench/teacher.json")
-        run_teacher_bench(output, args.config, args.overrides, **steps, repeats=repeats or 3)
+        parts = tuple(p for p in args.parts.split(",") if p)
+        run_teacher_bench(output, args.config, args.overrides, **steps, repeats=repeats or 3, parts=parts)
         return 0
     if args.name == "memory":
         from .benchmarks.memory import run_memory_bench
@@ -1154,6 +1155,12 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         help="algorithms: runs trained at once, each with an equal share of the cores as its threads",
+    )
+    parser.add_argument(
+        "--parts",
+        default="schedules,replicas",
+        help="teacher: comma-separated parts to run: schedules (overlapped, one step off, blocking), "
+        "replicas (1 against 2 teacher servers)",
     )
     parser.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     parser.add_argument(

@@ -159,8 +159,17 @@ def test_teacher_bench_compares_schedules_and_replicas(
     }
     for row in report["replicas"].values():
         assert row["1 replica states/s"]["median"] > 0 and row["2 replicas states/s"]["median"] > 0
+        half = row["1 replica on the share of each of 2 states/s"]["median"]
+        assert row["scaling"]["median"] == pytest.approx(
+            row["2 replicas states/s"]["median"] / half, rel=1e-9
+        )  # one round
         # the lone replica computes on the host's cores, each of two on half of them
         assert row["threads"] == {"1 replica": thread_share(1), "2 replicas, each": thread_share(2)}
     out = capsys.readouterr().out
     assert "teacher time hidden" in out and "teacher server, 100 ms per batch" in out
-    assert f"| {thread_share(1)} / {thread_share(2)} |" in out
+    assert (
+        f"| {thread_share(1)} / {thread_share(2)} |" in out
+        and "scaling: 2 against 1 on the same share" in out
+    )
+    with pytest.raises(ValueError, match="parts must be some of schedules, replicas; got \\['replica'\\]"):
+        run_teacher_bench(output, None, overrides, parts=("replica",))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -242,21 +243,29 @@ def test_endpoint_velocities_are_constant_along_the_straight_line() -> None:
         endpoint_velocities(line, x0, torch.tensor([1.0, 0.5, 0.0]))
 
 
-def test_endpoint_targets_need_visited_states(model_dir: Path, tmp_path: Path) -> None:
-    bad = _distill(
-        model_dir,
-        tmp_path / "run",
-        1,
-        str(model_dir),
-        "algorithm.distill_target=endpoint",
-        "algorithm.distill_states=noised",
-    )
-    with pytest.raises(
-        ConfigError, match="distill_target=endpoint .* needs algorithm.distill_states=visited"
-    ):
-        Trainer(load_config(None, bad))
-    with pytest.raises(ValueError, match="use distill_states=visited"):
-        TeacherTargets(FlowPolicyTeacher(pretrained=str(model_dir)), "noised", target="endpoint")
+def test_noised_endpoint_targets_are_flow_matching_on_the_teachers_samples(model_dir: Path) -> None:
+    """distill_states=noised with endpoint: the teacher's sample from the student's noise, noised to
+    each grid time with noise keyed by the group; the target is that noise minus the sample."""
+    teacher = FlowPolicyTeacher(pretrained=str(model_dir))
+    grid = torch.tensor([1.0, 0.5, 0.0])
+    visited = torch.randn(2, 2, *teacher.info().latent_shape, generator=torch.Generator().manual_seed(4))
+    rollout = Rollout(["a red circle"] * 2, torch.tensor([0, 0]), visited[:, -1], {}, grid, {STATES: visited})
+    extras = TeacherTargets(teacher, "noised", seed=5, target="endpoint").targets(rollout)
+    x = visited[:, 0]
+    for k in range(2):
+        x = x + (grid[k + 1] - grid[k]) * teacher.velocity(x, grid[k].expand(2), rollout.prompts)
+    expected_states = noised_states(Rollout(rollout.prompts, rollout.group_ids, x, {}, grid), seed=5)
+    torch.testing.assert_close(extras[STATES], expected_states, rtol=1e-5, atol=1e-5)
+    noise = expected_states[:, 0]  # at t = 1 the state is the noise itself
+    torch.testing.assert_close(extras[TEACHER_V][:, 1], noise_at(expected_states[:, 1], x, 0.5) - x)
+    torch.testing.assert_close(extras[TEACHER_V][:, 0], noise - x, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="endpoint distillation need the sampler's states"):
+        TeacherTargets(teacher, "noised", target="endpoint").targets(replace(rollout, extras={}))
+
+
+def noise_at(state: torch.Tensor, x0: torch.Tensor, t: float) -> torch.Tensor:
+    """The noise in x_t = (1 - t) x0 + t noise."""
+    return (state - (1 - t) * x0) / t
 
 
 def test_step_weights_follow_the_squared_step_and_average_one() -> None:

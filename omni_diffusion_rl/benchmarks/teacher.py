@@ -16,8 +16,12 @@ replica adds.
 2. Replicas: teacher throughput (states per second) through 1 and 2 `odrl serve-teacher` processes
    on 127.0.0.1, compute-bound and with `--service-ms` (a fixed time per batch standing in for a
    remote accelerator: on 2 CPU cores two compute-bound replicas share the same cores). Each server
-   computes on its thread budget: the lone replica on the host's cores, each of the two on half
-   (`--replicas-on-host 2`); the report states the budgets.
+   computes on its thread budget (`--threads`, so an OMP_NUM_THREADS in the environment does not
+   oversubscribe the host): each of the two on half of the host's cores, against one replica on the
+   same half (the scaling: what a second replica adds) and one on all of them (what splitting the
+   host buys); the report states the budgets.
+
+`parts` (`odrl bench teacher --parts replicas`) runs one of the two.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..runtime.threads import thread_share
 from .common import DEFAULT_CONFIG, QUIET, compare_paired, machine_info, median, spread
 
 SERVER_SERVICE_MS = 100  # the schedules' teacher server: a fixed time per batch (a remote accelerator)
+PARTS = ("schedules", "replicas")
 SCHEDULES = {
     "overlap": ("teacher.overlap=true",),
     "one_step_off": ("teacher.overlap=true", "teacher.one_step_off=true"),
@@ -126,11 +131,14 @@ def run_teacher_bench(
     steps: int = 12,
     repeats: int = 3,
     states: int = 512,
+    parts: tuple[str, ...] = PARTS,
 ) -> dict[str, Any]:
-    """Both parts; prints a table, writes JSON."""
+    """The `parts` asked for (both by default); prints a table, writes JSON."""
     from ..config import load_config
-    from ..serving.process import ServerProcess
 
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise ValueError(f"odrl bench teacher: parts must be some of {', '.join(PARTS)}; got {list(parts)}")
     overrides = ["sampling.rollout_chunks=2", *(overrides or [])]  # chunks: what the teacher overlaps with
     base = output.parent / "teacher_runs"
     teacher = load_config(config, overrides).teacher
@@ -139,6 +147,24 @@ def run_teacher_bench(
             "odrl bench teacher runs the teacher in process and as its own server: drop the "
             "teacher.urls and teacher.routes overrides"
         )
+    result: dict[str, Any] = {"machine": machine_info(), "steps": steps, "repeats": repeats}
+    if "schedules" in parts:
+        result |= _schedules_in_process_and_served(config, overrides, steps, repeats, base, teacher)
+    if "replicas" in parts:
+        result["replicas"] = _replica_bench(states, repeats)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print(_table(result))
+    print(f"wrote {output}")
+    return result
+
+
+def _schedules_in_process_and_served(
+    config: str | None, overrides: list[str], steps: int, repeats: int, base: Path, teacher: Any
+) -> dict[str, Any]:
+    """The schedules with the teacher in process, then as a server at SERVER_SERVICE_MS per batch."""
+    from ..serving.process import ServerProcess
+
     schedule = _schedule_bench(config, overrides, steps, repeats, base / "in_process")
     with ServerProcess(
         [teacher.name],
@@ -154,6 +180,16 @@ def run_teacher_bench(
     ) as server:
         served = [*overrides, f"teacher.urls=[{server.url}]"]
         schedule_server = _schedule_bench(config, served, steps, repeats, base / "server")
+    return {
+        "schedule": schedule,
+        "schedule_teacher_server": {"service_ms_per_batch": SERVER_SERVICE_MS, **schedule_server},
+    }
+
+
+def _replica_bench(states: int, repeats: int) -> dict[str, Any]:
+    """States per second through one and two teacher servers, interleaved rounds."""
+    from ..serving.process import ServerProcess
+
     replicas: dict[str, Any] = {}
     serve: dict[str, Any] = {"command": "serve-teacher"}
     for label, extra in (
@@ -166,32 +202,30 @@ def run_teacher_bench(
             ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **serve) as one,
             ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **serve) as two,
         ):
-            single, double = [], []
+            single, half, double = [], [], []
             for _ in range(repeats):  # alternate the arms
                 single += _throughput([solo.url], states, 16, 1)
+                half += _throughput([one.url], states, 16, 1)
                 double += _throughput([one.url, two.url], states, 16, 1)
         replicas[label] = {
             "1 replica states/s": spread(single),
+            "1 replica on the share of each of 2 states/s": spread(half),
             "2 replicas states/s": spread(double),
             "speed-up": spread([d / s for s, d in zip(single, double, strict=True)]),
+            "scaling": spread([d / h for h, d in zip(half, double, strict=True)]),
             "threads": {"1 replica": solo.ready["threads"], "2 replicas, each": one.ready["threads"]},
         }
-    result = {
-        "machine": machine_info(),
-        "steps": steps,
-        "repeats": repeats,
-        "schedule": schedule,
-        "schedule_teacher_server": {"service_ms_per_batch": SERVER_SERVICE_MS, **schedule_server},
-        "replicas": replicas,
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(_table(result))
-    print(f"wrote {output}")
-    return result
+    return replicas
 
 
 def _table(result: dict[str, Any]) -> str:
+    lines = _schedule_table(result) if "schedule" in result else []
+    if "replicas" in result:
+        lines += _replica_table(result["replicas"])
+    return "\n".join(lines)
+
+
+def _schedule_table(result: dict[str, Any]) -> list[str]:
     s = result["schedule"]
     lines = [
         "| schedule | s per trained sample | teacher s per step | waited for targets s per step "
@@ -220,16 +254,25 @@ def _table(result: dict[str, Any]) -> str:
                 f"{_fmt(figures[name]['teacher_wait_s_per_step'])} s per step"
             )
     lines.append("")
-    lines += [
-        "| teacher servers | 1 replica states/s | 2 replicas states/s | speed-up | threads (1 / each of 2) |",
-        "| --- | --- | --- | --- | --- |",
+    return lines
+
+
+def _replica_table(replicas: dict[str, Any]) -> list[str]:
+    lines = [
+        "| teacher servers | 1 replica states/s (all cores) | 1 replica states/s (half) | 2 replicas "
+        "states/s (half each) | 2 against 1 on all cores | scaling: 2 against 1 on the same share "
+        "| threads (1 / each of 2) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for label, r in result["replicas"].items():
+    for label, r in replicas.items():
         one, two = _fmt(r["1 replica states/s"]), _fmt(r["2 replicas states/s"])
+        half = _fmt(r["1 replica on the share of each of 2 states/s"])
         threads = r.get("threads", {})
         budget = f"{threads.get('1 replica', '?')} / {threads.get('2 replicas, each', '?')}"
-        lines.append(f"| {label} | {one} | {two} | {_fmt(r['speed-up'])} | {budget} |")
-    return "\n".join(lines)
+        lines.append(
+            f"| {label} | {one} | {half} | {two} | {_fmt(r['speed-up'])} | {_fmt(r['scaling'])} | {budget} |"
+        )
+    return lines
 
 
 def _fmt(figure: dict[str, float], pct: bool = False) -> str:

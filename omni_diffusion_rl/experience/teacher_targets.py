@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -181,13 +182,10 @@ class TeacherTargets:
             raise ValueError(
                 f"distillation targets must be one of {', '.join(DISTILL_TARGETS)}; got {target!r}"
             )
-        if target == "endpoint" and states != "visited":
-            raise ValueError(
-                "endpoint targets start from the student's own noise: use distill_states=visited"
-            )
         self.teacher, self.target = teacher, target
         self.states, self.seed, self.max_batch = states, seed, max_batch
-        self.needs_states, self.overlap = states == "visited", overlap
+        # endpoint targets start the teacher from the student's own noise, the first visited state
+        self.needs_states, self.overlap = states == "visited" or target == "endpoint", overlap
         self.seconds, self.calls, self._reported = 0.0, 0, 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odrl-teacher")
 
@@ -203,11 +201,12 @@ class TeacherTargets:
         """The teacher's velocity at each state of each sample, or the straight-line velocity to its
         sample (blocking)."""
         started = time.perf_counter()
+        if self.needs_states and STATES not in rollout.extras:
+            raise ValueError(
+                "visited-state and endpoint distillation need the sampler's states "
+                "(generate(record_states=True))"
+            )
         if self.states == "visited":
-            if STATES not in rollout.extras:
-                raise ValueError(
-                    "visited-state distillation needs the sampler's states (generate(record_states=True))"
-                )
             states, extras = rollout.extras[STATES], {}
         else:
             states = noised_states(rollout, self.seed)
@@ -218,7 +217,10 @@ class TeacherTargets:
             shape = (len(states), *states.shape[2:])
             extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
         if self.target == "endpoint":
-            x0 = self._teacher_sample(rollout, states, extras.get(TEACHER_MASK))
+            x0 = self._teacher_sample(rollout, rollout.extras[STATES], extras.get(TEACHER_MASK))
+            if self.states == "noised":  # flow matching on the teacher's samples, noise keyed by group
+                states = noised_states(replace(rollout, x0=x0), self.seed)
+                extras[STATES] = states
             self.seconds += time.perf_counter() - started
             self.calls += 1
             return {**extras, TEACHER_V: endpoint_velocities(states.float(), x0, times)}

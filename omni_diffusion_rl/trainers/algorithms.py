@@ -498,7 +498,8 @@ class DistillOwnOptions:
         "velocity",
         "what the student's velocity at a state is trained toward: velocity (the teacher's, at that "
         "state) | endpoint (the straight line from the state to the teacher's own sample from the "
-        "student's starting noise; visited states only)",
+        "student's starting noise; with distill_states=noised the states are that sample forward-noised: "
+        "flow matching on the teacher's samples)",
         choices=DISTILL_TARGETS,
     )
     distill_weighting: str = option(
@@ -558,12 +559,6 @@ class OnPolicyDistillation(DiffusionNFT):
             name = spec.get("name", "policy")
             if name != NO_TEACHER:
                 check_registered_name(f"teacher.routes.{route}.name", name, teachers)
-        a = cfg.algorithm
-        if a.distill_target == "endpoint" and a.distill_states != "visited":
-            raise ConfigError(
-                "algorithm.distill_target=endpoint starts from the student's own noise and needs "
-                "algorithm.distill_states=visited"
-            )
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
