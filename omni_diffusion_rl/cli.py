@@ -380,8 +380,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "teacher":
         from .benchmarks.teacher import run_teacher_bench
 
-        output = args.output or Path("runs/bench/teacher.json")
-        parts = tuple(p for p in args.parts.split(",") if p)
+        parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+        # one part alone gets its own report, so it does not overwrite a full run's
+        alone = f"_{parts[0]}" if len(parts) == 1 else ""
+        output = args.output or Path(f"runs/bench/teacher{alone}.json")
         run_teacher_bench(output, args.config, args.overrides, **steps, repeats=repeats or 3, parts=parts)
         return 0
     if args.name == "memory":
@@ -588,11 +590,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _check_output_file(args.output)
     if args.measure:
         from .execution.planner.measure import costs_to_json, measure_costs
+        from .runtime.threads import thread_share
 
         cfg = load_config(args.measure, list(args.overrides))
         short, long = cfg.sampling.num_steps, args.long_steps or 4 * cfg.sampling.num_steps
         # 2 processes will share this machine's cores: time one with its share of them
-        costs = measure_costs(cfg, short, long, threads=max(1, (os.cpu_count() or 2) // 2))
+        costs = measure_costs(cfg, short, long, threads=thread_share(2))
         work = {
             "replicas": 2,
             "prompts_per_step": cfg.data.prompts_per_step,
@@ -1160,7 +1163,7 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--parts",
         default="schedules,replicas",
         help="teacher: comma-separated parts to run: schedules (overlapped, one step off, blocking), "
-        "replicas (1 against 2 teacher servers)",
+        "replicas (1 against 2 teacher servers); one part alone reports to runs/bench/teacher_<part>.json",
     )
     parser.add_argument("--output", type=Path, help="JSON report (default runs/bench/<name>.json)")
     parser.add_argument(

@@ -161,8 +161,8 @@ def test_teacher_bench_compares_schedules_and_replicas(
         assert row["1 replica states/s"]["median"] > 0 and row["2 replicas states/s"]["median"] > 0
         half = row["1 replica on the share of each of 2 states/s"]["median"]
         assert row["scaling"]["median"] == pytest.approx(
-            row["2 replicas states/s"]["median"] / half, rel=1e-9
-        )  # one round
+            row["2 replicas states/s"]["median"] / half, rel=1e-3
+        )  # one round; spread() rounds to 4 decimals
         # the lone replica computes on the host's cores, each of two on half of them
         assert row["threads"] == {"1 replica": thread_share(1), "2 replicas, each": thread_share(2)}
     out = capsys.readouterr().out

@@ -23,8 +23,10 @@ def endpoint_velocities(states: torch.Tensor, x0_teacher: torch.Tensor, times: t
     teacher's sample from the same noise; the fixed point is a student whose sampler walks the straight
     line from that noise to the teacher's sample, so a few pixels that decide a shape weigh as much at
     the noisy states as at the clean end."""
-    if times.ndim != 1 or len(times) != states.shape[1] or bool((times <= 0).any()):
-        raise ValueError(f"endpoint targets need one time > 0 per state; got {times.tolist()}")
+    if times.ndim != 1 or len(times) != states.shape[1] or not bool((times > 0).all()):
+        raise ValueError(
+            f"endpoint targets need one time > 0 per state ({states.shape[1]} states); got {times.tolist()}"
+        )
     if x0_teacher.shape != (states.shape[0], *states.shape[2:]):
         raise ValueError(
             f"the teacher's samples {tuple(x0_teacher.shape)} do not fit states {tuple(states.shape)}"

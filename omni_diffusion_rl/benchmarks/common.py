@@ -13,6 +13,7 @@ from typing import Any
 
 from ..runtime.launch import accelerate_command, free_port
 from ..runtime.subprocesses import run_process_tree
+from ..runtime.threads import thread_share
 
 # The training config of the 2-process benchmarks, relative to the working folder (as `odrl bench`'s
 # --config default): the benchmarks run from a checkout of the repository.
@@ -53,7 +54,7 @@ def launch_training(config: str | None, overrides: list[str], port: int | None =
     The launcher runs through `run_process_tree`: it dies with this process, and whatever it leaves
     behind is killed when it ends or times out."""
     env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "true")}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+    env.setdefault("OMP_NUM_THREADS", str(thread_share(2)))
     command = launch_command(config, overrides, free_port() if port is None else port)
     done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env)
     if done.returncode != 0:

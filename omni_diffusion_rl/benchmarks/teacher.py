@@ -203,10 +203,14 @@ def _replica_bench(states: int, repeats: int) -> dict[str, Any]:
             ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **serve) as two,
         ):
             single, half, double = [], [], []
-            for _ in range(repeats):  # alternate the arms
-                single += _throughput([solo.url], states, 16, 1)
-                half += _throughput([one.url], states, 16, 1)
-                double += _throughput([one.url, two.url], states, 16, 1)
+            arms = [
+                (single, [solo.url]),
+                (half, [one.url]),
+                (double, [one.url, two.url]),
+            ]
+            for round_ in range(repeats):  # interleaved, each round in the other order
+                for measured, urls in arms if round_ % 2 == 0 else arms[::-1]:
+                    measured += _throughput(urls, states, 16, 1)
         replicas[label] = {
             "1 replica states/s": spread(single),
             "1 replica on the share of each of 2 states/s": spread(half),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,18 +41,27 @@ TEACHER_V = "teacher_v"
 
 
 def noised_states(rollout: Rollout, seed: int) -> torch.Tensor:
-    """[N, T, *latent]: x0 forward-noised to each sampler time grid[k] (k < T), the noise drawn per
-    sample from (seed, its prompt group), so it does not depend on where or when it is made."""
-    times = rollout.grid[:-1].to(rollout.x0.device)
+    """[N, T, *latent]: x0 forward-noised to each sampler time grid[k] (k < T) with group_noise."""
+    return forward_noised(rollout.x0, group_noise(rollout, seed), rollout.grid[:-1])
+
+
+def forward_noised(x0: torch.Tensor, noise: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """[N, T, *latent]: x_t = (1 - t) x0 + t noise for x0 [N, ...], noise [N, T, ...], times [T]."""
+    t = times.to(x0.device).view(1, -1, *([1] * (x0.ndim - 1)))
+    return (1 - t) * x0[:, None] + t * noise.to(x0.device)
+
+
+def group_noise(rollout: Rollout, seed: int) -> torch.Tensor:
+    """[N, T, *latent]: one noise per sample and grid time (k < T), drawn from (seed, its prompt
+    group), so it does not depend on where or when it is made, nor on the sample itself."""
+    times = rollout.grid[:-1]
     group_size = max(1, int((rollout.group_ids == rollout.group_ids[0]).sum()))
     noises = []
     for start in range(0, len(rollout), group_size):
         gen = step_generator(seed, 0, int(rollout.group_ids[start]), "distill")
         shape = (len(times), min(group_size, len(rollout) - start), *rollout.x0.shape[1:])
         noises.append(torch.randn(shape, generator=gen).transpose(0, 1))
-    noise = torch.cat(noises).to(rollout.x0.device)
-    t = times.view(1, -1, *([1] * (rollout.x0.ndim - 1)))
-    return (1 - t) * rollout.x0[:, None] + t * noise
+    return torch.cat(noises).to(rollout.x0.device)
 
 
 def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -206,7 +214,7 @@ class TeacherTargets:
                 "visited-state and endpoint distillation need the sampler's states "
                 "(generate(record_states=True))"
             )
-        if self.states == "visited":
+        if self.states == "visited" or self.target == "endpoint":  # endpoint: noised below if asked
             states, extras = rollout.extras[STATES], {}
         else:
             states = noised_states(rollout, self.seed)
@@ -217,13 +225,16 @@ class TeacherTargets:
             shape = (len(states), *states.shape[2:])
             extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
         if self.target == "endpoint":
-            x0 = self._teacher_sample(rollout, rollout.extras[STATES], extras.get(TEACHER_MASK))
+            x0 = self._teacher_sample(rollout, states, extras.get(TEACHER_MASK))
             if self.states == "noised":  # flow matching on the teacher's samples, noise keyed by group
-                states = noised_states(replace(rollout, x0=x0), self.seed)
-                extras[STATES] = states
+                noise = group_noise(rollout, self.seed).to(x0.device, x0.dtype)
+                extras[STATES] = forward_noised(x0, noise, times)
+                target = noise - x0[:, None]
+            else:
+                target = endpoint_velocities(states.float(), x0, times)
             self.seconds += time.perf_counter() - started
             self.calls += 1
-            return {**extras, TEACHER_V: endpoint_velocities(states.float(), x0, times)}
+            return {**extras, TEACHER_V: target}
         # time-major: a batch shares one time, as the student trains; every answer is checked once
         # all are in, so that a sharded teacher runs the same forwards on every process even when
         # one process's answers are bad (its error then comes after the others' last gather)
@@ -240,6 +251,11 @@ class TeacherTargets:
         rollout's grid; entries no teacher answers (a `none` route) follow the student's states. Every
         answer is checked after the last forward (as `targets` does), a bad one carried as NaN."""
         grid = rollout.grid.to(states.device)
+        if states.shape[1] != len(grid) - 1:
+            raise ValueError(
+                f"the sampler recorded {states.shape[1]} states for a grid of {len(grid) - 1} steps: "
+                "endpoint targets need one state per step"
+            )
         x = states[:, 0].detach().float()
         answers = []
         for k in range(len(grid) - 1):
