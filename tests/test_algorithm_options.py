@@ -69,6 +69,8 @@ ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defa
     "timestep_choice": "random",
     "distill_focus": 0.0,
     "distill_target": "velocity",
+    "distill_completions": 3,
+    "distill_contrast_from": 0.8,
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},
@@ -178,6 +180,8 @@ def test_train_help_lists_each_algorithms_options_under_its_name() -> None:
     assert blocks["distill"] == {
         "distill_states",
         "distill_target",
+        "distill_completions",
+        "distill_contrast_from",
         "distill_weighting",
         "distill_focus",
         "nft_coef",

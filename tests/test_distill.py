@@ -5,6 +5,7 @@ targets follow the student's states, and a different teacher pulls the student t
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -12,20 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_diffusion_rl.algorithms.distill import endpoint_velocities
+from omni_diffusion_rl.algorithms.distill import completion_velocities, endpoint_velocities
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.teacher_targets import (
+    COMPLETED,
     STATES,
     TEACHER_V,
+    TEACHER_X0,
     TeacherTargets,
+    completion_starts,
     group_noise,
     noised_states,
 )
 from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE, TEACHER_WEIGHTS
 from omni_diffusion_rl.registry import teachers
 from omni_diffusion_rl.teacher import TeacherMismatch
-from omni_diffusion_rl.trainers.algorithms import state_weights
+from omni_diffusion_rl.trainers.algorithms import contrast_pairs, state_weights
 from omni_diffusion_rl.trainers.trainer import Trainer
 from teachers.flow_policy import FlowPolicyTeacher
 
@@ -71,8 +75,9 @@ def test_self_distillation_gives_loss_zero_exactly(model_dir: Path, tmp_path: Pa
         ["algorithm.distill_weighting=x0", "algorithm.distill_focus=1.0"],
         ["algorithm.distill_weighting=sde_kl"],
         ["algorithm.distill_target=endpoint", "algorithm.distill_weighting=x0"],
+        ["algorithm.distill_target=completion", "algorithm.distill_weighting=x0"],
     ],
-    ids=["velocity", "x0-focus", "sde-kl", "endpoint"],
+    ids=["velocity", "x0-focus", "sde-kl", "endpoint", "completion"],
 )
 def test_a_different_teacher_pulls_the_student_toward_itself(
     model_dir: Path, other_dir: Path, tmp_path: Path, loss: list[str]
@@ -151,18 +156,20 @@ def test_a_teacher_answering_nan_or_the_wrong_shape_is_an_error(model_dir: Path)
 
     with pytest.raises(ValueError, match=r"the teacher answered \(4, 10\) .* for states \(4, 796\)"):
         TeacherTargets(Short(pretrained=str(model_dir)), "noised").targets(rollout)
-    # endpoint targets: the teacher's own sampler is checked the same way, and needs a state per step
+    # the teacher's own sampler (endpoint, completion, contrast) is checked the same way, and needs a
+    # state per step
     visited = replace(rollout, extras={STATES: torch.randn(4, 3, 796)})
-    with pytest.raises(ValueError, match=r"finite: False.*a teacher must give a finite velocity per state"):
-        TeacherTargets(NaNTeacher(pretrained=str(model_dir)), "visited", target="endpoint").targets(visited)
-    with pytest.raises(ValueError, match=r"the teacher answered \(4, 10\) .* for states \(4, 796\)"):
-        TeacherTargets(Short(pretrained=str(model_dir)), "visited", target="endpoint").targets(visited)
     short_record = replace(rollout, extras={STATES: torch.randn(4, 2, 796)})
-    with pytest.raises(ValueError, match="recorded 2 states for a grid of 3 steps"):
-        TeacherTargets(FlowPolicyTeacher(pretrained=str(model_dir)), "visited", target="endpoint").targets(
-            short_record
-        )
-    with pytest.raises(ValueError, match="distillation targets must be one of velocity, endpoint; got 'x0'"):
+    for target in ("endpoint", "completion", "contrast"):
+        with pytest.raises(ValueError, match=r"finite: False.*a teacher must give a finite velocity"):
+            TeacherTargets(NaNTeacher(pretrained=str(model_dir)), "visited", target=target).targets(visited)
+        with pytest.raises(ValueError, match=r"the teacher answered \(\d, 10\) .* for states \(\d, 796\)"):
+            TeacherTargets(Short(pretrained=str(model_dir)), "visited", target=target).targets(visited)
+        with pytest.raises(ValueError, match="recorded 2 states for a grid of 3 steps"):
+            TeacherTargets(FlowPolicyTeacher(pretrained=str(model_dir)), "visited", target=target).targets(
+                short_record
+            )
+    with pytest.raises(ValueError, match="must be one of velocity, endpoint, completion, contrast; got .x0."):
         TeacherTargets(FlowPolicyTeacher(pretrained=str(model_dir)), "visited", target="x0")
 
 
@@ -260,6 +267,105 @@ def test_endpoint_velocities_are_constant_along_the_straight_line() -> None:
     torch.testing.assert_close(off[:, 2] - 0.2 * endpoint_velocities(off, x0, times)[:, 2], x0)
     with pytest.raises(ValueError, match="one time > 0 per state"):
         endpoint_velocities(line, x0, torch.tensor([1.0, 0.5, 0.0]))
+
+
+def test_completion_targets_point_each_chosen_state_at_the_teachers_completion_from_it(
+    model_dir: Path,
+) -> None:
+    """distill_target=completion: for a few visited states of each sample (chosen by its group), the
+    teacher runs Euler from that state to the end of the grid, and the target is the straight line
+    from the state to that completion; the other states get none."""
+    teacher = FlowPolicyTeacher(pretrained=str(model_dir))
+    grid = torch.tensor([1.0, 0.7, 0.3, 0.0])
+    states = torch.randn(4, 3, *teacher.info().latent_shape, generator=torch.Generator().manual_seed(6))
+    prompts = ["a red circle", "a red circle", "a blue square", "a blue square"]
+    rollout = Rollout(prompts, torch.tensor([5, 5, 9, 9]), states[:, -1], {}, grid, {STATES: states})
+    extras = TeacherTargets(teacher, "visited", seed=2, target="completion", completions=2).targets(rollout)
+    chosen = extras[COMPLETED]
+    assert torch.equal(chosen, completion_starts(rollout, 2, 2)) and chosen.sum(1).tolist() == [2] * 4
+    assert not torch.equal(chosen, completion_starts(rollout, 3, 2)) or not torch.equal(
+        chosen, completion_starts(rollout, 4, 2)
+    )  # keyed by the seed
+    for row in range(4):
+        for k in range(3):
+            target = extras[TEACHER_V][row, k]
+            if not chosen[row, k]:
+                assert float(target.abs().max()) == 0.0
+                continue
+            x = states[row, k][None]
+            for j in range(k, 3):
+                x = x + (grid[j + 1] - grid[j]) * teacher.velocity(x, grid[j].view(1), [prompts[row]])
+            torch.testing.assert_close(target, (states[row, k] - x[0]) / grid[k], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="1 to 3 states per sample"):
+        completion_starts(rollout, 0, 4)
+    with pytest.raises(ValueError, match="use distill_states=visited"):
+        TeacherTargets(teacher, "noised", target="completion")
+
+
+def test_completion_velocities_from_the_last_state_are_the_teachers_velocity() -> None:
+    """From the grid's last state, one Euler step x0 = x - t v completes it: the target is v."""
+    x, v = torch.randn(3, 4), torch.randn(3, 4)
+    times = torch.tensor([0.1, 0.2, 0.5])
+    endpoints = x - times[:, None] * v
+    torch.testing.assert_close(completion_velocities(x, endpoints, times), v)
+    with pytest.raises(ValueError, match="one time > 0 per start state"):
+        completion_velocities(x, endpoints, torch.tensor([0.1, 0.0, 0.5]))
+    with pytest.raises(ValueError, match="do not fit the states"):
+        completion_velocities(x, endpoints[:2], times)
+
+
+def test_contrast_completes_each_sample_from_its_state_nearest_the_contrast_time(model_dir: Path) -> None:
+    """distill_target=contrast: the teacher's Euler completion of every sample from its visited state
+    at the grid time nearest distill_contrast_from; the pairs put the student's samples first, the
+    teacher's after, with the same prompts and groups (so DiffusionNFT's noise is shared)."""
+    teacher = FlowPolicyTeacher(pretrained=str(model_dir))
+    grid = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    states = torch.randn(2, 4, *teacher.info().latent_shape, generator=torch.Generator().manual_seed(8))
+    prompts = ["a red circle", "a blue square"]
+    cond = {"text": torch.arange(2.0)[:, None]}
+    rollout = Rollout(prompts, torch.tensor([3, 4]), states[:, -1], cond, grid, {STATES: states})
+    extras = TeacherTargets(teacher, "visited", target="contrast", contrast_from=0.7).targets(rollout)
+    assert set(extras) == {TEACHER_X0}
+    x = states[:, 1]  # t = 0.75 is the nearest to 0.7
+    for j in range(1, 4):
+        x = x + (grid[j + 1] - grid[j]) * teacher.velocity(x, grid[j].expand(2), prompts)
+    torch.testing.assert_close(extras[TEACHER_X0], x, rtol=1e-5, atol=1e-5)
+    pairs = contrast_pairs(replace(rollout, extras={**rollout.extras, **extras}))
+    assert pairs.prompts == prompts * 2 and pairs.group_ids.tolist() == [3, 4, 3, 4]
+    assert torch.equal(pairs.x0, torch.cat([states[:, -1], extras[TEACHER_X0]]))
+    assert torch.equal(pairs.cond["text"], torch.cat([cond["text"], cond["text"]]))
+    with pytest.raises(ValueError, match="lacks the teacher's completions"):
+        contrast_pairs(rollout)
+
+
+def test_contrast_trains_the_student_with_nfts_loss_on_teacher_and_student_samples(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    overrides = _distill(model_dir, run, 2, str(other_dir), "algorithm.distill_target=contrast")
+    Trainer(load_config(None, overrides)).fit()
+    rows = step_records(run)
+    assert len(rows) == 2 and all("loss/distill" not in r for r in rows)
+    assert all(r["loss/total"] > 0 and math.isfinite(r["loss/total"]) for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (["algorithm.distill_target=completion", "algorithm.distill_states=noised"], "use visited"),
+        (["algorithm.distill_target=completion", "algorithm.distill_completions=11"], "at most that"),
+        (["algorithm.distill_target=contrast", "algorithm.distill_states=noised"], "use visited"),
+        (["algorithm.distill_target=contrast", "algorithm.nft_coef=1"], "set algorithm.nft_coef=0"),
+        (["algorithm.distill_target=contrast", "algorithm.distill_contrast_from=0"], "distill_contrast_from"),
+    ],
+)
+def test_completion_and_contrast_refuse_settings_that_do_not_fit(
+    model_dir: Path, tmp_path: Path, overrides: list[str], problem: str
+) -> None:
+    base = _distill(model_dir, tmp_path / "run", 1, str(model_dir))
+    overrides = [*base, "sampling.num_steps=10", *overrides]
+    with pytest.raises(ConfigError, match=problem):  # at load, before any model is built
+        load_config(None, overrides)
 
 
 def test_noised_endpoint_targets_are_flow_matching_on_the_teachers_samples(model_dir: Path) -> None:

@@ -11,7 +11,7 @@ DISTILL_WEIGHTINGS = ("uniform", "step", "x0", "sde_kl")
 """algorithm.distill_weighting: the weight of the state at each sampler time (`state_weights`)."""
 SDE_KL_NOISE = 0.7
 """The SDE noise level of the sde_kl weighting (Flow-GRPO's default)."""
-DISTILL_TARGETS = ("velocity", "endpoint")
+DISTILL_TARGETS = ("velocity", "endpoint", "completion", "contrast")
 """algorithm.distill_target: what the student's velocity at a state is trained toward."""
 
 
@@ -33,6 +33,24 @@ def endpoint_velocities(states: torch.Tensor, x0_teacher: torch.Tensor, times: t
         )
     t = times.to(states.dtype).view(1, -1, *([1] * (states.ndim - 2)))
     return (states - x0_teacher[:, None].to(states.dtype)) / t
+
+
+def completion_velocities(starts: torch.Tensor, endpoints: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """[M, ...]: the straight-line velocity (x - x0) / t from each start state x = starts[m] at time
+    t = times[m] > 0 to the teacher's completion x0 = endpoints[m], its own ODE run from that state.
+
+    The target is a function of the state alone (the teacher's flow map from it), so the student can
+    meet it exactly; at a noisy state the teacher decides what the student has not (the shape), at a
+    late one it keeps what the student already drew, and from the last state it is the teacher's
+    velocity there."""
+    if times.shape != starts.shape[:1] or not bool((times > 0).all()):
+        raise ValueError(f"completion targets need one time > 0 per start state; got {times.tolist()}")
+    if endpoints.shape != starts.shape:
+        raise ValueError(
+            f"the completions {tuple(endpoints.shape)} do not fit the states {tuple(starts.shape)}"
+        )
+    t = times.to(starts.dtype).view(-1, *([1] * (starts.ndim - 1)))
+    return (starts - endpoints.to(starts.dtype)) / t
 
 
 def distillation_loss(

@@ -36,6 +36,7 @@ _STREAMS = {
     "distill": 6,
     "answers": 7,
     "sde": 8,
+    "completion": 9,
 }
 STATES, BEHAVIOUR_LOGP, SDE_STEPS = "states", "behaviour_logp", "sde_steps"
 """Extras of an SDE rollout: the visited states [N, T, *latent], each step's log-probability under

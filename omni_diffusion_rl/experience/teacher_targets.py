@@ -8,7 +8,11 @@ ones the student's sampler visited (`extras["states"]`, recorded by `generate`) 
 forward-noised at each grid time with noise keyed by the prompt group. The targets are the
 teacher's velocity at each state (`velocity`) or, with `endpoint`, the straight-line velocity from
 each visited state to the teacher's own sample from the student's starting noise (the teacher's
-Euler trajectory on the student's time grid: the same number of teacher forwards).
+Euler trajectory on the student's time grid: the same number of teacher forwards), or with
+`completion` to the teacher's own completion from that state (its Euler run from there to the end
+of the grid), for a few visited states of each sample (`COMPLETED` marks them). With `contrast`
+there are no velocity targets: each sample's completion by the teacher from one visited state
+(`TEACHER_X0`), which DiffusionNFT's loss then treats as the positive to the student's sample.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..algorithms.distill import DISTILL_TARGETS, endpoint_velocities
+from ..algorithms.distill import DISTILL_TARGETS, completion_velocities, endpoint_velocities
 from ..config import NO_TEACHER, ConfigError, ExperimentConfig
 from ..runtime.sharding import compute_device
 from ..teacher import (
@@ -38,6 +42,10 @@ from .teacher_routes import TEACHER_MASK, RoutedTeacher, route_entries
 
 STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorithm.distill_states)
 TEACHER_V = "teacher_v"
+COMPLETED = "teacher_completed"
+"""[N, T] bool: the visited states a completion target was made for (distill_target=completion)."""
+TEACHER_X0 = "teacher_x0"
+"""[N, *latent]: the teacher's completion of each sample from one of its visited states (contrast)."""
 
 
 def noised_states(rollout: Rollout, seed: int) -> torch.Tensor:
@@ -62,6 +70,21 @@ def group_noise(rollout: Rollout, seed: int) -> torch.Tensor:
         shape = (len(times), min(group_size, len(rollout) - start), *rollout.x0.shape[1:])
         noises.append(torch.randn(shape, generator=gen).transpose(0, 1))
     return torch.cat(noises).to(rollout.x0.device)
+
+
+def completion_starts(rollout: Rollout, seed: int, count: int) -> torch.Tensor:
+    """[N, T] bool: `count` of each sample's T visited states, drawn without replacement from (seed,
+    its prompt group), so the choice does not depend on where or when it is made."""
+    steps = len(rollout.grid) - 1
+    if not 1 <= count <= steps:
+        raise ValueError(f"completion targets need 1 to {steps} states per sample (the grid's); got {count}")
+    group_size = max(1, int((rollout.group_ids == rollout.group_ids[0]).sum()))
+    chosen = torch.zeros(len(rollout), steps, dtype=torch.bool)
+    for start in range(0, len(rollout), group_size):
+        gen = step_generator(seed, 0, int(rollout.group_ids[start]), "completion")
+        for row in range(start, min(start + group_size, len(rollout))):
+            chosen[row, torch.randperm(steps, generator=gen)[:count]] = True
+    return chosen
 
 
 def checked_targets(v: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -183,6 +206,8 @@ class TeacherTargets:
         max_batch: int = 256,
         overlap: bool = True,
         target: str = "velocity",
+        completions: int = 3,
+        contrast_from: float = 0.8,
     ) -> None:
         if states not in STATE_KINDS:
             raise ValueError(f"distillation states must be one of {', '.join(STATE_KINDS)}; got {states!r}")
@@ -190,10 +215,14 @@ class TeacherTargets:
             raise ValueError(
                 f"distillation targets must be one of {', '.join(DISTILL_TARGETS)}; got {target!r}"
             )
-        self.teacher, self.target = teacher, target
+        if target in ("completion", "contrast") and states != "visited":
+            raise ValueError(f"{target} targets start from the visited states: use distill_states=visited")
+        self.teacher, self.target, self.completions = teacher, target, completions
+        self.contrast_from = contrast_from
         self.states, self.seed, self.max_batch = states, seed, max_batch
         # endpoint targets start the teacher from the student's own noise, the first visited state
-        self.needs_states, self.overlap = states == "visited" or target == "endpoint", overlap
+        self.needs_states = states == "visited" or target != "velocity"
+        self.overlap = overlap
         self.seconds, self.calls, self._reported = 0.0, 0, 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odrl-teacher")
 
@@ -224,6 +253,21 @@ class TeacherTargets:
         if answered is not None and not bool(answered.all()):  # routes with no teacher: left alone
             shape = (len(states), *states.shape[2:])
             extras[TEACHER_MASK] = answered.to(states.device).view(shape[1:]).expand(shape).contiguous()
+        if self.target in ("completion", "contrast"):
+            if self.target == "completion":
+                chosen = completion_starts(rollout, self.seed, self.completions).to(states.device)
+            else:  # one start per sample: the visited state nearest contrast_from
+                chosen = torch.zeros(states.shape[:2], dtype=torch.bool, device=states.device)
+                chosen[:, int((times - self.contrast_from).abs().argmin())] = True
+            rows, starts = chosen.nonzero(as_tuple=True)
+            x0 = self._complete(rollout, states, rows, starts, extras.get(TEACHER_MASK))
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+            if self.target == "contrast":
+                return {**extras, TEACHER_X0: x0}
+            target = torch.zeros_like(states, dtype=torch.float32)
+            target[rows, starts] = completion_velocities(states[rows, starts].float(), x0, times[starts])
+            return {**extras, COMPLETED: chosen, TEACHER_V: target}
         if self.target == "endpoint":
             x0 = self._teacher_sample(rollout, states, extras.get(TEACHER_MASK))
             if self.states == "noised":  # flow matching on the teacher's samples, noise keyed by group
@@ -261,19 +305,49 @@ class TeacherTargets:
         for k in range(len(grid) - 1):
             column = self._answers(x, grid[k], rollout.prompts)
             answers.append(column)
-            v = torch.cat(
-                [
-                    raw.detach().to(x.device, torch.float32)
-                    if raw.shape == piece.shape
-                    else torch.full_like(piece, float("nan"))
-                    for raw, piece in column
-                ]
-            )
+            v = torch.cat([_raw_or_nan(raw, piece) for raw, piece in column])
             stepped = x + (grid[k + 1] - grid[k]) * v
             if answered is not None:
                 student = states[:, k + 1] if k + 1 < states.shape[1] else rollout.x0.to(x.device)
                 stepped = torch.where(answered, stepped, student.float())
             x = stepped
+        for column in answers:
+            for raw, piece in column:
+                checked_targets(raw, piece)
+        return x
+
+    def _complete(
+        self,
+        rollout: Rollout,
+        states: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        answered: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[M, ...]: the teacher's Euler completion on the rollout's grid from each visited state
+        states[rows[m], starts[m]]. The completions run in lockstep, one batch per grid time with
+        every completion started by then; entries no teacher answers (a `none` route) follow the
+        student's states. Answers are checked after the last forward."""
+        grid = rollout.grid.to(states.device)
+        if states.shape[1] != len(grid) - 1:
+            raise ValueError(
+                f"the sampler recorded {states.shape[1]} states for a grid of {len(grid) - 1} steps: "
+                "completion targets need one state per step"
+            )
+        x = states[rows, starts].detach().float()
+        answers = []
+        for k in range(len(grid) - 1):
+            active = (starts <= k).nonzero(as_tuple=True)[0]
+            if not len(active):
+                continue
+            column = self._answers(x[active], grid[k], [rollout.prompts[int(r)] for r in rows[active]])
+            answers.append(column)
+            v = torch.cat([_raw_or_nan(raw, piece) for raw, piece in column])
+            stepped = x[active] + (grid[k + 1] - grid[k]) * v
+            if answered is not None:
+                after = states[:, k + 1] if k + 1 < states.shape[1] else rollout.x0.to(x.device)
+                stepped = torch.where(answered[rows[active]], stepped, after[rows[active]].float())
+            x[active] = stepped
         for column in answers:
             for raw, piece in column:
                 checked_targets(raw, piece)
@@ -312,3 +386,11 @@ class TeacherTargets:
         close = getattr(self.teacher, "close", None)
         if callable(close):
             close()
+
+
+def _raw_or_nan(raw: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """A teacher's answer for `piece` as float32 on its device, NaN when it has the wrong shape (the
+    check after the last forward names it)."""
+    if raw.shape != piece.shape:
+        return torch.full_like(piece, float("nan"), dtype=torch.float32)
+    return raw.detach().to(piece.device, torch.float32)

@@ -43,7 +43,15 @@ from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from ..config import NO_TEACHER, ConfigError, ExperimentConfig, check_registered_name, option
 from ..experience.rollout import Rollout, SDESampling, step_generator
 from ..experience.teacher_routes import TEACHER_MASK
-from ..experience.teacher_targets import STATE_KINDS, STATES, TEACHER_V, TeacherTargets, make_checked_teacher
+from ..experience.teacher_targets import (
+    COMPLETED,
+    STATE_KINDS,
+    STATES,
+    TEACHER_V,
+    TEACHER_X0,
+    TeacherTargets,
+    make_checked_teacher,
+)
 from ..models.policy import index_condition
 from ..registry import algorithms, teachers
 from .learner import Learner
@@ -499,8 +507,25 @@ class DistillOwnOptions:
         "what the student's velocity at a state is trained toward: velocity (the teacher's, at that "
         "state) | endpoint (the straight line from the state to the teacher's own sample from the "
         "student's starting noise; with distill_states=noised the states are that sample forward-noised: "
-        "flow matching on the teacher's samples)",
+        "flow matching on the teacher's samples) | completion (the straight line from the state to the "
+        "teacher's own Euler completion from it, at distill_completions visited states per sample) | "
+        "contrast (no velocity targets: DiffusionNFT's loss with the teacher's completion from the "
+        "visited state at distill_contrast_from as the positive and the student's own sample as the "
+        "negative)",
         choices=DISTILL_TARGETS,
+    )
+    distill_contrast_from: float = option(
+        0.8,
+        "contrast: the grid time of the visited state the teacher completes each sample from (the "
+        "nearest one; 1: the teacher's own sample from the student's noise)",
+        gt=0,
+        le=1,
+    )
+    distill_completions: int = option(
+        3,
+        "completion targets: visited states per sample the teacher completes and the student trains "
+        "on (each costs the teacher the grid steps left from it)",
+        ge=1,
     )
     distill_weighting: str = option(
         "uniform",
@@ -545,7 +570,9 @@ class OnPolicyDistillation(DiffusionNFT):
     frozen teacher gives velocity targets on the states they visited (or on the student's x0
     forward-noised), made alongside generation (teacher_targets.py) and carried with each group;
     loss = weighted mean over states of mean_d (v_student - v_teacher)^2, plus nft_coef times the
-    DiffusionNFT loss. With nft_coef 0 the rollout adapter follows the trained one every step."""
+    DiffusionNFT loss. With nft_coef 0 the rollout adapter follows the trained one every step.
+    distill_target=contrast trains DiffusionNFT's loss alone, r = 1 on the teacher's completions and
+    0 on the student's own samples (`contrast_pairs`)."""
 
     display_name = "distillation"
     options_type = DistillOptions
@@ -559,6 +586,24 @@ class OnPolicyDistillation(DiffusionNFT):
             name = spec.get("name", "policy")
             if name != NO_TEACHER:
                 check_registered_name(f"teacher.routes.{route}.name", name, teachers)
+        a = cfg.algorithm
+        if a.distill_target in ("completion", "contrast") and a.distill_states != "visited":
+            raise ConfigError(
+                f"algorithm.distill_target={a.distill_target} starts the teacher from the states the "
+                f"student visited; algorithm.distill_states={a.distill_states} is not: use visited"
+            )
+        if a.distill_target == "contrast" and a.nft_coef > 0:
+            raise ConfigError(
+                "algorithm.distill_target=contrast already trains DiffusionNFT's loss, on the teacher's "
+                "completions against the student's samples; algorithm.nft_coef would add the reward's on "
+                "the same adapter with another meaning of r: set algorithm.nft_coef=0"
+            )
+        if a.distill_target == "completion":
+            if a.distill_completions > cfg.sampling.num_steps:
+                raise ConfigError(
+                    f"algorithm.distill_completions={a.distill_completions} is more than the "
+                    f"{cfg.sampling.num_steps} states a sample visits (sampling.num_steps): use at most that"
+                )
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
@@ -575,10 +620,24 @@ class OnPolicyDistillation(DiffusionNFT):
         overlap = cfg.teacher.overlap and not nccl_shards
         a = cfg.algorithm
         return TeacherTargets(
-            teacher, a.distill_states, cfg.train.seed, overlap=overlap, target=a.distill_target
+            teacher,
+            a.distill_states,
+            cfg.train.seed,
+            overlap=overlap,
+            target=a.distill_target,
+            completions=a.distill_completions,
+            contrast_from=a.distill_contrast_from,
         )
 
+    @property
+    def contrast(self) -> bool:
+        """distill_target=contrast: DiffusionNFT on teacher completions (positive) against the
+        student's samples (negative), no velocity targets."""
+        return self.options.distill_target == "contrast"
+
     def metric_names(self) -> list[str]:
+        if self.contrast:
+            return super().metric_names()
         names = ["loss/distill", "loss/total"]
         if self.options.nft_coef > 0:
             names += [f"nft/{n}" for n in super().metric_names()]
@@ -593,7 +652,18 @@ class OnPolicyDistillation(DiffusionNFT):
         plan.data["order"] = order
         return plan
 
+    def update(self, batch: UpdateBatch) -> dict[str, float]:
+        if not self.contrast:
+            return super().update(batch)
+        pairs = contrast_pairs(batch.rollout)
+        n = len(batch.rollout)
+        r = torch.cat([torch.zeros(n), torch.ones(n)])  # the student's samples, then the teacher's
+        plan = self.nft_plan(pairs, r, batch.step, torch.cat([batch.mine, batch.mine]))
+        return self.run(pairs, batch.step, plan)
+
     def gradients(self, work: Work) -> dict[str, float]:
+        if self.contrast:
+            return self.accumulate(self.sweep(work))
         sums: dict[str, float] = {}
         if self.options.nft_coef > 0:  # first: it needs no teacher targets, so the teacher gets more time
             nft = self.accumulate(self.sweep(replace(work, scale=self.options.nft_coef)))
@@ -601,17 +671,20 @@ class OnPolicyDistillation(DiffusionNFT):
         return sums | self.accumulate(self.distill_sweep(work), self.distill_loss)
 
     def summarize(self, work: Work, sums: dict[str, float]) -> dict[str, float]:
+        if self.contrast:
+            return sums
         distill = sums.setdefault("loss/distill", 0.0)
         sums["loss/total"] = distill + self.options.nft_coef * sums.get("nft/loss/total", 0.0)
         return sums
 
     def old_decay(self, step: int) -> float:
-        return 0.0 if self.options.nft_coef == 0 else super().old_decay(step)
+        return 0.0 if self.options.nft_coef == 0 and not self.contrast else super().old_decay(step)
 
     def distill_sweep(self, work: Work) -> Iterator[MicroBatch]:
-        """The trained states: the first timestep_fraction of each sample's `order`, sample-major in
-        the order the chunks were made (a part whose teacher targets are still pending waits for
-        them when reached), one pass per state."""
+        """The trained states: the first timestep_fraction of each sample's `order` (completion
+        targets: the states the teacher completed), sample-major in the order the chunks were made (a
+        part whose teacher targets are still pending waits for them when reached), one pass per
+        state."""
         rollout, cfg = work.rollout, self.learner.cfg
         if not len(rollout):
             return
@@ -620,14 +693,17 @@ class OnPolicyDistillation(DiffusionNFT):
         weights = state_weights(rollout.grid, self.options.distill_weighting).to(device)
         order = work.data["order"].to(device)
         num_train = max(1, int(order.shape[1] * cfg.algorithm.timestep_fraction))
+        if self.options.distill_target == "completion":
+            num_train = self.options.distill_completions
         parts = split_at(micro_batches(len(rollout), cfg.train.micro_batch_size), rollout.pending_bounds())
         for part in parts:
             row_weight = work.weight(part, device)
-            states, targets, answered = teacher_rows(rollout, part, device, row_weight)
+            states, targets, answered, completed = teacher_rows(rollout, part, device, row_weight)
             rows = torch.arange(len(states), device=device)
+            trained = order[part] if completed is None else completed_order(completed, num_train)
             cond = index_condition(rollout.cond, part)
             for j in range(num_train):
-                index = order[part, j]
+                index = trained[:, j]
                 weight = weights[index] if row_weight is None else weights[index] * row_weight
                 data = {
                     "x": states[rows, index],
@@ -649,22 +725,46 @@ class OnPolicyDistillation(DiffusionNFT):
         return loss, {"loss/distill": loss.detach()}
 
 
+def contrast_pairs(rollout: Rollout) -> Rollout:
+    """The student's samples followed by the teacher's completions of them (the same prompts,
+    groups and conditions; DiffusionNFT's noise and times are keyed by group, so each pair shares
+    them)."""
+    rollout = rollout.settle()
+    if TEACHER_X0 not in rollout.extras:
+        raise ValueError("a contrast rollout lacks the teacher's completions (made without a teacher?)")
+    plain = Rollout(rollout.prompts, rollout.group_ids, rollout.x0, rollout.cond, rollout.grid)
+    teacher = replace(plain, x0=rollout.extras[TEACHER_X0].to(rollout.x0.device, rollout.x0.dtype))
+    return Rollout.cat([plain, teacher])
+
+
+def completed_order(completed: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count]: the indices of each row's completed states ([B, T] bool, `count` true per row)."""
+    per_row = completed.sum(dim=1)
+    if not bool((per_row == count).all()):
+        raise ValueError(
+            f"completion targets were made for {sorted(set(per_row.tolist()))} states per sample, not "
+            f"algorithm.distill_completions={count} (made with another setting?)"
+        )
+    return completed.nonzero(as_tuple=True)[1].view(len(completed), count)
+
+
 def teacher_rows(
     rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The states [B, T, ...] and teacher velocities of rows `part` (waiting for them while their
-    chunk's targets are pending), zeroed where `weight` is 0, and which entries a teacher answered
-    [B, ...] (None: every one)."""
+    chunk's targets are pending), zeroed where `weight` is 0, which entries a teacher answered
+    [B, ...] (None: every one) and which states have completion targets [B, T] (None: all)."""
     extras = rollout.extras_rows(part)
     missing = [k for k in (STATES, TEACHER_V) if k not in extras]
     if missing:
         lacks = ", ".join(missing)
         raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
-    answered = extras.get(TEACHER_MASK)
+    answered, completed = extras.get(TEACHER_MASK), extras.get(COMPLETED)
     return (
         finite_if_dropped(extras[STATES].to(device), weight),
         finite_if_dropped(extras[TEACHER_V].to(device), weight),
         None if answered is None else answered.to(device),
+        None if completed is None else completed.to(device),
     )
 
 
