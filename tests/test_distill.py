@@ -330,7 +330,8 @@ def test_contrast_completes_each_sample_from_its_state_nearest_the_contrast_time
     for j in range(1, 4):
         x = x + (grid[j + 1] - grid[j]) * teacher.velocity(x, grid[j].expand(2), prompts)
     torch.testing.assert_close(extras[TEACHER_X0], x, rtol=1e-5, atol=1e-5)
-    pairs = contrast_pairs(replace(rollout, extras={**rollout.extras, **extras}))
+    pairs, r = contrast_pairs(replace(rollout, extras={**rollout.extras, **extras}))
+    assert r.tolist() == [0.0, 0.0, 1.0, 1.0]
     assert pairs.prompts == prompts * 2 and pairs.group_ids.tolist() == [3, 4, 3, 4]
     assert torch.equal(pairs.x0, torch.cat([states[:, -1], extras[TEACHER_X0]]))
     assert torch.equal(pairs.cond["text"], torch.cat([cond["text"], cond["text"]]))
@@ -357,13 +358,15 @@ def test_contrast_trains_the_student_with_nfts_loss_on_teacher_and_student_sampl
         (["algorithm.distill_target=contrast", "algorithm.distill_states=noised"], "use visited"),
         (["algorithm.distill_target=contrast", "algorithm.nft_coef=1"], "set algorithm.nft_coef=0"),
         (["algorithm.distill_target=contrast", "algorithm.distill_contrast_from=0"], "distill_contrast_from"),
+        (["algorithm.distill_target=contrast", "ROUTES"], "give that route a teacher"),
     ],
 )
 def test_completion_and_contrast_refuse_settings_that_do_not_fit(
     model_dir: Path, tmp_path: Path, overrides: list[str], problem: str
 ) -> None:
     base = _distill(model_dir, tmp_path / "run", 1, str(model_dir))
-    overrides = [*base, "sampling.num_steps=10", *overrides]
+    routes = _routes(str(model_dir), "none")
+    overrides = [*base, "sampling.num_steps=10", *(routes if o == "ROUTES" else o for o in overrides)]
     with pytest.raises(ConfigError, match=problem):  # at load, before any model is built
         load_config(None, overrides)
 
@@ -727,6 +730,66 @@ def test_routed_distillation_trains_only_what_a_route_teaches(
         losses[name] = [r["loss/distill"] for r in step_records(tmp_path / name)]
     assert losses["both"] == losses["whole"]
     assert 0 < losses["video"][0] != losses["whole"][0]
+
+
+def test_a_none_routes_entries_of_a_completion_follow_the_students_states(model_dir: Path) -> None:
+    """Completions through routes, the audio one `none`: the video entries are the teacher's Euler
+    completion, the audio entries the student's own (its last state stepped to its sample); asked at
+    every grid time (a sharded teacher's same forwards) or only once started, the same completions."""
+    from omni_diffusion_rl.experience.teacher_routes import RoutedTeacher, route_entries
+    from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
+
+    parts = TinyAVPolicy.from_pretrained(str(model_dir)).transformer.layout.parts()
+    routes = {"video": {"parts": VIDEO}, "audio": {"parts": AUDIO}}
+    entries = route_entries(parts, routes, (796,))
+    teacher = FlowPolicyTeacher(pretrained=str(model_dir))
+    half = RoutedTeacher({"video": teacher, "audio": None}, entries, 796)
+    grid = torch.tensor([1.0, 0.6, 0.3, 0.0])
+    states = torch.randn(4, 3, 796, generator=torch.Generator().manual_seed(9))
+    x0 = torch.randn(4, 796, generator=torch.Generator().manual_seed(10))
+    rollout = Rollout(["a red circle"] * 4, torch.tensor([1, 1, 2, 2]), x0, {}, grid, {STATES: states})
+    made = TeacherTargets(half, "visited", target="completion", completions=2).targets(rollout)
+    same = TeacherTargets(half, "visited", target="completion", completions=2, same_forwards=True)
+    torch.testing.assert_close(same.targets(rollout)[TEACHER_V], made[TEACHER_V], rtol=1e-5, atol=1e-6)
+    audio, video = entries["audio"], entries["video"]
+    for row, k in made[COMPLETED].nonzero().tolist():
+        target = made[TEACHER_V][row, k]
+        # the audio entries land on the student's sample: target (x_k - x0) / t_k there
+        torch.testing.assert_close(target[audio], (states[row, k, audio] - x0[row, audio]) / grid[k])
+        x = states[row, k][None].clone()
+        for j in range(k, 3):
+            x = x + (grid[j + 1] - grid[j]) * teacher.velocity(x, grid[j].view(1), ["a red circle"])
+            x[0, audio] = states[row, j + 1, audio] if j + 1 < 3 else x0[row, audio]
+        expected = (states[row, k, video] - x[0, video]) / grid[k]
+        torch.testing.assert_close(target[video], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_contrast_pairs_share_nfts_noise_and_times_and_take_r_from_who_made_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Each student sample and its teacher completion are trained on the same noise and time, the
+    student's with r = 0, the teacher's with r = 1; counts that do not fit distill_completions are
+    an error."""
+    from omni_diffusion_rl.trainers.algorithms import completed_order, noised_inputs
+
+    cfg = load_config(None, [*_distill(model_dir, tmp_path / "run", 1, str(model_dir)), "data.group_size=2"])
+    grid = torch.linspace(1, 0, 5)
+    rollout = Rollout(
+        ["a red circle"] * 2 + ["a blue square"] * 2,
+        torch.tensor([7, 7, 9, 9]),
+        torch.randn(4, 796),
+        {},
+        grid,
+    )
+    pairs, r = contrast_pairs(replace(rollout, extras={TEACHER_X0: torch.randn(4, 796)}))
+    assert r.tolist() == [0.0] * 4 + [1.0] * 4
+    for t, noise, _ in noised_inputs(cfg, pairs, step=3):
+        assert torch.equal(t[:4], t[4:]) and torch.equal(noise[:4], noise[4:])
+    assert not torch.equal(noised_inputs(cfg, pairs, 3)[0][1][0], noised_inputs(cfg, pairs, 3)[0][1][1])
+    completed = torch.tensor([[True, False, True], [False, True, True]])
+    assert completed_order(completed, 2).tolist() == [[0, 2], [1, 2]]
+    with pytest.raises(ValueError, match=r"made for \[2\] states per sample, not .*=3"):
+        completed_order(completed, 3)
 
 
 @pytest.mark.parametrize("focus", [0.0, 1.0])

@@ -157,13 +157,18 @@ RED = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
 BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
 
 
-@pytest.mark.parametrize("algorithm", ["distill", "raft", "flow_grpo"])
+@pytest.mark.parametrize(
+    "algorithm",
+    ["distill", "distill@completion", "distill@contrast", "raft", "flow_grpo"],
+)
 def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_whole(
     model_dir: Path, tmp_path: Path, algorithm: str
 ) -> None:
     """One process's prompt group fails to score at some steps (all its samples dropped): the
     sharded processes still run the same passes, the dropped samples weighing 0; the in-process
-    teacher is sharded too."""
+    teacher is sharded too (completion targets: each process's groups complete from other states,
+    yet the teacher's forwards are the same on both)."""
+    algorithm, _, target = algorithm.partition("@")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{RED}\n{BLUE}\n")
     extra = [
@@ -175,6 +180,7 @@ def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_w
         "train.eval_at_start_and_end=false",
         "train.micro_batch_size=1",
         *(["algorithm.raft_keep=1"] if algorithm == "raft" else []),
+        *([f"algorithm.distill_target={target}", "algorithm.distill_completions=1"] if target else []),
     ]
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     _train([*fast_overrides(model_dir, whole, 3), *extra])

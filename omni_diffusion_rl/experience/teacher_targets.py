@@ -208,6 +208,7 @@ class TeacherTargets:
         target: str = "velocity",
         completions: int = 3,
         contrast_from: float = 0.8,
+        same_forwards: bool = False,
     ) -> None:
         if states not in STATE_KINDS:
             raise ValueError(f"distillation states must be one of {', '.join(STATE_KINDS)}; got {states!r}")
@@ -218,7 +219,9 @@ class TeacherTargets:
         if target in ("completion", "contrast") and states != "visited":
             raise ValueError(f"{target} targets start from the visited states: use distill_states=visited")
         self.teacher, self.target, self.completions = teacher, target, completions
-        self.contrast_from = contrast_from
+        # a teacher sharded over the training processes gathers in lockstep: every process must
+        # run the same forwards, whatever completions its own groups start where
+        self.contrast_from, self.same_forwards = contrast_from, same_forwards
         self.states, self.seed, self.max_batch = states, seed, max_batch
         # endpoint targets start the teacher from the student's own noise, the first visited state
         self.needs_states = states == "visited" or target != "velocity"
@@ -327,7 +330,9 @@ class TeacherTargets:
         """[M, ...]: the teacher's Euler completion on the rollout's grid from each visited state
         states[rows[m], starts[m]]. The completions run in lockstep, one batch per grid time with
         every completion started by then; entries no teacher answers (a `none` route) follow the
-        student's states. Answers are checked after the last forward."""
+        student's states. Answers are checked after the last forward. With `same_forwards` every
+        completion is asked at every grid time (the answers before its start unused), so that the
+        forwards do not depend on which states this process's groups start from."""
         grid = rollout.grid.to(states.device)
         if states.shape[1] != len(grid) - 1:
             raise ValueError(
@@ -336,13 +341,17 @@ class TeacherTargets:
             )
         x = states[rows, starts].detach().float()
         answers = []
+        everyone = torch.arange(len(rows), device=rows.device)
         for k in range(len(grid) - 1):
             active = (starts <= k).nonzero(as_tuple=True)[0]
-            if not len(active):
+            asked = everyone if self.same_forwards else active
+            if not len(asked):
                 continue
-            column = self._answers(x[active], grid[k], [rollout.prompts[int(r)] for r in rows[active]])
+            column = self._answers(x[asked], grid[k], [rollout.prompts[int(r)] for r in rows[asked]])
             answers.append(column)
             v = torch.cat([_raw_or_nan(raw, piece) for raw, piece in column])
+            if self.same_forwards:
+                v = v[active]
             stepped = x[active] + (grid[k + 1] - grid[k]) * v
             if answered is not None:
                 after = states[:, k + 1] if k + 1 < states.shape[1] else rollout.x0.to(x.device)

@@ -592,6 +592,14 @@ class OnPolicyDistillation(DiffusionNFT):
                 f"algorithm.distill_target={a.distill_target} starts the teacher from the states the "
                 f"student visited; algorithm.distill_states={a.distill_states} is not: use visited"
             )
+        if a.distill_target == "contrast" and any(
+            spec.get("name") == NO_TEACHER for spec in cfg.teacher.routes.values()
+        ):
+            raise ConfigError(
+                "algorithm.distill_target=contrast trains whole samples (DiffusionNFT's loss has no "
+                "per-entry mask), so a teacher.routes entry with name: none would be trained anyway: "
+                "give that route a teacher, or use another distill_target"
+            )
         if a.distill_target == "contrast" and a.nft_coef > 0:
             raise ConfigError(
                 "algorithm.distill_target=contrast already trains DiffusionNFT's loss, on the teacher's "
@@ -627,6 +635,7 @@ class OnPolicyDistillation(DiffusionNFT):
             target=a.distill_target,
             completions=a.distill_completions,
             contrast_from=a.distill_contrast_from,
+            same_forwards=in_process and sharder is not None and sharder.active,
         )
 
     @property
@@ -655,9 +664,7 @@ class OnPolicyDistillation(DiffusionNFT):
     def update(self, batch: UpdateBatch) -> dict[str, float]:
         if not self.contrast:
             return super().update(batch)
-        pairs = contrast_pairs(batch.rollout)
-        n = len(batch.rollout)
-        r = torch.cat([torch.zeros(n), torch.ones(n)])  # the student's samples, then the teacher's
+        pairs, r = contrast_pairs(batch.rollout)
         plan = self.nft_plan(pairs, r, batch.step, torch.cat([batch.mine, batch.mine]))
         return self.run(pairs, batch.step, plan)
 
@@ -725,16 +732,17 @@ class OnPolicyDistillation(DiffusionNFT):
         return loss, {"loss/distill": loss.detach()}
 
 
-def contrast_pairs(rollout: Rollout) -> Rollout:
+def contrast_pairs(rollout: Rollout) -> tuple[Rollout, torch.Tensor]:
     """The student's samples followed by the teacher's completions of them (the same prompts,
     groups and conditions; DiffusionNFT's noise and times are keyed by group, so each pair shares
-    them)."""
+    them), and r [2N]: 0 for the student's, 1 for the teacher's."""
     rollout = rollout.settle()
     if TEACHER_X0 not in rollout.extras:
         raise ValueError("a contrast rollout lacks the teacher's completions (made without a teacher?)")
     plain = Rollout(rollout.prompts, rollout.group_ids, rollout.x0, rollout.cond, rollout.grid)
     teacher = replace(plain, x0=rollout.extras[TEACHER_X0].to(rollout.x0.device, rollout.x0.dtype))
-    return Rollout.cat([plain, teacher])
+    r = torch.cat([torch.zeros(len(plain)), torch.ones(len(plain))])
+    return Rollout.cat([plain, teacher]), r
 
 
 def completed_order(completed: torch.Tensor, count: int) -> torch.Tensor:
