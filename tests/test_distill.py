@@ -68,6 +68,18 @@ def test_self_distillation_gives_loss_zero_exactly(model_dir: Path, tmp_path: Pa
     assert [r["loss/distill"] for r in rows] == [0.0, 0.0] and [r["loss/total"] for r in rows] == [0.0, 0.0]
 
 
+def test_self_distillation_of_the_conditional_direction_gives_loss_zero_exactly(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    Trainer(
+        load_config(None, _distill(model_dir, run, 2, str(model_dir), "algorithm.distill_cond_coef=1"))
+    ).fit()
+    rows = step_records(run)
+    assert [r["loss/distill_cond"] for r in rows] == [0.0, 0.0]
+    assert [r["loss/total"] for r in rows] == [0.0, 0.0]
+
+
 @pytest.mark.parametrize(
     "loss",
     [
@@ -76,8 +88,9 @@ def test_self_distillation_gives_loss_zero_exactly(model_dir: Path, tmp_path: Pa
         ["algorithm.distill_weighting=sde_kl"],
         ["algorithm.distill_target=endpoint", "algorithm.distill_weighting=x0"],
         ["algorithm.distill_target=completion", "algorithm.distill_weighting=x0"],
+        ["algorithm.distill_cond_coef=4"],
     ],
-    ids=["velocity", "x0-focus", "sde-kl", "endpoint", "completion"],
+    ids=["velocity", "x0-focus", "sde-kl", "endpoint", "completion", "conditional-direction"],
 )
 def test_a_different_teacher_pulls_the_student_toward_itself(
     model_dir: Path, other_dir: Path, tmp_path: Path, loss: list[str]
@@ -359,6 +372,7 @@ def test_contrast_trains_the_student_with_nfts_loss_on_teacher_and_student_sampl
         (["algorithm.distill_target=contrast", "algorithm.nft_coef=1"], "set algorithm.nft_coef=0"),
         (["algorithm.distill_target=contrast", "algorithm.distill_contrast_from=0"], "distill_contrast_from"),
         (["algorithm.distill_target=contrast", "ROUTES"], "give that route a teacher"),
+        (["algorithm.distill_target=endpoint", "algorithm.distill_cond_coef=1"], "distill_cond_coef=0"),
     ],
 )
 def test_completion_and_contrast_refuse_settings_that_do_not_fit(

@@ -44,6 +44,9 @@ STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorith
 TEACHER_V = "teacher_v"
 COMPLETED = "teacher_completed"
 """[N, T] bool: the visited states a completion target was made for (distill_target=completion)."""
+TEACHER_V_EMPTY = "teacher_v_empty"
+"""[N, T, *latent]: the teacher's velocity at the same states for the empty prompt (the conditional
+direction's reference, algorithm.distill_cond_coef)."""
 TEACHER_X0 = "teacher_x0"
 """[N, *latent]: the teacher's completion of each sample from one of its visited states (contrast)."""
 
@@ -209,6 +212,7 @@ class TeacherTargets:
         completions: int = 3,
         contrast_from: float = 0.8,
         same_forwards: bool = False,
+        empty_prompt: bool = False,
     ) -> None:
         if states not in STATE_KINDS:
             raise ValueError(f"distillation states must be one of {', '.join(STATE_KINDS)}; got {states!r}")
@@ -222,6 +226,9 @@ class TeacherTargets:
         # a teacher sharded over the training processes gathers in lockstep: every process must
         # run the same forwards, whatever completions its own groups start where
         self.contrast_from, self.same_forwards = contrast_from, same_forwards
+        if empty_prompt and target != "velocity":
+            raise ValueError("the empty prompt's velocities go with distill_target=velocity")
+        self.empty_prompt = empty_prompt  # also the teacher's velocity for "" at every state
         self.states, self.seed, self.max_batch = states, seed, max_batch
         # endpoint targets start the teacher from the student's own noise, the first visited state
         self.needs_states = states == "visited" or target != "velocity"
@@ -286,9 +293,16 @@ class TeacherTargets:
         # all are in, so that a sharded teacher runs the same forwards on every process even when
         # one process's answers are bad (its error then comes after the others' last gather)
         answers = [self._answers(states[:, k].detach(), t, rollout.prompts) for k, t in enumerate(times)]
+        if self.empty_prompt:
+            empty = [""] * len(rollout)
+            answers += [self._answers(states[:, k].detach(), t, empty) for k, t in enumerate(times)]
         columns = [torch.cat([checked_targets(v, piece) for v, piece in column]) for column in answers]
         self.seconds += time.perf_counter() - started
         self.calls += 1
+        if self.empty_prompt:
+            steps = len(times)
+            extras[TEACHER_V_EMPTY] = torch.stack(columns[steps:], dim=1)
+            columns = columns[:steps]
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
 
     def _teacher_sample(

@@ -48,6 +48,7 @@ from ..experience.teacher_targets import (
     STATE_KINDS,
     STATES,
     TEACHER_V,
+    TEACHER_V_EMPTY,
     TEACHER_X0,
     TeacherTargets,
     make_checked_teacher,
@@ -545,6 +546,14 @@ class DistillOwnOptions:
         "add this times the DiffusionNFT loss (reward and teacher in one run); 0: distillation alone",
         ge=0,
     )
+    distill_cond_coef: float = option(
+        0.0,
+        "velocity targets: add this times the squared gap of the conditional directions, "
+        "(v_s(prompt) - v_s(empty)) - (v_T(prompt) - v_T(empty)) at the same states: what the prompt "
+        "changes, with the part no prompt decides (the layout) cancelled; the teacher also answers for "
+        "the empty prompt; 0: off",
+        ge=0,
+    )
 
 
 @dataclass
@@ -606,6 +615,12 @@ class OnPolicyDistillation(DiffusionNFT):
                 "completions against the student's samples; algorithm.nft_coef would add the reward's on "
                 "the same adapter with another meaning of r: set algorithm.nft_coef=0"
             )
+        if a.distill_cond_coef > 0 and a.distill_target != "velocity":
+            raise ConfigError(
+                "algorithm.distill_cond_coef matches the teacher's velocities for the prompt and the empty "
+                f"prompt at the same states; algorithm.distill_target={a.distill_target} has no such "
+                "targets: use distill_target=velocity, or distill_cond_coef=0"
+            )
         if a.distill_target == "completion":
             if a.distill_completions > cfg.sampling.num_steps:
                 raise ConfigError(
@@ -636,6 +651,7 @@ class OnPolicyDistillation(DiffusionNFT):
             completions=a.distill_completions,
             contrast_from=a.distill_contrast_from,
             same_forwards=in_process and sharder is not None and sharder.active,
+            empty_prompt=a.distill_cond_coef > 0,
         )
 
     @property
@@ -648,6 +664,8 @@ class OnPolicyDistillation(DiffusionNFT):
         if self.contrast:
             return super().metric_names()
         names = ["loss/distill", "loss/total"]
+        if self.options.distill_cond_coef > 0:
+            names.append("loss/distill_cond")
         if self.options.nft_coef > 0:
             names += [f"nft/{n}" for n in super().metric_names()]
         return sorted(names)
@@ -709,6 +727,10 @@ class OnPolicyDistillation(DiffusionNFT):
             rows = torch.arange(len(states), device=device)
             trained = order[part] if completed is None else completed_order(completed, num_train)
             cond = index_condition(rollout.cond, part)
+            empty = None
+            if self.options.distill_cond_coef > 0:  # the teacher's velocity for "" at the same states
+                empty = empty_prompt_targets(rollout, part, device, row_weight)
+                data_empty = {"cond_empty": self.empty_condition(len(states), device)}
             for j in range(num_train):
                 index = trained[:, j]
                 weight = weights[index] if row_weight is None else weights[index] * row_weight
@@ -720,6 +742,8 @@ class OnPolicyDistillation(DiffusionNFT):
                 }
                 if answered is not None:  # routes with no teacher: those entries are left alone
                     data["answered"] = answered
+                if empty is not None:
+                    data |= {"target_empty": empty[rows, index], **data_empty}
                 yield MicroBatch(work, part, j, num_train, {**data, "weight": weight})
 
     def distill_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -729,7 +753,32 @@ class OnPolicyDistillation(DiffusionNFT):
             v = self.learner.policy.velocity(d["x"], d["t"], d["cond"])
         focus, answered = self.options.distill_focus, d.get("answered")  # routes: the taught entries
         loss = distillation_loss(v.float(), d["target"], d["weight"], focus, answered)
-        return loss, {"loss/distill": loss.detach()}
+        if "target_empty" not in d:
+            return loss, {"loss/distill": loss.detach()}
+        with self.learner.autocast():
+            v_empty = self.learner.policy.velocity(d["x"], d["t"], d["cond_empty"])
+        gap_s, gap_t = v.float() - v_empty.float(), d["target"] - d["target_empty"]
+        cond_loss = distillation_loss(gap_s, gap_t, d["weight"], 0.0, answered)
+        total = loss + self.options.distill_cond_coef * cond_loss
+        return total, {"loss/distill": loss.detach(), "loss/distill_cond": cond_loss.detach()}
+
+    def empty_condition(self, count: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The student's condition for `count` empty prompts, on `device`."""
+        cond = self.learner.policy.encode_prompts([""] * count)
+        return {k: v.to(device) for k, v in cond.items()}
+
+
+def empty_prompt_targets(
+    rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None
+) -> torch.Tensor:
+    """[B, T, ...]: the teacher's velocities for the empty prompt at rows `part`'s states."""
+    extras = rollout.extras_rows(part)
+    if TEACHER_V_EMPTY not in extras:
+        raise ValueError(
+            "a distillation rollout lacks the teacher's empty-prompt velocities that "
+            "algorithm.distill_cond_coef needs (made with distill_cond_coef=0?)"
+        )
+    return finite_if_dropped(extras[TEACHER_V_EMPTY].to(device), weight)
 
 
 def contrast_pairs(rollout: Rollout) -> tuple[Rollout, torch.Tensor]:
