@@ -71,6 +71,7 @@ ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defa
     "distill_target": "velocity",
     "distill_completions": 3,
     "distill_contrast_from": 0.8,
+    "distill_cond_coef": 0.0,
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},
@@ -185,6 +186,7 @@ def test_train_help_lists_each_algorithms_options_under_its_name() -> None:
         "distill_weighting",
         "distill_focus",
         "nft_coef",
+        "distill_cond_coef",
     }
     assert "algorithm.name=distill (distillation) reads nft's options and:" in out.stdout
 

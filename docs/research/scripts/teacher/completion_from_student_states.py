@@ -6,7 +6,7 @@ state at each grid time t the teacher (the shipped one, guided 3) runs Euler to 
 completion is judged by the tiny world's judge (all four right, shape). The agreement reward
 -||x0_student - completion||^2 is scored by its within-group AUC for the student's own correctness
 (all four, shape, colour): 0.5 means it does not rank. Usage: python THIS [base | CHECKPOINT].
-(docs/algorithms.md, "Completion and contrast".)"""
+(docs/algorithms.md, "Completion, contrast and the conditional direction".)"""
 import sys, torch
 torch.set_num_threads(2)
 from omni_diffusion_rl.inference import load_policy

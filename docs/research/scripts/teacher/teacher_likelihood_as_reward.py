@@ -5,7 +5,7 @@ t = 0.35, 0.6, 0.85 and the teacher's squared flow-matching error taken for ever
 Scores: elbo (-error under its own prompt), margin (mean error under the other prompts minus its
 own: a diffusion classifier's log-ratio) and logsm (a softmax over prompts). Printed: each score's
 within-group AUC for all four right and each attribute. Usage: python THIS [base | CHECKPOINT].
-(docs/algorithms.md, "Completion and contrast".)"""
+(docs/algorithms.md, "Completion, contrast and the conditional direction".)"""
 import sys, torch
 torch.set_num_threads(1)
 from omni_diffusion_rl.inference import load_policy
