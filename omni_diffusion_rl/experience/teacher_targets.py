@@ -279,7 +279,11 @@ class TeacherTargets:
             target[rows, starts] = completion_velocities(states[rows, starts].float(), x0, times[starts])
             return {**extras, COMPLETED: chosen, TEACHER_V: target}
         if self.target == "endpoint":
-            x0 = self._teacher_sample(rollout, states, extras.get(TEACHER_MASK))
+            # the teacher's own sample: its completion from the student's starting noise, state 0
+            everyone = torch.arange(len(states), device=states.device)
+            x0 = self._complete(
+                rollout, states, everyone, torch.zeros_like(everyone), extras.get(TEACHER_MASK)
+            )
             if self.states == "noised":  # flow matching on the teacher's samples, noise keyed by group
                 noise = group_noise(rollout, self.seed).to(x0.device, x0.dtype)
                 extras[STATES] = forward_noised(x0, noise, times)
@@ -305,34 +309,6 @@ class TeacherTargets:
             columns = columns[:steps]
         return {**extras, TEACHER_V: torch.stack(columns, dim=1)}
 
-    def _teacher_sample(
-        self, rollout: Rollout, states: torch.Tensor, answered: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The teacher's Euler sample [N, ...] from the student's starting noise states[:, 0] on the
-        rollout's grid; entries no teacher answers (a `none` route) follow the student's states. Every
-        answer is checked after the last forward (as `targets` does), a bad one carried as NaN."""
-        grid = rollout.grid.to(states.device)
-        if states.shape[1] != len(grid) - 1:
-            raise ValueError(
-                f"the sampler recorded {states.shape[1]} states for a grid of {len(grid) - 1} steps: "
-                "endpoint targets need one state per step"
-            )
-        x = states[:, 0].detach().float()
-        answers = []
-        for k in range(len(grid) - 1):
-            column = self._answers(x, grid[k], rollout.prompts)
-            answers.append(column)
-            v = torch.cat([_raw_or_nan(raw, piece) for raw, piece in column])
-            stepped = x + (grid[k + 1] - grid[k]) * v
-            if answered is not None:
-                student = states[:, k + 1] if k + 1 < states.shape[1] else rollout.x0.to(x.device)
-                stepped = torch.where(answered, stepped, student.float())
-            x = stepped
-        for column in answers:
-            for raw, piece in column:
-                checked_targets(raw, piece)
-        return x
-
     def _complete(
         self,
         rollout: Rollout,
@@ -342,16 +318,18 @@ class TeacherTargets:
         answered: torch.Tensor | None,
     ) -> torch.Tensor:
         """[M, ...]: the teacher's Euler completion on the rollout's grid from each visited state
-        states[rows[m], starts[m]]. The completions run in lockstep, one batch per grid time with
-        every completion started by then; entries no teacher answers (a `none` route) follow the
-        student's states. Answers are checked after the last forward. With `same_forwards` every
-        completion is asked at every grid time (the answers before its start unused), so that the
-        forwards do not depend on which states this process's groups start from."""
+        states[rows[m], starts[m]] (from state 0 of every row: the teacher's own sample from the
+        student's starting noise, the endpoint target's). The completions run in lockstep, one batch
+        per grid time with every completion started by then; entries no teacher answers (a `none`
+        route) follow the student's states. Answers are checked after the last forward. With
+        `same_forwards` every completion is asked at every grid time (the answers before its start
+        unused), so that the forwards do not depend on which states this process's groups start
+        from."""
         grid = rollout.grid.to(states.device)
         if states.shape[1] != len(grid) - 1:
             raise ValueError(
                 f"the sampler recorded {states.shape[1]} states for a grid of {len(grid) - 1} steps: "
-                "completion targets need one state per step"
+                f"{self.target} targets need one state per step"
             )
         x = states[rows, starts].detach().float()
         answers = []
