@@ -723,14 +723,14 @@ class OnPolicyDistillation(DiffusionNFT):
         parts = split_at(micro_batches(len(rollout), cfg.train.micro_batch_size), rollout.pending_bounds())
         for part in parts:
             row_weight = work.weight(part, device)
-            states, targets, answered, completed = teacher_rows(rollout, part, device, row_weight)
+            taught = teacher_rows(rollout, part, device, row_weight, self.options.distill_cond_coef > 0)
+            states, targets, answered, empty = taught.states, taught.targets, taught.answered, taught.empty
             rows = torch.arange(len(states), device=device)
-            trained = order[part] if completed is None else completed_order(completed, num_train)
+            trained = (
+                order[part] if taught.completed is None else completed_order(taught.completed, num_train)
+            )
             cond = index_condition(rollout.cond, part)
-            empty = None
-            if self.options.distill_cond_coef > 0:  # the teacher's velocity for "" at the same states
-                empty = empty_prompt_targets(rollout, part, device, row_weight)
-                data_empty = {"cond_empty": self.empty_condition(len(states), device)}
+            cond_empty = None if empty is None else self.empty_condition(len(states), device)
             for j in range(num_train):
                 index = trained[:, j]
                 weight = weights[index] if row_weight is None else weights[index] * row_weight
@@ -742,8 +742,8 @@ class OnPolicyDistillation(DiffusionNFT):
                 }
                 if answered is not None:  # routes with no teacher: those entries are left alone
                     data["answered"] = answered
-                if empty is not None:
-                    data |= {"target_empty": empty[rows, index], **data_empty}
+                if empty is not None:  # the teacher's velocity for "" at the same states
+                    data |= {"target_empty": empty[rows, index], "cond_empty": cond_empty}
                 yield MicroBatch(work, part, j, num_train, {**data, "weight": weight})
 
     def distill_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -766,19 +766,6 @@ class OnPolicyDistillation(DiffusionNFT):
         """The student's condition for `count` empty prompts, on `device`."""
         cond = self.learner.policy.encode_prompts([""] * count)
         return {k: v.to(device) for k, v in cond.items()}
-
-
-def empty_prompt_targets(
-    rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None
-) -> torch.Tensor:
-    """[B, T, ...]: the teacher's velocities for the empty prompt at rows `part`'s states."""
-    extras = rollout.extras_rows(part)
-    if TEACHER_V_EMPTY not in extras:
-        raise ValueError(
-            "a distillation rollout lacks the teacher's empty-prompt velocities that "
-            "algorithm.distill_cond_coef needs (made with distill_cond_coef=0?)"
-        )
-    return finite_if_dropped(extras[TEACHER_V_EMPTY].to(device), weight)
 
 
 def contrast_pairs(rollout: Rollout) -> tuple[Rollout, torch.Tensor]:
@@ -805,23 +792,43 @@ def completed_order(completed: torch.Tensor, count: int) -> torch.Tensor:
     return completed.nonzero(as_tuple=True)[1].view(len(completed), count)
 
 
+@dataclass(frozen=True)
+class TeacherRows:
+    """A part's rows as distillation trains them: the states [B, T, ...] and the teacher's targets
+    there, which entries a teacher answered [B, ...] (None: every one), which states have completion
+    targets [B, T] (None: all) and the teacher's velocities for the empty prompt (None: not asked)."""
+
+    states: torch.Tensor
+    targets: torch.Tensor
+    answered: torch.Tensor | None
+    completed: torch.Tensor | None
+    empty: torch.Tensor | None
+
+
 def teacher_rows(
-    rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The states [B, T, ...] and teacher velocities of rows `part` (waiting for them while their
-    chunk's targets are pending), zeroed where `weight` is 0, which entries a teacher answered
-    [B, ...] (None: every one) and which states have completion targets [B, T] (None: all)."""
+    rollout: Rollout, part: slice, device: torch.device, weight: torch.Tensor | None, empty: bool = False
+) -> TeacherRows:
+    """Rows `part` of a distillation rollout (waiting for them while their chunk's targets are
+    pending), zeroed where `weight` is 0; `empty`: also the teacher's empty-prompt velocities
+    (algorithm.distill_cond_coef), an error when the rollout lacks them."""
     extras = rollout.extras_rows(part)
-    missing = [k for k in (STATES, TEACHER_V) if k not in extras]
+    missing = [k for k in (STATES, TEACHER_V, *([TEACHER_V_EMPTY] if empty else [])) if k not in extras]
     if missing:
         lacks = ", ".join(missing)
-        raise ValueError(f"a distillation rollout lacks {lacks} (made without a teacher?)")
-    answered, completed = extras.get(TEACHER_MASK), extras.get(COMPLETED)
-    return (
+        raise ValueError(
+            f"a distillation rollout lacks {lacks} (made without a teacher, or with another "
+            "algorithm.distill_cond_coef?)"
+        )
+
+    def moved(key: str) -> torch.Tensor | None:
+        return None if key not in extras else extras[key].to(device)
+
+    return TeacherRows(
         finite_if_dropped(extras[STATES].to(device), weight),
         finite_if_dropped(extras[TEACHER_V].to(device), weight),
-        None if answered is None else answered.to(device),
-        None if completed is None else completed.to(device),
+        moved(TEACHER_MASK),
+        moved(COMPLETED),
+        finite_if_dropped(extras[TEACHER_V_EMPTY].to(device), weight) if empty else None,
     )
 
 
