@@ -165,6 +165,8 @@ def test_teacher_bench_compares_schedules_and_replicas(
         )  # one round; spread() rounds to 4 decimals
         # the lone replica computes on the host's cores, each of two on half of them
         assert row["threads"] == {"1 replica": thread_share(1), "2 replicas, each": thread_share(2)}
+        assert set(row["client cores"]) == {"1 replica", "2 replicas"}
+        assert all(0 < row["client cores"][arm]["median"] for arm in row["client cores"])
     out = capsys.readouterr().out
     assert "teacher time hidden" in out and "teacher server, 100 ms per batch" in out
     assert (

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omni_diffusion_rl.runtime.threads import thread_share
+from omni_diffusion_rl.serving import teacher_client
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.serving.teacher_client import RemoteTeacher, TeacherUnavailable
 from omni_diffusion_rl.serving.teacher_wire import encode_states
@@ -193,6 +194,35 @@ def test_a_slow_replica_gets_fewer_requests(model_dir: Path) -> None:
             remote.velocity(x, t, prompts)
         stats = remote.stats()
         assert stats["teacher/replica0/samples"] < 0.5 * stats["teacher/replica1/samples"], stats
+        remote.close()
+
+
+def test_requests_waiting_for_a_slot_sleep_until_one_frees(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued requests are woken when a request ends, not by polling (which took CPU from replicas
+    sharing the client's cores): with the timeout out of the way, a replica is picked at most once
+    per request and once per wake-up of each waiting request."""
+    monkeypatch.setattr(teacher_client, "SLOT_WAIT_S", 60.0)
+    with teacher_servers(model_dir, 1, "--service-ms", "200") as (server,):
+        remote = RemoteTeacher([server.url], request_samples=2, window=1)
+        picks = 0
+        real_pick = remote.pool.pick
+
+        def counted_pick(tried: set[str]) -> object:
+            nonlocal picks
+            picks += 1
+            return real_pick(tried)
+
+        monkeypatch.setattr(remote.pool, "pick", counted_pick)
+        x, t, prompts = _states(8)
+        local = FlowPolicyTeacher(pretrained=str(model_dir))
+        want = local.velocity(x, t, prompts)
+        # requests of 2 against one batch of 8: another summation order, so a float tolerance
+        torch.testing.assert_close(remote.velocity(x, t, prompts), want, rtol=1e-4, atol=1e-4)
+        requests = 4
+        assert picks <= requests + requests * (requests - 1), picks  # polling every 2 ms: hundreds
+        assert len(remote.pool.slot_freed) == 0, "no request is left asleep"
         remote.close()
 
 

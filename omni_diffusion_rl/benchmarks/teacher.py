@@ -19,7 +19,7 @@ replica adds.
    computes on its thread budget (`--threads`, so an OMP_NUM_THREADS in the environment does not
    oversubscribe the host): each of the two on half of the host's cores, against one replica on the
    same half (the scaling: what a second replica adds) and one on all of them (what splitting the
-   host buys); the report states the budgets.
+   host buys); the report states the budgets and the cores the client (this process) used.
 
 `parts` (`odrl bench teacher --parts replicas`) runs one of the two.
 """
@@ -77,7 +77,9 @@ def _schedule_run(
     }
 
 
-def _throughput(urls: list[str], states: int, request_samples: int, rounds: int) -> list[float]:
+def _throughput(urls: list[str], states: int, request_samples: int) -> tuple[float, float]:
+    """States per second through the servers at `urls`, and the cores this (client) process used
+    meanwhile: CPU seconds over wall seconds, its encoding, sending and decoding of the requests."""
     import torch
 
     from ..serving.teacher_client import RemoteTeacher
@@ -88,13 +90,11 @@ def _throughput(urls: list[str], states: int, request_samples: int, rounds: int)
     prompts = ["a red circle with a low tone at the start"] * states
     warm = request_samples * len(urls)  # one request for every replica: none starts cold in the timing
     teacher.velocity(x[:warm], t[:warm], prompts[:warm])
-    out = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        teacher.velocity(x, t, prompts)
-        out.append(states / (time.perf_counter() - started))
+    started, cpu_started = time.perf_counter(), time.process_time()
+    teacher.velocity(x, t, prompts)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     teacher.close()
-    return out
+    return states / seconds, cpu / seconds
 
 
 def _schedule_bench(
@@ -203,14 +203,18 @@ def _replica_bench(states: int, repeats: int) -> dict[str, Any]:
             ServerProcess(["policy"], "--max-batch", "16", *shared, *extra, **serve) as two,
         ):
             single, half, double = [], [], []
+            client: dict[str, list[float]] = {"1 replica": [], "2 replicas": []}
             arms = [
-                (single, [solo.url]),
-                (half, [one.url]),
-                (double, [one.url, two.url]),
+                (single, [solo.url], "1 replica"),
+                (half, [one.url], None),
+                (double, [one.url, two.url], "2 replicas"),
             ]
             for round_ in range(repeats):  # interleaved, each round in the other order
-                for measured, urls in arms if round_ % 2 == 0 else arms[::-1]:
-                    measured += _throughput(urls, states, 16, 1)
+                for measured, urls, arm in arms if round_ % 2 == 0 else arms[::-1]:
+                    per_s, client_cores = _throughput(urls, states, 16)
+                    measured.append(per_s)
+                    if arm is not None:
+                        client[arm].append(client_cores)
         replicas[label] = {
             "1 replica states/s": spread(single),
             "1 replica on the share of each of 2 states/s": spread(half),
@@ -218,6 +222,7 @@ def _replica_bench(states: int, repeats: int) -> dict[str, Any]:
             "speed-up": spread([d / s for s, d in zip(single, double, strict=True)]),
             "scaling": spread([d / h for h, d in zip(half, double, strict=True)]),
             "threads": {"1 replica": solo.ready["threads"], "2 replicas, each": one.ready["threads"]},
+            "client cores": {arm: spread(cores) for arm, cores in client.items()},
         }
     return replicas
 
@@ -265,16 +270,20 @@ def _replica_table(replicas: dict[str, Any]) -> list[str]:
     lines = [
         "| teacher servers | 1 replica states/s (all cores) | 1 replica states/s (half) | 2 replicas "
         "states/s (half each) | 2 against 1 on all cores | scaling: 2 against 1 on the same share "
-        "| threads (1 / each of 2) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| threads (1 / each of 2) | client cores (1 / 2 replicas) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, r in replicas.items():
         one, two = _fmt(r["1 replica states/s"]), _fmt(r["2 replicas states/s"])
         half = _fmt(r["1 replica on the share of each of 2 states/s"])
         threads = r.get("threads", {})
         budget = f"{threads.get('1 replica', '?')} / {threads.get('2 replicas, each', '?')}"
+        cores = r.get("client cores", {})
+        arms = ("1 replica", "2 replicas")
+        client = " / ".join(f"{cores[a]['median']:.2f}" if a in cores else "?" for a in arms)
         lines.append(
-            f"| {label} | {one} | {half} | {two} | {_fmt(r['speed-up'])} | {_fmt(r['scaling'])} | {budget} |"
+            f"| {label} | {one} | {half} | {two} | {_fmt(r['speed-up'])} | {_fmt(r['scaling'])} | {budget} "
+            f"| {client} |"
         )
     return lines
 

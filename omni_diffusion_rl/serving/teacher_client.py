@@ -3,18 +3,17 @@
 
 A velocity call is cut into requests of at most `request_samples` states, sent concurrently. Each
 request goes to the healthy replica with the fewest samples outstanding (so a slow replica, whose
-requests stay outstanding longer, gets fewer; at most `window` requests wait at a replica, the
-rest here), waits at most `timeout_s`, and on a timeout, connection error, 5xx or an answer larger
-than its velocities is retried on another replica, up to `retries` times. A replica that failed
-leaves the rotation and comes back once it is proven again (checked every `health_every_s`): its
-/info must describe the teacher every replica described at start (fingerprint, latent shape, layout,
-convention), so a replica restarted with another teacher stays out, with a logged sentence. An
-answer that came over a new connection is used only once the replica is proven the same way (a
-replica restarted between two requests is a new server). When no replica is left, a
-TeacherUnavailable names each one and why it is out. A 4xx (a malformed request, a wrong token) is
-not retried: it is a bug or a setup error, raised at once. Every error here is a TeacherServerError,
-which `odrl` shows as one sentence.
-"""
+requests stay outstanding longer, gets fewer; at most `window` requests wait at a replica, the rest
+here, asleep until a request ends), waits at most `timeout_s`, and on a timeout, connection error,
+5xx or an answer larger than its velocities is retried on another replica, up to `retries` times. A
+replica that failed leaves the rotation and comes back once it is proven again (checked every
+`health_every_s`): its /info must describe the teacher every replica described at start
+(fingerprint, latent shape, layout, convention), so a replica restarted with another teacher stays
+out, with a logged sentence. An answer that came over a new connection is used only once the replica
+is proven the same way (a replica restarted between two requests is a new server). When no replica
+is left, a TeacherUnavailable names each one and why it is out. A 4xx (a malformed request, a wrong
+token) is not retried: it is a bug or a setup error, raised at once. Every error here is a
+TeacherServerError, which `odrl` shows as one sentence."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from .http_client import TIMEOUTS, TRANSPORT_ERRORS, AnswerTooLarge, HttpClient,
 from .teacher_wire import decode_velocity, encode_states
 
 HEALTH_TIMEOUT_S = 2.0
-WAIT_S = 0.002  # between looks for a free replica slot
+SLOT_WAIT_S = 0.25  # the longest a request waits for a freed slot before it looks again anyway
 BACKOFF_S, MAX_BACKOFF_S = 0.2, 5.0  # before attempt k + 1: BACKOFF_S * 2^k, at most MAX_BACKOFF_S
 ANSWER_ROOM = 64 * 1024  # a velocity answer's safetensors header, besides its float32 values
 TOKEN_ENV = "ODRL_TEACHER_TOKEN"
@@ -77,6 +76,38 @@ class Replica:
     logged: str = ""  # the refusal last logged for it (each is logged once)
 
 
+class Wakeup:
+    """Coroutines asleep until `wake_all` (or their timeout): requests waiting for a replica slot
+    sleep here instead of polling, which on a host whose cores the replicas fill took CPU from them."""
+
+    def __init__(self) -> None:
+        self._sleepers: list[asyncio.Future[None]] = []
+
+    async def wait(self, timeout_s: float) -> None:
+        sleeper = asyncio.get_running_loop().create_future()
+        self._sleepers.append(sleeper)
+        try:
+            await asyncio.wait_for(sleeper, timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
+            pass
+        finally:
+            if sleeper in self._sleepers:
+                self._sleepers.remove(sleeper)
+
+    def wake_all(self) -> None:
+        sleepers, self._sleepers = self._sleepers, []
+        for sleeper in sleepers:
+            sleeper.get_loop().call_soon_threadsafe(_wake, sleeper)
+
+    def __len__(self) -> int:
+        return len(self._sleepers)
+
+
+def _wake(sleeper: asyncio.Future[None]) -> None:
+    if not sleeper.done():
+        sleeper.set_result(None)
+
+
 class ReplicaPool:
     """Which replica gets the next request: among the healthy ones not yet tried for it with fewer
     than `window` requests in flight, the one with the fewest outstanding samples (ties: fewest
@@ -88,6 +119,7 @@ class ReplicaPool:
             raise TeacherURLError("teacher.urls is empty: give at least one teacher server")
         self.replicas = [Replica(_teacher_url(u)) for u in urls]
         self.window, self.retries = window, 0
+        self.slot_freed = Wakeup()
 
     def candidates(self, tried: set[str]) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r.url not in tried]
@@ -215,6 +247,7 @@ class RemoteTeacher:
                 replica.outstanding -= len(x)
                 replica.in_flight -= 1
                 replica.seconds += time.perf_counter() - started
+                self.pool.slot_freed.wake_all()
             replica.requests += 1
             replica.samples += len(x)
             return v
@@ -231,8 +264,8 @@ class RemoteTeacher:
             replica = self.pool.pick(tried)
             if replica is not None:
                 return replica
-            if self.pool.candidates(tried):  # untried ones exist but are all busy
-                await asyncio.sleep(WAIT_S)
+            if self.pool.candidates(tried):  # untried ones exist but are all busy: sleep until one frees
+                await self.pool.slot_freed.wait(SLOT_WAIT_S)
                 continue
             if self.pool.candidates(set()):  # every healthy one was tried: try one again
                 tried.clear()
@@ -278,6 +311,7 @@ class RemoteTeacher:
                 self._keep_out(replica, e.problem, e.refused)
                 return
             replica.healthy, replica.logged = True, ""
+            self.pool.slot_freed.wake_all()  # requests waiting for a slot may take the rejoined one
 
         await asyncio.gather(*(probe(r) for r in self.pool.due_for_check(self.health_every_s)))
 
