@@ -15,13 +15,10 @@ import asyncio
 import json
 import statistics
 import sys
-import time
 
-import torch
-
+from omni_diffusion_rl.benchmarks.teacher import _throughput
 from omni_diffusion_rl.serving import teacher_client
 from omni_diffusion_rl.serving.process import ServerProcess
-from omni_diffusion_rl.serving.teacher_client import RemoteTeacher
 
 STATES, REQUEST = 512, 16
 waking = teacher_client.Wakeup.wait
@@ -32,16 +29,9 @@ async def polling(self: teacher_client.Wakeup, timeout_s: float) -> None:  # the
 
 
 def through(urls: list[str], wait) -> tuple[float, float]:  # noqa: ANN001
+    """States per second and client cores through `urls` (the bench's own measurement) with `wait`."""
     teacher_client.Wakeup.wait = wait
-    teacher = RemoteTeacher(urls, request_samples=REQUEST, window=2)
-    x, t = torch.randn(STATES, *teacher.info().latent_shape), torch.rand(STATES)
-    prompts = ["a red circle with a low tone at the start"] * STATES
-    teacher.velocity(x[: REQUEST * len(urls)], t[: REQUEST * len(urls)], prompts[: REQUEST * len(urls)])
-    wall, cpu = time.perf_counter(), time.process_time()
-    teacher.velocity(x, t, prompts)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    teacher.close()
-    return STATES / wall, cpu / wall
+    return _throughput(urls, STATES, REQUEST)
 
 
 def main() -> None:
