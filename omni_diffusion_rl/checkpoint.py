@@ -518,11 +518,17 @@ class ResumeFields:
     eval_before: dict[str, float | None] | None
     sample_counts: dict[str, int]
     wandb_run_id: str | None
+    train_seconds: float = 0.0
+
+
+MAX_TRAIN_SECONDS = 1e9
+"""The most training seconds a checkpoint may record (about 31 years)."""
 
 
 def resume_fields(state: dict[str, Any], path: Path | str) -> ResumeFields:
-    """The step, the held-out result before training, the sample counters and the wandb run id of
-    state.json, each checked for type and range."""
+    """The step, the held-out result before training, the sample counters, the wandb run id and the
+    training seconds so far of state.json, each checked for type and range (a checkpoint written
+    before the seconds were kept counts from 0)."""
     eval_before = state.get("eval_before")
     if eval_before is not None:
         for name, value in _table(eval_before, "eval_before", path, MAX_METRICS).items():
@@ -534,7 +540,13 @@ def resume_fields(state: dict[str, Any], path: Path | str) -> ResumeFields:
     run_id = state.get("wandb_run_id")
     if run_id not in (None, "") and (not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id)):
         raise _refuse(path, "wandb_run_id", run_id, "a run id is 1 to 64 letters, digits, - or _")
-    return ResumeFields(checkpoint_step(state, path), eval_before, dict(counts), run_id or None)
+    seconds = state.get("train_seconds", 0.0)
+    if _is_int(seconds):
+        seconds = float(seconds)
+    if not isinstance(seconds, float) or not 0 <= seconds <= MAX_TRAIN_SECONDS:  # NaN fails too
+        rule = f"it must be a number of seconds from 0 to {MAX_TRAIN_SECONDS:g}"
+        raise _refuse(path, "train_seconds", seconds, rule)
+    return ResumeFields(checkpoint_step(state, path), eval_before, dict(counts), run_id or None, seconds)
 
 
 def check_execution_state(state: dict[str, Any], path: Path | str) -> None:

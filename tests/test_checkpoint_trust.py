@@ -389,6 +389,9 @@ RESUME_FORGERIES: list[tuple[str, Callable[[Path], object], str]] = [
     ("count text", lambda c: forge_state(c, lambda s: s.update(sample_counts={"trained": "x"})), "trained"),
     ("eval_before", lambda c: forge_state(c, lambda s: s.update(eval_before={"r": [1]})), "eval_before.r"),
     ("run id", lambda c: forge_state(c, lambda s: s.update(wandb_run_id="../x")), "wandb_run_id"),
+    ("seconds text", lambda c: forge_state(c, lambda s: s.update(train_seconds="1e3")), "train_seconds"),
+    ("negative seconds", lambda c: forge_state(c, lambda s: s.update(train_seconds=-1.0)), "train_seconds"),
+    ("seconds too many", lambda c: forge_state(c, lambda s: s.update(train_seconds=1e12)), "train_seconds"),
     ("execution", lambda c: forge_state(c, lambda s: s.update(execution={"buffer": 1})), "execution"),
     ("deep training state", lambda c: forge_file(c, "training_state.json", DEEP), "deep"),
     (
@@ -424,6 +427,17 @@ def test_crafted_resume_state_is_refused_before_anything_is_applied(
         trainer.load(ckpt)
     assert trainer.step == step and trainer.sample_counts == counts
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_training_seconds_carry_across_a_resume(ckpt: Path, trainer: Trainer) -> None:
+    """A resumed run's eval/train_seconds go on from the checkpoint's (they restarted at 0), and a
+    checkpoint written before they were kept resumes from 0."""
+    state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+    assert state["train_seconds"] == trainer.trained_s > 0
+    trainer.load(forge_state(ckpt, lambda s: s.update(train_seconds=1234)))
+    assert trainer.trained_s == trainer.trained_s_before == 1234.0
+    trainer.load(forge_state(ckpt, lambda s: s.pop("train_seconds")))
+    assert trainer.trained_s == 0.0
 
 
 def test_an_untouched_checkpoint_still_resumes(ckpt: Path, trainer: Trainer) -> None:

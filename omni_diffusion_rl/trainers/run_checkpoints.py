@@ -53,7 +53,7 @@ class RunCheckpoints:
 
     def save(self, step: int, progress: dict[str, Any]) -> Path | None:
         """Write the checkpoint of `step` (on the main process; its path), with `progress`: the
-        run's counters kept across a resume (eval_before, sample_counts, wandb_run_id)."""
+        run's counters kept across a resume (eval_before, sample_counts, wandb_run_id, train_seconds)."""
         if not (self.is_main or self.sharded):
             return None
         tensors = self.algorithm.checkpoint_tensors()

@@ -134,6 +134,7 @@ class Trainer:
         )
         self.eval_before: dict[str, float] | None = None
         self.loop_started = self.trained_s = 0.0  # the loop's start; its training seconds (evals left out)
+        self.trained_s_before = 0.0  # the training seconds of the run this one resumed
         self.evaluating_s = self.evaluating_s_at_loop = 0.0  # held-out evaluations' seconds
         self.output_dir = Path(cfg.train.output_dir)
         self.checkpoints = RunCheckpoints(
@@ -163,6 +164,7 @@ class Trainer:
             "eval_before": self.eval_before,
             "sample_counts": self.sample_counts,
             "wandb_run_id": self.wandb_run_id,
+            "train_seconds": self.trained_s,
         }
         path = self.checkpoints.save(self.step, progress)
         if self.accelerator is not None:
@@ -176,6 +178,7 @@ class Trainer:
         self.eval_before = resumed.eval_before
         self.sample_counts = resumed.sample_counts
         self.wandb_run_id = resumed.wandb_run_id or self.wandb_run_id
+        self.trained_s = self.trained_s_before = resumed.train_seconds
 
     def close_scorers(self) -> None:
         """Close the reward, the eval metrics, the experience's annotator (a teacher's thread and
@@ -330,7 +333,7 @@ class Trainer:
             while self.step < cfg.train.steps and not switching:
                 metrics = self.train_step()
                 ends.append(time.perf_counter() - (self.evaluating_s - self.evaluating_s_at_loop))  # no evals
-                self.trained_s = ends[-1] - self.loop_started  # training seconds at this step's end
+                self.trained_s = self.trained_s_before + ends[-1] - self.loop_started  # at this step's end
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(metrics, step=self.step)
                 bar.update(1)
