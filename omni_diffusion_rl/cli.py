@@ -635,8 +635,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _top_level_parts(text: str) -> list[str]:
+    """text split at the commas outside brackets and braces: `a,b@k=[x,y]` is two parts."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def _names(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(part.strip() for part in _top_level_parts(text) if part.strip())
     if not names:
         raise argparse.ArgumentTypeError("expected comma-separated names, e.g. colocated,separate")
     return names
@@ -1148,7 +1162,7 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         type=_names,
         default=("nft", "flow_grpo", "mixgrpo", "raft", "distill"),
         help="algorithms: comma-separated contestants of the race; a variant is BASE@key=value@..., "
-        "e.g. nft@algorithm.adv_per_reward=true",
+        "e.g. nft@algorithm.adv_per_reward=true (commas inside [...] or {...} belong to the value)",
     )
     parser.add_argument(
         "--eval-every", type=_positive_int, default=20, help="algorithms: steps between held-out evaluations"

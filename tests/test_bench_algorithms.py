@@ -100,6 +100,25 @@ def test_a_variant_is_its_base_with_overrides_checked_before_any_run(monkeypatch
         run_algorithms_bench(Path("unused.json"), [], ("nft", "nft@algorithm.no_such=1"), seeds=(0,))
 
 
+def test_contestants_split_at_commas_outside_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant's list or mapping value keeps its commas; distillation races its own recipe."""
+    import argparse
+
+    from omni_diffusion_rl.cli import _names
+
+    monkeypatch.chdir(REPO)
+    targets = "nft@model.lora_targets=[to_q,to_k,modulation]@reward.weights={color_match: 1, av_sync: 2}"
+    assert _names(f"nft, distill,{targets}") == ("nft", "distill", targets)
+    assert contestant(targets).overrides == (
+        "model.lora_targets=[to_q,to_k,modulation]",
+        "reward.weights={color_match: 1, av_sync: 2}",
+    )
+    assert _names("nft@a.b=[1,2]],raft") == ("nft@a.b=[1,2]]", "raft")  # a stray bracket closes nothing
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated"):
+        _names(" , ")
+    assert contestant("distill").config == "recipes/configs/tiny_t2av_distill.yaml"
+
+
 def test_a_failed_run_kills_the_runs_in_progress_and_twins_are_refused() -> None:
     import subprocess
     import sys

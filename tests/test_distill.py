@@ -33,7 +33,7 @@ from omni_diffusion_rl.trainers.algorithms import contrast_pairs, state_weights
 from omni_diffusion_rl.trainers.trainer import Trainer
 from teachers.flow_policy import FlowPolicyTeacher
 
-from .helpers import fast_overrides, step_records, tiny_model_dir
+from .helpers import REPO, fast_overrides, step_records, tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -122,6 +122,40 @@ def test_a_different_teacher_pulls_the_student_toward_itself(
     assert trained < 0.9 * base, (
         f"the trained student is closer to the teacher than its base: {trained} {base}"
     )
+
+
+PROMPT_STEERED = {"modulation", "text_pool", "final_modulation"}
+"""The layers the prompt's pooled words and the time steer (through the blocks' modulation)."""
+
+
+def test_the_distillation_recipe_trains_the_layers_the_prompt_steers(
+    model_dir: Path, other_dir: Path, tmp_path: Path
+) -> None:
+    """tiny_t2av_distill.yaml adapts the modulation and pooled-prompt layers beside attention and
+    MLP (without them the student draws one shape for every prompt), and a step from a different
+    teacher moves the adapter of every one of them."""
+    recipe = REPO / "recipes" / "configs" / "tiny_t2av_distill.yaml"
+    run = tmp_path / "run"
+    overrides = _distill(model_dir, run, 2, str(other_dir), "optim.lr=2e-2")
+    cfg = load_config(recipe, [o for o in overrides if not o.startswith("model.lora_")])
+    assert PROMPT_STEERED < set(cfg.model.lora_targets) and cfg.algorithm.name == "distill"
+    trainer = Trainer(cfg)
+    from omni_diffusion_rl.models import lora
+
+    def adapter_b() -> dict[str, torch.Tensor]:
+        suffix = f".lora_B.{lora.TRAINED}.weight"
+        return {
+            name[: -len(suffix)]: p.detach().clone()
+            for name, p in trainer.transformer.named_parameters()
+            if name.endswith(suffix)
+        }
+
+    before = adapter_b()
+    adapted = {name.rsplit(".", 1)[-1] for name in before}
+    assert adapted == set(cfg.model.lora_targets)
+    trainer.fit()
+    moved = {name.rsplit(".", 1)[-1] for name, b in adapter_b().items() if not torch.equal(b, before[name])}
+    assert PROMPT_STEERED <= moved, f"adapters that did not move: {PROMPT_STEERED - moved}"
 
 
 class FlippedTeacher(FlowPolicyTeacher):
