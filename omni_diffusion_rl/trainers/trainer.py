@@ -133,8 +133,7 @@ class Trainer:
             )
         )
         self.eval_before: dict[str, float] | None = None
-        self.loop_started = self.trained_s = 0.0  # the loop's start; its training seconds (evals left out)
-        self.trained_s_before = 0.0  # the training seconds of the run this one resumed
+        self.loop_started = self.trained_s = self.trained_s_before = 0.0  # training s: no evals, resumed in
         self.evaluating_s = self.evaluating_s_at_loop = 0.0  # held-out evaluations' seconds
         self.output_dir = Path(cfg.train.output_dir)
         self.checkpoints = RunCheckpoints(
@@ -175,8 +174,7 @@ class Trainer:
     def load(self, path: str | Path) -> None:
         """Resume from a checkpoint (--resume): see RunCheckpoints.load."""
         resumed = self.checkpoints.load(path, lambda step: setattr(self, "step", step))
-        self.eval_before = resumed.eval_before
-        self.sample_counts = resumed.sample_counts
+        self.eval_before, self.sample_counts = resumed.eval_before, resumed.sample_counts
         self.wandb_run_id = resumed.wandb_run_id or self.wandb_run_id
         self.trained_s = self.trained_s_before = resumed.train_seconds
 
