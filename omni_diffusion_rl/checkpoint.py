@@ -541,12 +541,12 @@ def resume_fields(state: dict[str, Any], path: Path | str) -> ResumeFields:
     if run_id not in (None, "") and (not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id)):
         raise _refuse(path, "wandb_run_id", run_id, "a run id is 1 to 64 letters, digits, - or _")
     seconds = state.get("train_seconds", 0.0)
-    if _is_int(seconds):
-        seconds = float(seconds)
-    if not isinstance(seconds, float) or not 0 <= seconds <= MAX_TRAIN_SECONDS:  # NaN fails too
+    if not _is_number(seconds) or not 0 <= seconds <= MAX_TRAIN_SECONDS:
         rule = f"it must be a number of seconds from 0 to {MAX_TRAIN_SECONDS:g}"
         raise _refuse(path, "train_seconds", seconds, rule)
-    return ResumeFields(checkpoint_step(state, path), eval_before, dict(counts), run_id or None, seconds)
+    return ResumeFields(
+        checkpoint_step(state, path), eval_before, dict(counts), run_id or None, float(seconds)
+    )
 
 
 def check_execution_state(state: dict[str, Any], path: Path | str) -> None:
