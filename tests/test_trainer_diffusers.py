@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from omni_diffusion_rl.config import load_config
@@ -10,7 +11,7 @@ from omni_diffusion_rl.inference import load_policy
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.trainers.trainer import Trainer
 
-from .helpers import tiny_sd3
+from .helpers import step_records, tiny_sd3, trained_adapter_norm
 
 
 @rewards.register("test_brightness", overwrite=True)
@@ -49,7 +50,15 @@ def test_nft_on_a_tiny_sd3_transformer(tmp_path: Path) -> None:
         ],
     )
     summary = Trainer(cfg).fit()
-    assert 0.0 <= summary["heldout_reward_after"] <= 1.0
+    rows = step_records(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert all(math.isfinite(row[k]) for k in row if k.startswith("loss/")), row
+        assert row["grad_norm"] > 0, f"step {row['step']}: no gradient reached the adapters"
+    # the KL to the base model is 0 while the adapter is at its init, and not once step 1 moved it
+    assert rows[0]["loss/kl"] == 0 and rows[1]["loss/kl"] > 0, "step 1 left the adapter where it started"
+    assert trained_adapter_norm(run) > 0, "lora_B is 0 at init: the optimizer never stepped"
+    assert math.isfinite(summary["heldout_reward_after"])
     index = json.loads((run / "previews" / "step_00001" / "index.json").read_text())
     assert index["prompts"] == ["a bright sky"] * 2 + ["a dark room"] * 2  # two samples a prompt
     assert index["reference"] is False  # the world's renders are for the tiny world only
