@@ -18,7 +18,7 @@ from omni_diffusion_rl.algorithms.advantages import (
     optimality_probability,
     per_reward_advantages,
 )
-from omni_diffusion_rl.algorithms.nft import nft_loss
+from omni_diffusion_rl.algorithms.nft import flow_matching_loss, nft_loss
 from omni_diffusion_rl.algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
 from omni_diffusion_rl.models import lora
 
@@ -377,6 +377,32 @@ def test_nft_loss_with_r_one_and_beta_one_is_the_adaptive_loss_of_v_theta() -> N
         v_old = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         loss, _ = nft_loss(v_theta, v_old, x_t, x0, t, torch.ones(3, dtype=torch.float64), 1.0, 4.0)
         assert loss.item() == pytest.approx(4.0 * adaptive.item(), rel=1e-12)
+
+
+def test_flow_matching_loss_matches_hand_computation() -> None:
+    # target = noise - x0 = [[-1, -1], [-2, -4]]; v - target = [[2, 2], [3, 5]]: squares 4, 4, 9, 25.
+    # The sign matters: against x0 - noise the residual would be [[0, 0], [-1, -3]] (mean square 2.5).
+    x0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    noise = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    v = torch.ones(2, 2, dtype=torch.float64)
+    assert flow_matching_loss(v, noise, x0).item() == pytest.approx((4 + 4 + 9 + 25) / 4, rel=1e-12)
+    # per sample: 4 and 17; weighted, mean over the batch of w_i times each
+    weighted = flow_matching_loss(v, noise, x0, torch.tensor([0.5, 1.5], dtype=torch.float64))
+    assert weighted.item() == pytest.approx((0.5 * 4 + 1.5 * 17) / 2, rel=1e-12)
+
+
+def test_flow_matching_loss_is_zero_at_the_velocity_of_the_noising_path() -> None:
+    # x_t = (1 - t) x0 + t eps (the sampler's convention, t = 1 is noise): dx_t/dt, by central differences
+    gen = torch.Generator().manual_seed(0)
+    x0, noise = (torch.randn(4, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    t, h = 0.3, 1e-4
+
+    def x_at(tt: float) -> torch.Tensor:
+        return (1 - tt) * x0 + tt * noise
+
+    velocity = (x_at(t + h) - x_at(t - h)) / (2 * h)
+    assert flow_matching_loss(velocity, noise, x0).item() < 1e-16
+    assert flow_matching_loss(-velocity, noise, x0).item() > 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------
