@@ -106,7 +106,14 @@ def test_simulate_reports_the_pick_auto_would_make_by_its_own_rule() -> None:
     ), "with no margin, the fastest"
 
 
-def test_seed_preset_reproduces_the_seeds_direction_and_figures() -> None:
+def test_regression_pin_of_the_seed_preset_on_the_four_figures_it_was_fitted_to() -> None:
+    """A regression pin, not a validation: SEED_4XH800_COSTS is a least-squares fit of these same
+    four seed figures with this simulator (see costs.py), so matching them within 2% shows only that
+    the simulator still computes what it computed when the preset was fitted. A change to the
+    simulator's schedule or cost formulas that moves a figure fails here; re-fit the preset (and say
+    why) only for an intended change. No measured timings the preset was not fitted to are recorded
+    in the repo (see docs/execution-modes.md): a validation needs `odrl bench modes`'s JSON, which
+    holds the costs auto measured next to every mode's real seconds."""
     report = simulate_settings(SEED_4XH800_COSTS, SEED_4XH800_WORKLOADS, SEED_4XH800_LENGTHS)
     short, long = report["short"]["modes"], report["long"]["modes"]
     assert short["colocated"]["seconds_per_prompt"] < short["separate"]["seconds_per_prompt"]
