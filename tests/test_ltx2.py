@@ -227,7 +227,8 @@ def test_bf16_base_weights_train_with_fp32_adapters_and_sample_without_autocast(
     assert trainer.transformer.proj_in.weight.dtype == torch.bfloat16
     assert trainer.policy.pipeline.text_encoder.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in trainer.params), "the trained adapter and AdamW are fp32"
+    # measured: bf16 within 1.1e-4 (step 1) and 4.1e-4 (step 2) of fp32; 10x that (docs/real-models.md)
     for fp32, bf16 in zip(losses["fp32"], losses["bf16"], strict=True):
-        assert math.isfinite(bf16) and bf16 == pytest.approx(fp32, rel=0.05), losses
+        assert math.isfinite(bf16) and bf16 == pytest.approx(fp32, rel=4e-3), losses
     media = generate_media(load_policy(tmp_path / "bf16" / "checkpoints"), ["a red circle"], steps=2)
     assert torch.isfinite(media.video).all() and torch.isfinite(media.audio).all()

@@ -329,8 +329,9 @@ def test_bf16_base_weights_train_with_fp32_adapters_and_sample_without_autocast(
         trainer.policy.text_encoder.dtype == torch.bfloat16
         and trainer.policy.audio_vae.dtype == torch.float32
     )
+    # measured: bf16 within 6.9e-5 (step 1) and 9.9e-5 (step 2) of fp32; 10x that (docs/real-models.md)
     for fp32, bf16 in zip(runs["fp32"], runs["bf16"], strict=True):
-        assert math.isfinite(bf16) and bf16 == pytest.approx(fp32, rel=0.05), runs
+        assert math.isfinite(bf16) and bf16 == pytest.approx(fp32, rel=1e-3), runs
     policy = load_policy(tmp_path / "bf16" / "checkpoints")  # odrl sample's path: no autocast around it
     media = generate_media(policy, ["a red circle"], steps=2)
     assert torch.isfinite(media.video).all() and torch.isfinite(media.audio).all()
