@@ -1,14 +1,96 @@
-"""Every test runs offline: no hub downloads, wandb writes local runs only."""
+"""Every test runs offline: no hub downloads, wandb writes local runs only.
 
+The fast tier (`make test-fast`, `-m "not slow"`) is guarded here: a test that is not marked `slow`
+fails when it (or a fixture it sets up) starts a process (subprocess, multiprocessing or
+torch.multiprocessing) or takes more than FAST_TIER_OPTIMIZER_STEPS optimizer steps, so the tier
+means what the Makefile says. A module-scoped fixture is charged to the test that first sets it up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
 import os
+import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("WANDB_SILENT", "true")
+
+FAST_TIER_OPTIMIZER_STEPS = 8  # a handful: a few training steps of one run
+
+
+class _TierGuard:
+    """What the test being run has started so far, and whether it may."""
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+        self.problems: list[str] = []
+        self.optimizer_steps = 0
+
+    def reset(self, item: pytest.Item | None) -> None:
+        self.item, self.problems, self.optimizer_steps = item, [], 0
+
+    @property
+    def fast(self) -> bool:
+        return self.item is not None and self.item.get_closest_marker("slow") is None
+
+    def note_process(self, what: str) -> None:
+        if self.fast:
+            self.problems.append(f"starts a process ({what})")
+
+    def note_optimizer_step(self) -> None:
+        self.optimizer_steps += 1
+        if self.fast and self.optimizer_steps == FAST_TIER_OPTIMIZER_STEPS + 1:
+            self.problems.append(f"takes more than {FAST_TIER_OPTIMIZER_STEPS} optimizer steps")
+
+
+GUARD = _TierGuard()
+
+
+def _guard_process_starts() -> None:
+    popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def guarded_popen_init(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        GUARD.note_process(f"subprocess: {str(args)[:120]}")
+        popen_init(self, args, *rest, **kwargs)
+
+    def guarded_process_start(self: multiprocessing.process.BaseProcess) -> None:
+        GUARD.note_process(f"multiprocessing: {self.name}")
+        process_start(self)
+
+    subprocess.Popen.__init__ = guarded_popen_init  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = guarded_process_start  # type: ignore[method-assign]
+    register_optimizer_step_pre_hook(lambda *_: GUARD.note_optimizer_step())
+
+
+_guard_process_starts()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    GUARD.reset(item)
+    yield
+    GUARD.reset(None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A fast-tier test that broke the guard's rules fails in its call phase, whatever it asserted."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and GUARD.problems and not report.failed:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} is not marked slow but {'; '.join(dict.fromkeys(GUARD.problems))}: "
+            "mark it @pytest.mark.slow (the fast tier is for in-process tests of a few steps)"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,7 @@ def test_another_algorithms_option_at_its_default_is_dropped_and_a_bad_value_is_
         load_config(None, ["algorithm.options={beta: 0.1}"])
 
 
+@pytest.mark.slow
 def test_train_help_lists_each_algorithms_options_under_its_name() -> None:
     out = subprocess.run(
         odrl("train", "--help"), capture_output=True, text=True, env=ENV, timeout=300, check=True

@@ -47,6 +47,7 @@ def test_time_to_a_threshold_is_the_first_evaluation_at_or_above_it() -> None:
     assert first_reach(curve, 0.99) is None
 
 
+@pytest.mark.slow
 def test_the_summary_counts_seeds_that_never_reach_and_bounds_the_headline() -> None:
     fast = [_curve([(0, 0.15), (10, 0.95)]), _curve([(0, 0.15), (20, 0.92)])]
     slow = [_curve([(0, 0.15), (100, 0.95)]), _curve([(0, 0.15), (120, 0.3)])]
@@ -119,6 +120,7 @@ def test_contestants_split_at_commas_outside_brackets(monkeypatch: pytest.Monkey
     assert contestant("distill").config == "recipes/configs/tiny_t2av_distill.yaml"
 
 
+@pytest.mark.slow
 def test_a_failed_run_kills_the_runs_in_progress_and_twins_are_refused() -> None:
     import subprocess
     import sys

@@ -188,6 +188,7 @@ def listener() -> Iterator[Listener]:
     server.close()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_never_names_the_server_the_token_or_the_prompt_file_of_eval(
     ckpt: Path, tmp_path: Path, listener: Listener
 ) -> None:
@@ -226,6 +227,7 @@ def test_a_checkpoint_never_names_the_server_the_token_or_the_prompt_file_of_eva
     assert cfg.data.eval_prompts == "builtin:tiny_world_heldout"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_naming_etc_passwd_as_prompts_never_prints_it(ckpt: Path) -> None:
     """Before: data.eval_prompts=/etc/passwd in a checkpoint's config made `odrl eval CKPT` print a
     line of /etc/passwd on stderr. Now the file is never read: eval uses the held-out prompts of the
@@ -445,6 +447,7 @@ def test_an_untouched_checkpoint_still_resumes(ckpt: Path, trainer: Trainer) -> 
     assert trainer.step == 1
 
 
+@pytest.mark.slow
 def test_odrl_train_turns_a_resume_refusal_into_exit_2(ckpt: Path, model_dir: Path, tmp_path: Path) -> None:
     """The refusal reaches the command line as one sentence and exit status 2 (cli.main)."""
     forge_state(ckpt, lambda s: s.update(step="abc"))

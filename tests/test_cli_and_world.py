@@ -18,6 +18,7 @@ from omni_diffusion_rl.world.pretrain import pretrain_base_model
 from .helpers import ENV, REPO, odrl, tiny_model_dir
 
 
+@pytest.mark.slow
 def test_pretrain_writes_a_loadable_model_and_lowers_the_loss(tmp_path: Path) -> None:
     out = tmp_path / "base"
     small = {"dim": 32, "depth": 1, "heads": 2, "mlp_ratio": 2}
@@ -31,6 +32,7 @@ def test_pretrain_writes_a_loadable_model_and_lowers_the_loss(tmp_path: Path) ->
     assert v.shape == (2, dim) and torch.isfinite(v).all()
 
 
+@pytest.mark.slow
 def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(tmp_path: Path) -> None:
     """--dim/--depth/--heads size the model; --teacher's folder recommends guidance 3 unless it
     learned no empty prompt; a size that cannot work is refused before any training."""
@@ -51,6 +53,7 @@ def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(tmp_path:
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_a_partial_pretraining_learns_only_its_parts(tmp_path: Path) -> None:
     """--parts spectrum,loudness: the picture's head gets no gradient and stays the init's; the
     pitch head learns (a tiny audio-only teacher for teacher.routes)."""
@@ -86,6 +89,7 @@ def test_pretraining_is_reproducible(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_prompt_dropout_trains_on_the_empty_prompt(tmp_path: Path) -> None:
     """prompt_dropout (for guidance): the empty prompt's velocity is trained toward the clips, so its
     loss on held clips falls further than without dropout; a share outside [0, 1) is refused."""
@@ -147,6 +151,7 @@ def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
         raise AssertionError("loading a missing model must fail")
 
 
+@pytest.mark.slow
 def test_sample_command_writes_previews(tmp_path: Path) -> None:
     model = tiny_model_dir(tmp_path / "model")
     out = tmp_path / "samples"

@@ -178,6 +178,7 @@ def test_invalid_yaml_file(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "algorithm: [beta: 0.1\n"))
 
 
+@pytest.mark.slow
 def test_cli_train_rejects_a_bad_value_before_doing_any_work(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(

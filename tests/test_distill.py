@@ -80,6 +80,7 @@ def test_self_distillation_of_the_conditional_direction_gives_loss_zero_exactly(
     assert [r["loss/total"] for r in rows] == [0.0, 0.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "loss",
     [
@@ -632,6 +633,7 @@ def test_streamed_targets_train_exactly_as_the_blocking_schedule(
     assert all(loss > 0 for loss in losses[True])
 
 
+@pytest.mark.slow
 def test_one_step_off_trains_on_the_next_steps_rollouts_made_early_and_resumes_exactly(
     model_dir: Path, other_dir: Path, tmp_path: Path
 ) -> None:

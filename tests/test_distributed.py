@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -31,6 +32,7 @@ def _use_and_release_groups(rank: int, init_file: str, result_file: str) -> None
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_scoped_groups_are_destroyed_on_every_process_and_means_agree(tmp_path: Path) -> None:
     result = tmp_path / "result"
     mp.start_processes(

@@ -57,6 +57,7 @@ def anchors(markdown: str) -> set[str]:
     return {slugify(re.sub(r"[`*_]", "", title), "-") for title in HEADING.findall(text)}
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
         pytest.fail('mkdocs and mkdocs-material are missing: pip install -e ".[test]" (or make docs)')
@@ -143,6 +144,7 @@ def test_every_result_row_names_its_commit_and_date() -> None:
     assert not undated, "result rows without a commit and a date:\n" + "\n".join(undated)
 
 
+@pytest.mark.slow
 def test_the_commits_the_results_name_exist() -> None:
     shallow = subprocess.run(
         ["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True

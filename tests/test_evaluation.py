@@ -88,6 +88,7 @@ def test_preview_index_has_eval_metrics_and_the_worlds_render(model_dir: Path, t
     assert (folder / sample["reference_gif"]).is_file()
 
 
+@pytest.mark.slow
 def test_odrl_eval_prints_a_table_and_json(
     model_dir: Path, trained: tuple[Path, dict], tmp_path: Path
 ) -> None:
@@ -134,6 +135,7 @@ def test_eval_of_a_checkpoint_uses_its_model_and_the_given_eval_settings(trained
     assert 0.0 <= result["reward"] <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "message"),
     [

@@ -101,6 +101,7 @@ def test_a_directory_given_as_config_or_prompt_file(tmp_path: Path) -> None:
     assert done.returncode == 2 and "is a directory" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -155,6 +156,7 @@ def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_pa
     assert targets.returncode == 2 and "no_such_layer" in targets.stderr and "Traceback" not in targets.stderr
 
 
+@pytest.mark.slow
 def test_a_reward_server_that_serves_none_of_the_weights_is_refused() -> None:
     from omni_diffusion_rl.reward import RewardError
     from omni_diffusion_rl.reward_factory import reward_from_config

@@ -58,6 +58,7 @@ def _checkpoint(tmp_path: Path) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_the_notebook_previews_a_checkpoint_into_its_run_from_another_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -86,6 +87,7 @@ def test_the_notebook_previews_a_checkpoint_into_its_run_from_another_folder(
     assert _files(NOTEBOOK.parent) == notebooks_before, "nothing may be written under notebooks/"
 
 
+@pytest.mark.slow
 def test_the_notebook_without_a_checkpoint_says_to_run_make_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

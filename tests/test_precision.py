@@ -30,6 +30,7 @@ def _run(model_dir: Path, run: Path, steps: int, *extra: str) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_bf16_keeps_the_loss_within_2_percent_of_fp32_over_5_steps(model_dir: Path, tmp_path: Path) -> None:
     _run(model_dir, tmp_path / "fp32", 5)
     bf16 = _run(model_dir, tmp_path / "bf16", 5, "train.mixed_precision=bf16")

@@ -276,6 +276,7 @@ def test_the_answer_rewards_grade_by_the_key_and_refuse_what_they_cannot_grade()
         exact.score(media("x"), ["{oops"])
 
 
+@pytest.mark.slow
 def test_a_served_answer_reward_grades_question_file_keys() -> None:
     """The reward server contract carries the key and the answer text; a served grader (here
     answer_exact, in its own process on loopback) scores them as the local one does."""

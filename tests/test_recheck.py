@@ -121,6 +121,7 @@ def test_first_pick_prefers_colocated_unless_another_mode_is_clearly_faster() ->
     assert pick_mode({"colocated": 1.0, "separate": 0.95, "hybrid": 0.93}, 0.0) == "hybrid"
 
 
+@pytest.mark.slow
 def test_the_switch_estimate_counts_ending_and_restarting_the_mode(tmp_path: Path) -> None:
     """Before any measured switch, a switch costs ending the running mode (the checkpoint it then
     writes: none when the step's regular one is written) and its start-up from the segment's start

@@ -52,6 +52,7 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_finished_run_returns_its_output_and_code() -> None:
     done = run_process_tree([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout_s=30)
     assert (done.returncode, done.stdout.strip()) == (3, "out")

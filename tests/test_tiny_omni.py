@@ -238,6 +238,7 @@ def shape_features(
     return out.hidden_states[-1][:, -1], labels
 
 
+@pytest.mark.slow
 def test_the_shipped_base_sees_the_shape_it_answers_wrong() -> None:
     """The base's wrong shape answers come from its labels, not from blindness: a linear probe on
     its state reads circle against square in clips it was not fitted on (a base trained on the noisy

@@ -83,6 +83,7 @@ def test_wandb_needs_a_wandb_accelerator(tmp_path: Path, fresh_accelerate_state:
         MetricsLogger(tmp_path, Accelerator(cpu=True), True, "proj", "run", {})
 
 
+@pytest.mark.slow
 def test_wandb_without_an_accelerator_and_a_run_continued_by_id(tmp_path: Path) -> None:
     """The trainer process of separate mode has no accelerator; a resumed run (or auto's next mode)
     logs to the same wandb run through its id."""
@@ -118,6 +119,7 @@ def test_accelerator_without_wandb_writes_jsonl_only(tmp_path: Path, fresh_accel
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_through_accelerate(tmp_path: Path, fresh_accelerate_state: None) -> None:
     pytest.importorskip("wandb")
     from accelerate import Accelerator
