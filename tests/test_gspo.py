@@ -1,16 +1,17 @@
 """GSPO's loss as a pure function: equal to trl's GRPOTrainer (importance_sampling_level "sequence",
 and GRPO's "token") on the same model and tensors, loss and gradient; invariant to padding; no NaN
-for an empty answer or a group whose rewards are all equal."""
+for an empty answer or a group whose rewards are all equal; a log-ratio above 20 capped at 20."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from omni_diffusion_rl.algorithms.advantages import group_advantages
-from omni_diffusion_rl.algorithms.gspo import policy_loss, sequence_log_ratio
+from omni_diffusion_rl.algorithms.gspo import GSPO_EPS_HIGH, policy_loss, sequence_log_ratio
 from omni_diffusion_rl.experience.text_sampling import token_log_probs
 
 VOCAB, PROMPT, ANSWER = 64, 3, 5
@@ -55,7 +56,7 @@ def _our_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 
 @pytest.mark.parametrize("level", ["sequence", "token"])
 def test_loss_and_gradient_equal_trls_grpo_trainer(tmp_path, level: str) -> None:  # noqa: ANN001
-    pytest.importorskip("trl", reason="trl is in the test extra: pip install -e '.[test]'")
+    # trl is in the test extra (pip install -e '.[test]'): without it this test fails, never skips
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -151,6 +152,25 @@ def test_on_policy_gradient_is_the_advantage_weighted_mean_log_prob_gradient() -
     expected = -adv[:, None] * mask / mask.sum(-1, keepdim=True) / 4
     torch.testing.assert_close(grad, expected)
     assert loss.item() == pytest.approx(-adv.mean().item(), rel=1e-6) and stats["clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("log_ratio", [30.0, 100.0])
+def test_a_sequence_log_ratio_above_20_is_capped_at_20_for_either_sign(log_ratio: float) -> None:
+    """policy_loss clamps the log-ratio at 20 before exp (its docstring): for A > 0 the clip at
+    1 + eps_high binds, the loss is -(1 + eps_high) A; for A < 0 the unclipped term w A is the
+    smaller one, the loss is e^20 |A| (not e^30 |A|, nor inf at 100) and its gradient 0."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    token_ratios = torch.tensor([[log_ratio - 20, log_ratio, log_ratio + 20, 0.0]])  # mean: log_ratio
+    behaviour = logp - token_ratios
+    assert sequence_log_ratio(logp, behaviour, mask).item() == pytest.approx(log_ratio)
+    for advantage, expected in [(-0.5, math.exp(20) * 0.5), (1.5, -(1 + GSPO_EPS_HIGH) * 1.5)]:
+        x = logp.clone().requires_grad_()
+        loss, stats = policy_loss(x, behaviour, torch.tensor([advantage]), mask)
+        (grad,) = torch.autograd.grad(loss, x)
+        assert math.isfinite(loss.item()) and loss.item() == pytest.approx(expected, rel=1e-6), advantage
+        assert torch.equal(grad, torch.zeros_like(grad)), (advantage, grad)
+        assert stats["clip_fraction"] == 1.0 and stats["ratio_mean"] == pytest.approx(math.exp(20), rel=1e-6)
 
 
 def test_an_empty_answer_and_a_group_of_equal_rewards_give_no_nan() -> None:

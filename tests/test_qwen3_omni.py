@@ -24,7 +24,7 @@ from omni_diffusion_rl.models import (
 )
 from omni_diffusion_rl.trainers.trainer import Trainer
 
-from .helpers import step_records
+from .helpers import step_records, trained_adapter_norm
 from .qwen3_omni_tiny import FRAME_SIZE, save_tiny_qwen3_omni
 from .test_qwen_omni import MOVING, SMALL_STEP, asked_pair
 from .test_qwen_omni import overrides as qwen2_5_overrides
@@ -151,8 +151,10 @@ def test_lora_goes_into_the_language_models_attention_only(model_dir: Path) -> N
 
 @pytest.fixture(scope="module")
 def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Two colocated steps whose adapter moves (the length reward), so step 2 samples with what
+    step 1 trained."""
     run = tmp_path_factory.mktemp("qwen3_run") / "run"
-    summary = Trainer(load_config(None, overrides(model_dir, run, 2, "data.eval_samples=8"))).fit()
+    summary = Trainer(load_config(None, overrides(model_dir, run, 2, "data.eval_samples=8", MOVING))).fit()
     return run, summary
 
 
@@ -160,7 +162,8 @@ def test_gspo_trains_colocated_on_the_question_file(trained: tuple[Path, dict]) 
     run, summary = trained
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2]
-    gaps = [r["gspo/logp_gap"] for r in rows]
+    assert rows[0]["grad_norm"] > 0 and trained_adapter_norm(run) > 0  # step 1's update moved the adapter
+    gaps = [r["gspo/logp_gap"] for r in rows]  # step 2's answers: sampled with step 1's weights
     print(f"qwen3_omni GSPO gspo/logp_gap per step: {gaps}")
     assert all(g < 1e-4 for g in gaps), gaps
     assert all(abs(r["gspo/ratio_mean"] - 1) < 1e-4 for r in rows)

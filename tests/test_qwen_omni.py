@@ -32,7 +32,7 @@ from omni_diffusion_rl.models import (
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.trainers.trainer import Trainer
 
-from .helpers import step_records
+from .helpers import step_records, trained_adapter_norm
 from .qwen_omni_tiny import save_tiny_qwen_omni
 
 pytestmark = [
@@ -158,7 +158,13 @@ def test_behaviour_log_probs_equal_the_recompute_and_the_thinkers_own_forward(mo
         recomputed = model.answer_log_probs(prompted, out.tokens, out.mask, 1.0, 2)
     gap = float(((recomputed - out.log_probs).abs() * out.mask).max())
     assert gap < 1e-4, gap
-    assert out.mask.sum(-1).min() < 8 or out.truncated.all()
+    # recomputed from the tokens: an answer fills a prefix of its row (pad after it) and ends at its
+    # first end token, never before min_new_tokens=2; one with no end token is cut at 8, truncated
+    for t, m, cut in zip(out.tokens, out.mask, out.truncated, strict=True):
+        n = int(m.sum())
+        ends = (t[:n] == model.eos_id).nonzero().flatten().tolist()
+        assert m[:n].all() and not m[n:].any() and (t[n:] == model.pad_id).all(), (t, m)
+        assert bool(cut) == (not ends) and (n == 8 if cut else ends == [n - 1] and n > 2), (t, m, cut)
     assert not torch.isin(out.tokens[out.mask], model.suppressed).any()  # no placeholder sampled
     # the thinker's own path: token ids and processor tensors, its own 3D positions
     vis, aud = model._video_inputs(video), model._audio_inputs(audio)
@@ -204,8 +210,10 @@ def moved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Two colocated steps whose adapter moves (the length reward: answer_exact alone is 0 for a
+    random thinker, no advantage, no update), so step 2 samples with what step 1 trained."""
     run = tmp_path_factory.mktemp("qwen_run") / "run"
-    summary = Trainer(load_config(None, overrides(model_dir, run, 2))).fit()
+    summary = Trainer(load_config(None, overrides(model_dir, run, 2, MOVING))).fit()
     return run, summary
 
 
@@ -213,6 +221,8 @@ def test_gspo_trains_colocated_on_the_question_file(trained: tuple[Path, dict]) 
     run, summary = trained
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["grad_norm"] > 0 and trained_adapter_norm(run) > 0  # step 1's update moved the adapter
+    # on policy at step 2 too: its answers were sampled with step 1's weights (stale ones: gap > 0.1)
     assert all(r["gspo/logp_gap"] < 1e-4 for r in rows), [r["gspo/logp_gap"] for r in rows]
     assert all(abs(r["gspo/ratio_mean"] - 1) < 1e-4 for r in rows)
     assert all(0 < r["answers/mean_tokens"] <= 4 for r in rows)
@@ -338,23 +348,33 @@ def test_a_whole_qwen_omni_folder_gives_its_thinker(model_dir: Path, tmp_path: P
 def test_gspo_on_the_thinker_runs_in_the_async_modes(model_dir: Path, tmp_path: Path, mode: str) -> None:
     """A rollout process answers with the thinker from its own copy of the files; the answers, their
     clips and behaviour log-probs reach the trainer through the replay buffer; every answer made is
-    trained (a random thinker never answers right: nothing need be learned)."""
-    from .helpers import last_json_line, step_records
+    trained. The adapter moves (the length reward, registered in the launched processes as a
+    plug-in: this module) and no answer may lag (max_staleness=0), so every step is on policy only
+    if the weight syncs reached the rollout process."""
+    from .helpers import REPO, last_json_line
     from .test_separate import _launch
 
     run = tmp_path / "run"
     args = [
-        *overrides(model_dir, run, 3, "train.eval_at_start_and_end=false"),
+        *overrides(model_dir, run, 3, "train.eval_at_start_and_end=false", MOVING),
+        "reward.plugins=[tests.test_qwen_omni]",
         f"execution.mode={mode}",
         "execution.data_timeout_s=60",
+        "execution.max_staleness=0",
     ]
-    proc = _launch(args, 29679 if mode == "separate" else 29681)
+    proc = _launch(args, 29679 if mode == "separate" else 29681, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    buffer = last_json_line(proc.stdout)["execution"]["buffer"]
-    assert buffer["trained"] == 3 * 2 * 4, buffer
+    execution = last_json_line(proc.stdout)["execution"]
+    buffer = execution["buffer"]
+    assert buffer["trained"] == 3 * 2 * 4 and buffer["staleness_histogram"] == {"0": 3 * 2 * 4}, buffer
     rows = step_records(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 < r["answers/mean_tokens"] <= 4 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows) and trained_adapter_norm(run) > 0  # the adapter moved
+    # groups hybrid's trainer made itself (lent, trained from step 2 on) use its own weights: the
+    # rollout process's answers must be among steps 2-3's for their gap to say the syncs arrived
+    assert execution.get("hybrid", {}).get("lent_groups_trained", 0) < 2 * 2, execution.get("hybrid")
+    assert all(r["gspo/logp_gap"] < 1e-4 for r in rows), [r["gspo/logp_gap"] for r in rows]
 
 
 def test_held_out_answers_in_small_batches_equal_one_batch(model_dir: Path) -> None:
