@@ -32,7 +32,18 @@ if TYPE_CHECKING:
 
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
-EPILOG = "Config keys (override any with section.key=value):\n  " + "\n  ".join(describe())
+CONFIG_KEYS = "(every config key)"  # `odrl train --help`'s epilog, filled in when help is printed
+
+
+class _ConfigKeysFormatter(argparse.RawDescriptionHelpFormatter):
+    """Prints the train command's epilog as the list of every config key, built only when help is
+    shown: describe() imports every algorithm (peft among them, 1.4 s), which every other command
+    and every training process would otherwise pay for at start-up."""
+
+    def add_text(self, text: str | None) -> None:
+        if text is CONFIG_KEYS:
+            text = "Config keys (override any with section.key=value):\n  " + "\n  ".join(describe())
+        super().add_text(text)
 
 
 def _make_accelerator(use_wandb: bool):  # noqa: ANN202 - accelerate is imported lazily
@@ -781,8 +792,8 @@ def _add_train(sub: Subcommands) -> None:
         "train",
         help="post-train a policy with DiffusionNFT (colocated; use accelerate launch for several processes)",
         description="Post-train with DiffusionNFT; prints a JSON line with the held-out reward before/after.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=CONFIG_KEYS,
+        formatter_class=_ConfigKeysFormatter,
     )
     train.add_argument("config", nargs="?", help="YAML config (e.g. recipes/configs/tiny_t2av_nft.yaml)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. algorithm.beta=0.1")
