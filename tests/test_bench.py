@@ -24,6 +24,35 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+def paired_verdicts(ratios: list[float], at_most: float | None = None, rounding: float = 0.0) -> set[str]:
+    """The verdicts the benches' rule for a paired comparison (benchmarks/common.py: compare_paired)
+    gives for ratios a_i / b_i - 1, each known to +-`rounding` (one verdict when exact). Without
+    `at_most`: faster when every round is below 0, slower when every round is above, else within
+    noise; with it: met when every round is at most `at_most`, missed when every round is above."""
+    found = set()
+    for low in (min(ratios) - rounding, min(ratios) + rounding):
+        for high in (max(ratios) - rounding, max(ratios) + rounding):
+            if low > high:
+                continue
+            if at_most is None:
+                found.add("faster" if high < 0 else "slower" if low > 0 else "within noise")
+            else:
+                found.add("met" if high <= at_most else "missed" if low > at_most else "within noise")
+    return found
+
+
+def _check_paired(compared: dict, a: list[float], b: list[float], at_most: float | None = None) -> None:
+    """A report's paired comparison against its own per-round figures a and b, each rounded to 4
+    digits: its ratios within that rounding, its verdict the rule's for its ratios (kept to 4 digits)."""
+    assert len(compared["each_round"]) == len(a) == len(b)
+    for ratio, x, y in zip(compared["each_round"], a, b, strict=True):
+        bound = 5e-5 * (1 + x / y) / y + 5e-5 + 1e-9  # from x, y and the ratio each rounded to 4 digits
+        assert abs(ratio - (x / y - 1)) <= bound, (compared, x, y)
+    assert compared.get("at_most") == at_most, compared
+    assert compared["verdict"] in paired_verdicts(compared["each_round"], at_most, rounding=5e-5), compared
+    assert (compared["min"], compared["max"]) == (min(compared["each_round"]), max(compared["each_round"]))
+
+
 def test_bench_writes_report(tmp_path: Path, one_thread: None) -> None:
     output = tmp_path / "bench" / "nft_step.json"
     result = run_nft_step_bench(output, repeats=1, batch_size=4, timesteps=2)
@@ -74,7 +103,7 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
 def test_modes_bench_runs_every_mode_and_reports_predictions(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from omni_diffusion_rl.benchmarks.modes import RUN_MODES, run_modes_bench
+    from omni_diffusion_rl.benchmarks.modes import AUTO_TARGET, PREDICTION_TARGET, RUN_MODES, run_modes_bench
 
     from .helpers import fast_overrides, tiny_model_dir
 
@@ -94,8 +123,21 @@ def test_modes_bench_runs_every_mode_and_reports_predictions(
     fixed = ("colocated", "separate", "hybrid")
     fastest = min(real[m]["median"] for m in fixed)  # rounded medians: a tie may go either way
     assert real[row["fastest_fixed_mode"]]["median"] == fastest
-    for key in ("auto_vs_fastest", "separate_vs_colocated", "hybrid_vs_separate", "hybrid_vs_colocated"):
-        assert row[key]["verdict"] in ("faster", "slower", "within noise", "met", "missed"), key
+    each = row["real_s_per_prompt_each_round"]
+    # every verdict recomputed from the report's own per-round figures by the benches' rule
+    _check_paired(row["auto_vs_fastest"], each["auto"], each[row["fastest_fixed_mode"]], AUTO_TARGET)
+    for a, b in (("separate", "colocated"), ("hybrid", "separate"), ("hybrid", "colocated")):
+        _check_paired(row[f"{a}_vs_{b}"], each[a], each[b])
+    picked = [i for i, mode in enumerate(row["auto_picked"]) if mode == "colocated"]
+    if picked:  # the rounds where auto ran colocated, against colocated's
+        by_round = [[each[m][i] for i in picked] for m in ("auto", "colocated")]
+        _check_paired(row["auto_running_colocated_vs_colocated"], *by_round)
+    else:
+        assert row["auto_running_colocated_vs_colocated"] is None
+    for mode, predicted in row["predicted_s_per_prompt"].items():
+        _check_paired(
+            row["prediction_error"][mode], [predicted] * len(each[mode]), each[mode], PREDICTION_TARGET
+        )
     assert "interleaved rounds" in capsys.readouterr().out
 
 
@@ -140,8 +182,9 @@ def test_teacher_bench_compares_schedules_and_replicas(
         assert (
             schedule[name]["teacher_s_per_step"]["median"] > 0 and schedule[name]["trained"]["median"] == 12
         )
-    for name in ("overlap", "one_step_off"):
-        assert schedule[f"{name}_vs_blocking_s_per_sample"]["verdict"] in ("faster", "slower", "within noise")
+    for name in ("overlap", "one_step_off"):  # one round: its figure is the median, kept to 4 digits
+        per_round = [schedule[n]["s_per_sample"]["median"] for n in (name, "blocking")]
+        _check_paired(schedule[f"{name}_vs_blocking_s_per_sample"], [per_round[0]], [per_round[1]])
         assert math.isfinite(schedule[f"hidden_share_of_teacher_time_{name}"]["median"])
     # one step off: steps 2 and 3 (the steady ones) train on rollouts made a step early
     assert (

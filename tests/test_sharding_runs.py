@@ -1,11 +1,12 @@
 """Whole sharded runs (train.sharding=fsdp) on two gloo processes against unsharded ones: the same
-losses, rewards and adapters (within 1e-5) for the tiny model, LTX-2 and MiniMax-H3, for NFT,
-distillation and RAFT (with dropped samples), resume in every direction, bf16, offload, and the
-separate and hybrid modes with a sharded trainer pool."""
+losses, rewards and adapters (within 10x the gaps measured, below) for the tiny model, LTX-2 and
+MiniMax-H3, for NFT, distillation and RAFT (with dropped samples), resume in every direction, bf16,
+offload, and the separate and hybrid modes with a sharded trainer pool."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -25,7 +26,15 @@ from .ltx2_tiny import tiny_ltx2_pipeline
 
 pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
 
-TOLERANCE = 1e-5
+# (logged losses and rewards, adapter tensors): 10x the largest gap measured between 2 sharded and 1
+# unsharded process on one machine (fp32, 3 steps, OMP_NUM_THREADS=1; docs/sharding.md). Tiny NFT
+# (lr 2e-3; both resume directions too): 4.8e-7 and 5.2e-8. LTX-2 and H3 (lr 3e-4): 9.5e-7 (2 float32
+# ulps of a loss near 8) and 5.8e-7. Separate with a sharded pool of 2 against 1 unsharded trainer,
+# deterministic schedule: 9.5e-7 and 1.8e-6 (5 runs alike; a sixth drifted from step 2, see below).
+TOLERANCE = (5e-6, 6e-7)
+FAMILY_TOLERANCE = (1e-5, 6e-6)
+SEPARATE_TOLERANCE = (1e-5, 2e-5)
+EXACT = (0.0, 0.0)
 SHARDED = "train.sharding=fsdp"
 
 
@@ -75,18 +84,26 @@ def _adapters(run: Path) -> dict:
     return load_file(run / "checkpoints" / latest / "tensors.safetensors")
 
 
-def _assert_same_run(a: Path, b: Path, tolerance: float = TOLERANCE) -> None:
-    """Every logged loss and reward, and every adapter tensor, within `tolerance` (0: bit-equal)."""
-    rows_a, rows_b = step_records(a), step_records(b)
-    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+def _assert_logged_within(rows_a: list[dict], rows_b: list[dict], tolerance: float) -> None:
+    """Every logged loss and reward of two runs' steps within `tolerance` (0: bit-equal; a value
+    that is not finite is never within)."""
     for x, y in zip(rows_a, rows_b, strict=True):
         for key in x:
             if key.startswith(("loss/", "reward/", "nft/")):
-                assert abs(x[key] - y[key]) <= tolerance, (x["step"], key, x[key], y[key])
+                gap = abs(x[key] - y[key])
+                assert math.isfinite(x[key]) and gap <= tolerance, (x["step"], key, x[key], y[key])
+
+
+def _assert_same_run(a: Path, b: Path, tolerance: tuple[float, float] = TOLERANCE) -> None:
+    """Every logged loss and reward, and every adapter tensor, within `tolerance` (logged, adapters;
+    0: bit-equal)."""
+    rows_a, rows_b = step_records(a), step_records(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    _assert_logged_within(rows_a, rows_b, tolerance[0])
     adapters_a, adapters_b = _adapters(a), _adapters(b)
     assert adapters_a.keys() == adapters_b.keys() and adapters_a
     worst = max(float((adapters_a[k] - adapters_b[k]).abs().max()) for k in adapters_a)
-    assert worst <= tolerance, f"adapters differ by {worst:.3g}"
+    assert worst <= tolerance[1], f"adapters differ by {worst:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +121,7 @@ def tiny_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 def test_two_sharded_processes_train_what_one_process_does(tiny_runs: dict[str, Path]) -> None:
     _assert_same_run(tiny_runs["single"], tiny_runs["sharded"])
-    _assert_same_run(
-        tiny_runs["double"], tiny_runs["sharded"], tolerance=0.0
-    )  # FSDP's mean = the hand-made one
+    _assert_same_run(tiny_runs["double"], tiny_runs["sharded"], EXACT)  # FSDP's mean = the hand-made one
 
 
 def _resume_from_step_2(run: Path, into: Path) -> Path:
@@ -136,10 +151,10 @@ def test_sharded_checkpoints_resume_sharded_and_unsharded_and_the_other_way(
         extra = [SHARDED] if sharded else []
         _train([*fast_overrides(model_dir, run, 3), *base, *extra], processes, resume=checkpoint)
         reference = tiny_runs["sharded" if sharded else "single"]
-        _assert_same_run(reference, run, tolerance=0.0 if name == "sharded_to_sharded" else TOLERANCE)
+        _assert_same_run(reference, run, EXACT if name == "sharded_to_sharded" else TOLERANCE)
 
 
-def test_bf16_stays_within_two_percent_and_offload_changes_nothing(
+def test_bf16_stays_close_to_fp32_and_offload_changes_nothing(
     model_dir: Path, tiny_runs: dict[str, Path], tmp_path: Path
 ) -> None:
     base = ["train.checkpoint_every=1", "algorithm.kl_coef=0.1", SHARDED]
@@ -149,8 +164,9 @@ def test_bf16_stays_within_two_percent_and_offload_changes_nothing(
     fp32_rows = step_records(tiny_runs["sharded"])
     for fp32, low in zip(fp32_rows, step_records(bf16), strict=True):
         for key in ("loss/total", "loss/policy", "loss/positive", "loss/negative"):
-            assert low[key] == pytest.approx(fp32[key], rel=0.02), (fp32["step"], key)
-    _assert_same_run(tiny_runs["sharded"], offload, tolerance=0.0)  # host memory is where CPU shards live
+            # measured: within 6.9e-4 of fp32 (step 3); 10x that
+            assert low[key] == pytest.approx(fp32[key], rel=7e-3), (fp32["step"], key)
+    _assert_same_run(tiny_runs["sharded"], offload, EXACT)  # host memory is where CPU shards live
 
 
 RED = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
@@ -186,7 +202,10 @@ def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_w
     _train([*fast_overrides(model_dir, whole, 3), *extra])
     summary = _train([*fast_overrides(model_dir, sharded, 3), *extra, SHARDED], processes=2)
     assert summary["samples"]["dropped/reward_failed"] == 6, "half of the samples were dropped"
-    _assert_same_run(whole, sharded)
+    # bit for bit (measured; so by construction): the red group fails at every step, so one process
+    # trains the blue group that the whole run trains, its loss scaled by 2 (N w_i / sum w) and
+    # FSDP's mean halving it again, the other's gradient an exact 0
+    _assert_same_run(whole, sharded, EXACT)
 
 
 def _family_overrides(family: str, folder: Path) -> list[str]:
@@ -228,34 +247,55 @@ def test_ltx2_and_h3_train_sharded_as_whole(family: str, tmp_path: Path) -> None
     overrides += ["train.eval_at_start_and_end=true", "data.eval_samples=3", "train.preview_every=3"]
     whole = _train([*overrides, f"train.output_dir={tmp_path / 'whole'}"])
     sharded = _train([*overrides, f"train.output_dir={tmp_path / 'sharded'}", SHARDED], processes=2)
-    _assert_same_run(tmp_path / "whole", tmp_path / "sharded")
+    _assert_same_run(tmp_path / "whole", tmp_path / "sharded", FAMILY_TOLERANCE)
     for key in ("heldout_reward_before", "heldout_reward_after"):
         # the summary keeps 4 digits: two runs that differ in the low bits may round 1e-4 apart
         assert sharded[key] == pytest.approx(whole[key], abs=1.5e-4), key
     assert list((tmp_path / "sharded" / "previews").glob("step_00003/*"))
 
 
+SLOW_REWARDS = [
+    f"reward.plugins=[{REPO / 'tests' / 'plugin_rewards.py'}]",
+    "reward.weights={color_match: 1.0, test_slow: 1.0}",  # test_slow: 1.0 always, after ODRL_TEST_SLOW_S
+    "train.eval_at_start_and_end=false",
+]
+# separate mode with a deterministic schedule (as in test_behaviour_fixture): every step trains the
+# stream's groups made with the trainer's latest weights, whatever the timing
+DETERMINISTIC = ["execution.max_staleness=0", "execution.on_stale=wait"]
+
+
+@pytest.fixture(scope="module")
+def unsharded_separate(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1 unsharded trainer and 1 rollout process, deterministic: what the sharded pools must train."""
+    run = tmp_path_factory.mktemp("unsharded_separate") / "run"
+    extra = ["execution.mode=separate", "execution.rollout_replicas=1", *DETERMINISTIC, *SLOW_REWARDS]
+    _train([*fast_overrides(model_dir, run, 3), *extra], processes=2, env={"ODRL_TEST_SLOW_S": "0"})
+    return run
+
+
 @pytest.mark.parametrize("mode", ["separate", "hybrid"])
 def test_a_sharded_trainer_pool_trains_from_the_buffer_and_syncs_whole_adapters(
-    model_dir: Path, tmp_path: Path, mode: str
+    model_dir: Path, tmp_path: Path, mode: str, unsharded_separate: Path
 ) -> None:
     """2 sharded trainer processes and 1 rollout process: every sample accounted for, and the
     rollout process loaded whole adapters at every sync (a sync that binds nothing is an error).
-    Hybrid scores slowly (0.4 s a group, test_slow), so rollout cannot keep up and both sharded
-    trainers are lent together."""
+    Separate runs the deterministic schedule and trains what 1 unsharded trainer does (every logged
+    value, the adapters). Hybrid scores slowly (1.5 s a group, test_slow), so rollout cannot keep up
+    and both sharded trainers are lent together; which steps train lent groups depends on the clock,
+    but step 1 cannot (no training step is measured before it): it trains the stream's first groups
+    as the unsharded run does."""
     run = tmp_path / "run"
     extra = [
         f"execution.mode={mode}",
         "execution.rollout_replicas=1",
         "execution.data_timeout_s=120",
         SHARDED,
+        *SLOW_REWARDS,
+        *(DETERMINISTIC if mode == "separate" else []),
     ]
-    if mode == "hybrid":
-        plugin = REPO / "tests" / "plugin_rewards.py"
-        extra += [f"reward.plugins=[{plugin}]", "reward.weights={color_match: 1.0, test_slow: 1.0}"]
-        extra += ["train.eval_at_start_and_end=false"]
+    slow_s = "1.5" if mode == "hybrid" else "0"
     summary = _train(
-        [*fast_overrides(model_dir, run, 3), *extra], processes=3, env={"ODRL_TEST_SLOW_S": "1.5"}
+        [*fast_overrides(model_dir, run, 3), *extra], processes=3, env={"ODRL_TEST_SLOW_S": slow_s}
     )
     ex = summary["execution"]
     buffer = ex["buffer"]
@@ -263,16 +303,26 @@ def test_a_sharded_trainer_pool_trains_from_the_buffer_and_syncs_whole_adapters(
     assert buffer["trained"] == 3 * 2 * 2 == summary["samples"]["trained"]
     waiting = buffer["in_training"] + buffer.get("waiting", 0)
     assert buffer["generated"] == buffer["trained"] + sum(buffer["dropped"].values()) + waiting
-    rows = step_records(run)
+    rows, reference = step_records(run), step_records(unsharded_separate)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["loss/total"] == r["loss/total"] for r in rows)  # finite, not NaN
-    if mode == "hybrid":
+    if mode == "separate":
+        # One run in six measured here (the first, inside the whole module's run) drifted from step 2
+        # on (loss/negative 3.9e-4 apart, color_match's reward too: the rollout's step-2 groups
+        # differed), while 2 unsharded trainers matched 1 in every run: a race, to be found; this
+        # comparison is what catches it.
+        assert buffer["staleness_histogram"] == {"0": 12}, "the deterministic schedule trains fresh groups"
+        _assert_same_run(unsharded_separate, run, SEPARATE_TOLERANCE)
+    else:
+        _assert_logged_within(reference[:1], rows[:1], TOLERANCE[0])  # measured: 4.8e-7
+        assert all(math.isfinite(r["loss/total"]) for r in rows)
         assert ex["hybrid"]["lends"] > 0, "one slow rollout process cannot keep up with training"
         assert ex["hybrid"]["lent_groups"] == 2 * ex["hybrid"]["lends"], "both sharded trainers generate"
 
 
 def test_the_sharding_bench_pairs_both_layouts_by_round(model_dir: Path, tmp_path: Path) -> None:
     from omni_diffusion_rl.benchmarks.sharding import run_sharding_bench
+
+    from .test_bench import paired_verdicts
 
     small = [f"model.pretrained={model_dir}", "data.prompts_per_step=2", "data.group_size=2"]
     small += ["sampling.num_steps=3", "model.lora_rank=4"]
@@ -284,4 +334,9 @@ def test_the_sharding_bench_pairs_both_layouts_by_round(model_dir: Path, tmp_pat
     assert output.with_suffix(".png").stat().st_size > 0
     for layout in ("sharded", "unsharded"):
         assert len(result["rounds"][layout]) == 1 and result["rounds"][layout][0]["train_s"] > 0
-    assert result["sharded_vs_unsharded"]["s_per_prompt"]["verdict"] in ("faster", "slower", "within noise")
+    rounds = zip(result["rounds"]["sharded"], result["rounds"]["unsharded"], strict=True)
+    pairs = [(sharded, unsharded) for sharded, unsharded in rounds]
+    for key, compared in result["sharded_vs_unsharded"].items():  # the verdict from the rounds' own figures
+        ratios = [sharded[key] / unsharded[key] - 1 for sharded, unsharded in pairs]
+        assert compared["each_round"] == pytest.approx(ratios, abs=5e-5), key  # kept to 4 digits
+        assert {compared["verdict"]} == paired_verdicts(ratios), (key, compared)
