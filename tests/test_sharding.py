@@ -250,13 +250,17 @@ def test_sharded_pieces_on_two_processes_equal_the_whole_model(model_dir: Path, 
         assert got["sharded"], "every parameter of the transformer is a shard"
         assert got["base_bytes"] == pytest.approx(got["whole_base_bytes"] / 2, rel=0.1)
         assert got["same_adapter"], "loading whole tensors into shards and gathering them back is exact"
-        assert got["velocity_gap"] < 1e-6
-        assert got["norms"][0] == pytest.approx(got["norms"][1], rel=1e-5), "the norm over every shard"
-        assert got["moved"] and got["step_gap"] < 1e-6, "a sharded AdamW step is the whole model's"
+        # measured bit for bit (velocity, AdamW step, teacher): every process runs the whole model's
+        # ops on the gathered weights, and an optimizer step is elementwise. The gradient norm, summed
+        # over the shards in another order, was equal here too; 7e-7 is 10x the 6.3e-8 it differed by
+        # in training (tests/test_multinode.py)
+        assert got["velocity_gap"] == 0.0
+        assert got["norms"][0] == pytest.approx(got["norms"][1], rel=7e-7, abs=0), "the norm over every shard"
+        assert got["moved"] and got["step_gap"] == 0.0, "a sharded AdamW step is the whole model's"
         assert got["moments_whole"] and got["moments_split"], "saved whole, loaded as shards"
         assert got["resumed_alike"], "the reloaded optimizer steps as the original does"
         assert got["teacher_whole"] == [], "the teacher's weights are split, after a forward too"
-        assert got["teacher_gap"] < 1e-5
+        assert got["teacher_gap"] == 0.0
 
 
 def test_a_failed_sample_that_holds_nan_weighs_zero_without_turning_the_gradient_nan(
