@@ -463,11 +463,14 @@ def test_flow_grpo_runs_in_the_async_modes_with_two_processes(
     model_dir: Path, tmp_path: Path, mode: str
 ) -> None:
     """The behaviour log-probabilities travel with each group through the buffer; a group made with
-    older weights is trained against its own (the gap is reported)."""
+    older weights is trained against its own (the gap is reported). separate syncs the weights after
+    steps 2 and 4 only, so which steps train groups one version old is fixed, not timed: 2 and 4."""
     from .test_separate import _launch
 
     run = tmp_path / "run"
     args = [*fast_overrides(model_dir, run, 4), "algorithm.name=flow_grpo", f"execution.mode={mode}"]
+    if mode == "separate":  # the rollout holds version 0 for steps 1-2 and version 2 for steps 3-4
+        args += ["execution.sync_every=2", "execution.max_staleness=1", "execution.on_stale=wait"]
     proc = _launch([*args, "execution.data_timeout_s=60"], 29633 if mode == "separate" else 29634)
     assert proc.returncode == 0, proc.stderr[-4000:]
     buf = last_json_line(proc.stdout)["execution"]["buffer"]
@@ -476,7 +479,10 @@ def test_flow_grpo_runs_in_the_async_modes_with_two_processes(
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["grpo/logp_gap"]) and math.isfinite(r["loss/total"]) for r in rows)
     if mode == "separate":  # groups one version old are trained against the weights that made them
-        assert max(r["grpo/logp_gap"] for r in rows) > 0
+        assert buf["staleness_histogram"] == {"0": 8, "1": 8}, buf["staleness_histogram"]
+        fresh, stale = ([r["grpo/logp_gap"] for r in rows if r["step"] % 2 == k] for k in (1, 0))
+        # a group of the trainer's own version is recomputed with the weights that made it (0 here)
+        assert max(fresh) < min(stale), {r["step"]: r["grpo/logp_gap"] for r in rows}
 
 
 def test_eval_every_also_evaluates_the_last_step_when_start_and_end_are_off(

@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -377,22 +379,91 @@ def test_a_machine_that_never_joins_ends_the_other_with_a_sentence_and_leaves_no
         assert not (runs[rank] / "metrics.jsonl").exists()
 
 
+class _Relay:
+    """A port of its own whose connections wait until `forward()`, then are relayed to 127.0.0.1:
+    `target` (a hop between machines, as a NAT makes); `reached` is set as the first one arrives."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.reached, self._go = target, threading.Event(), threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def forward(self) -> None:
+        self._go.set()
+
+    def close(self) -> None:
+        self._go.set()
+        for sock in self._sockets:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            self._sockets.append(conn)
+            self.reached.set()
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        self._go.wait(SAFETY_TIMEOUT_S)
+        deadline = time.monotonic() + SAFETY_TIMEOUT_S
+        while True:  # until machine 0's store listens
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    conn.close()
+                    return
+                time.sleep(0.05)
+        upstream.settimeout(None)
+        self._sockets.append(upstream)
+        for source, sink in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
 @pytest.mark.slow  # starts launchers and training processes
 def test_a_process_that_dies_before_the_run_begins_stops_the_other_machine(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """The machines joined, but machine 1's process stops at once (its run folder is a file): machine 0's
     process is told within --join-timeout instead of waiting in init_process_group (30 min). Machine
-    0's join timeout (its rendezvous too) is short; machine 1's is long, so that machine 1 joins
-    however slowly it starts."""
-    port = free_port()
-    blocked = tmp_path / "a_file"
+    0's join timeout (its rendezvous too) is short, so machine 0 starts only once machine 1 is
+    waiting for it: machine 1 reaches machine 0 through a relay, which holds machine 1's connection
+    until machine 0 is started. Machine 1's join timeout is long, so it joins however slowly it starts."""
+    port, blocked = free_port(), tmp_path / "a_file"
     blocked.write_text("not a folder")
     args = fast_overrides(model_dir, tmp_path / "run", 2)
-    first, second = _run_machines(
-        _machine(0, port, args, join_timeout_s=20),
-        _machine(1, port, [*args, f"train.output_dir={blocked}"]),
-    )
+    relay = _Relay(port)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            machine_1 = _machine(1, relay.port, [*args, f"train.output_dir={blocked}"])
+            late = pool.submit(run_process_tree, machine_1, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO)
+            reached = relay.reached.wait(SAFETY_TIMEOUT_S)
+            machine_0 = _machine(0, port, args, join_timeout_s=20)
+            early = pool.submit(run_process_tree, machine_0, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO)
+            relay.forward()
+            first, second = early.result(), late.result()
+    finally:
+        relay.close()
+    assert reached, "machine 1 never tried to reach machine 0"
     assert second.returncode == 2 and f"train.output_dir={blocked} is a file" in second.stderr, second.stderr
     assert first.returncode == 2, first.stderr[-3000:]
     expected = "odrl: LaunchError: process(es) 1 of 2 did not start within 20 s (--join-timeout)"

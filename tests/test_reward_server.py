@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,13 +32,35 @@ from rewards.imagebind import imagebind_available
 
 from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
 
+pytestmark = pytest.mark.slow  # every test here starts a reward server or training process
 needs_imagebind = pytest.mark.skipif(
     not imagebind_available() and not os.environ.get("ODRL_REQUIRE_IMAGEBIND"),
     reason="imagebind-unofficial is not installed (see rewards/imagebind.py)",
 )
 TINY = ["color_match", "pitch_match", "timing_match", "av_sync"]
-TESTS = ["test_prompt_length", "test_slow", "test_fails_on_bad"]
+TESTS = ["test_prompt_length", "test_fails_on_bad"]
 PLUGIN = ("--plugin", "tests.plugin_rewards")
+HANG_S = 60.0  # only stops a hang: no verdict depends on how fast anything is
+GATED = """
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from omni_diffusion_rl.registry import rewards
+
+
+@rewards.register("test_gated", overwrite=True)
+class Gated:
+    \"\"\"Answers 1.0 once every prompt's gate (a file of that name in ODRL_TEST_GATES) is open.\"\"\"
+
+    def score(self, media, prompts):
+        gates = Path(os.environ["ODRL_TEST_GATES"])
+        while not all((gates / p).exists() for p in prompts):
+            time.sleep(0.01)
+        return torch.ones(len(prompts))
+"""
 
 
 def _server(*args: str, env: dict[str, str] | None = None, names: list[str] | None = None) -> ServerProcess:
@@ -45,9 +68,19 @@ def _server(*args: str, env: dict[str, str] | None = None, names: list[str] | No
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerProcess:
+def gates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of test_gated's gates: a request for prompt P is answered once the file P exists."""
+    return tmp_path_factory.mktemp("gates")
+
+
+@pytest.fixture(scope="module")
+def server(gates: Path) -> ServerProcess:
     # 256 KiB requests at most: tiny-world batches must be cut into several requests by the client.
-    with _server("--max-request-mb", "0.25", "--max-wait-ms", "50", env={"ODRL_TEST_SLOW_S": "2"}) as srv:
+    plugin = gates.parent / "gated_reward.py"
+    plugin.write_text(GATED)
+    args = ("--max-request-mb", "0.25", "--max-wait-ms", "50", "--plugin", str(plugin))
+    names = [*TINY, *TESTS, "test_gated"]
+    with _server(*args, env={"ODRL_TEST_GATES": str(gates)}, names=names) as srv:
         yield srv
 
 
@@ -256,22 +289,50 @@ def test_binding_beyond_loopback_without_a_token_is_refused() -> None:
 # Timeouts and a server that dies
 
 
-def test_a_slow_server_hits_the_timeout_and_the_error_says_so(server: ServerProcess) -> None:
-    client = RemoteReward(server.url, "test_slow", timeout_s=0.4, retries=1, backoff_s=0.1)
-    start = time.monotonic()
-    with pytest.raises(RewardServerError, match=r"failed 2 times.*no answer within timeout_s=0.4"):
-        client.score(MediaBatch(audio=torch.zeros(1, 1, 8)), ["a"])
-    assert time.monotonic() - start < 2.0, "the client must not wait for the slow server"
-    # The retry queued behind the first (slow) call; its client left, so the server must skip it.
-    deadline = time.monotonic() + 10
-    stats = client.info()["stats"]["test_slow"]
-    while time.monotonic() < deadline and stats["model_calls"] + stats["failed_requests"] < 1:
-        time.sleep(0.1)
-        stats = client.info()["stats"]["test_slow"]
-    time.sleep(2.5)  # past the first call's 2 s sleep: the abandoned retry would have started by now
-    stats = client.info()["stats"]["test_slow"]
-    assert stats["requests"] == 2 and stats["model_calls"] == 1, stats
+def _info_when(client: RemoteReward, done: Callable[[dict], bool], what: str) -> dict:
+    """The server's /info once `done(info)` holds; a test failure naming `what` if it never does."""
+    deadline = time.monotonic() + HANG_S
+    info = client.info()
+    while not done(info):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: still not so after {HANG_S:g} s; /info says {info}")
+        time.sleep(0.05)
+        info = client.info()
+    return info
+
+
+def test_a_slow_server_hits_the_timeout_and_the_error_says_so(server: ServerProcess, gates: Path) -> None:
+    """The server cannot answer prompt 'held' until this test opens its gate, so the client's two
+    attempts both time out while the server's model call is provably still running; the retry,
+    queued behind that call and abandoned by its client, is then skipped by the server."""
+    held, audio = gates / "held", MediaBatch(audio=torch.zeros(1, 1, 8))
+    client = RemoteReward(server.url, "test_gated", timeout_s=2.0, retries=1, backoff_s=0.1)
+    before = client.info()["stats"]["test_gated"]
+    opener = threading.Timer(HANG_S, held.touch)  # a client that waits for the answer gets it then
+    opener.start()
+    try:
+        with pytest.raises(RewardServerError, match=r"failed 2 times.*no answer within timeout_s=2 s"):
+            client.score(audio, ["held"])
+        assert not held.exists(), "the client waited for the slow server's answer"
+        # Both of the client's requests reached the server and were dropped by it once the client left:
+        # nothing is in flight, one model call (the first request's) is running, the retry is queued.
+        info = _info_when(client, lambda i: i["in_flight"] == 0, "the server still holds the left requests")
+        stats = info["stats"]["test_gated"]
+        moved = {k: stats[k] - before[k] for k in ("requests", "model_calls")}
+        assert moved == {"requests": 2, "model_calls": 1}, stats
+    finally:
+        opener.cancel()
+        held.touch()  # the first call ends; the abandoned retry comes up next in the queue
+    (gates / "open").touch()
+    fresh = RemoteReward(server.url, "test_gated")
+    assert fresh.score(audio, ["open"]).scores.tolist() == [1.0]  # after the retry, which queued first
+    after = fresh.info()["stats"]["test_gated"]
+    fresh.close()
     client.close()
+    moved = {k: after[k] - before[k] for k in ("requests", "model_calls", "samples")}
+    assert moved == {"requests": 3, "model_calls": 2, "samples": 2}, (
+        f"the abandoned retry must be skipped, not scored: {moved}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +366,6 @@ def _kill_after_first_step(srv: ServerProcess, run: Path, restart_after_s: float
     return thread
 
 
-@pytest.mark.slow  # starts training or launcher processes
 def test_a_run_survives_its_reward_server_being_killed_and_restarted(model_dir: Path, tmp_path: Path) -> None:
     reference = tmp_path / "in_process"
     _served_run(model_dir, reference, "", 4)
@@ -330,18 +390,19 @@ def test_a_run_survives_its_reward_server_being_killed_and_restarted(model_dir: 
 def test_a_run_whose_reward_server_stays_down_stops_with_a_clear_error(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    with _server(names=TINY) as srv:
+    """The server crashes (exits 17) in its second call of test_dies_after, which is step 2's scoring
+    (one call a step): the run stops there, in that step, after the one retry it was allowed."""
+    names = [*TINY, "test_dies_after"]
+    weights = "reward.weights={" + ", ".join(f"{n}: 1.0" for n in names) + "}"
+    with _server(names=names, env={"ODRL_TEST_DIE_AFTER": "2"}) as srv:
         run = tmp_path / "served"
-        watcher = _kill_after_first_step(srv, run, restart_after_s=None)
-        start = time.monotonic()
         with pytest.raises(RewardServerError, match=r"failed 2 times.*Is `odrl serve-reward .*` running"):
-            _served_run(model_dir, run, srv.url, 50, "reward.request_retries=1")
-        assert time.monotonic() - start < 60
-        watcher.join(timeout=10)
+            _served_run(model_dir, run, srv.url, 50, "reward.request_retries=1", weights)
+        assert srv.proc is not None and srv.proc.wait(timeout=HANG_S) == 17, "the server died in its call"
+    assert [r["step"] for r in step_records(run)] == [1], "stopped in step 2, the first without a server"
     assert not (run / "checkpoints" / "step_0000050").exists()
 
 
-@pytest.mark.slow  # starts training or launcher processes
 def test_two_processes_with_a_process_left_without_samples_match_one(model_dir: Path, tmp_path: Path) -> None:
     """One prompt group per process, one group unscorable: that process trains nothing, joins the
     gradient average with weight 0, and the run equals a single process's."""

@@ -40,6 +40,33 @@ class NaNTeacher(FlowPolicyTeacher):
     def velocity(self, x_t, t, prompts):
         return super().velocity(x_t, t, prompts) * float("nan")
 """
+HANG_S = 60.0  # only stops a hang: no verdict depends on how fast anything is
+# Teachers whose servers the test controls through files named in their environment: one answers
+# only once its gate (a file) exists, the other ends its process (as a crash would) once its file does.
+CONTROLLED = """
+import os
+import time
+from pathlib import Path
+
+from omni_diffusion_rl.registry import teachers
+from teachers.flow_policy import FlowPolicyTeacher
+
+
+@teachers.register("test_gated_teacher", overwrite=True)
+class GatedTeacher(FlowPolicyTeacher):
+    def velocity(self, x_t, t, prompts):
+        while not Path(os.environ["ODRL_TEST_TEACHER_GATE"]).exists():
+            time.sleep(0.01)
+        return super().velocity(x_t, t, prompts)
+
+
+@teachers.register("test_dying_teacher", overwrite=True)
+class DyingTeacher(FlowPolicyTeacher):
+    def velocity(self, x_t, t, prompts):
+        if Path(os.environ["ODRL_TEST_TEACHER_DIES_ONCE"]).exists():
+            os._exit(17)
+        return super().velocity(x_t, t, prompts)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +76,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def teacher_servers(
-    model_dir: Path, count: int, *extra: str, name: str = "policy"
+    model_dir: Path, count: int, *extra: str, name: str = "policy", env: dict[str, str] | None = None
 ) -> Iterator[list[ServerProcess]]:
     options = json.dumps({"pretrained": str(model_dir)})
-    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    env = {**ENV, "OMP_NUM_THREADS": "1", **(env or {})}
     with ExitStack() as stack:
         servers = [
             stack.enter_context(
@@ -183,18 +210,51 @@ def test_a_replica_that_comes_back_rejoins(model_dir: Path) -> None:
         remote.close()
 
 
-def test_a_slow_replica_gets_fewer_requests(model_dir: Path) -> None:
+def _controlled_plugin(tmp_path: Path) -> tuple[str, str]:
+    plugin = tmp_path / "controlled_teachers.py"
+    plugin.write_text(CONTROLLED)
+    return "--plugin", str(plugin)
+
+
+def test_a_slow_replica_gets_fewer_requests(model_dir: Path, tmp_path: Path) -> None:
+    """The slow replica answers nothing until the fast one has answered every request the client
+    did not leave with the slow one: the slow one holds its window's worth (2 of the 16 requests),
+    the fast one answers the other 14, and only then does the slow one answer."""
+    held, open_gate = tmp_path / "held", tmp_path / "open"
+    open_gate.touch()
+    plugin, name, requests = _controlled_plugin(tmp_path), "test_gated_teacher", 16
+    gates = [{"ODRL_TEST_TEACHER_GATE": str(gate)} for gate in (held, open_gate)]
     with (
-        teacher_servers(model_dir, 1) as (fast,),
-        teacher_servers(model_dir, 1, "--service-ms", "600") as (slow,),  # well above a loaded request
+        teacher_servers(model_dir, 1, *plugin, name=name, env=gates[0]) as (slow,),
+        teacher_servers(model_dir, 1, *plugin, name=name, env=gates[1]) as (fast,),
     ):
-        remote = RemoteTeacher([slow.url, fast.url], request_samples=2)
-        x, t, prompts = _states(32)
-        for _ in range(3):
-            remote.velocity(x, t, prompts)
-        stats = remote.stats()
-        assert stats["teacher/replica0/samples"] < 0.5 * stats["teacher/replica1/samples"], stats
+        remote = RemoteTeacher([slow.url, fast.url], name=name, request_samples=2)
+        at_slow = remote.pool.replicas[0]
+        opened: list[bool] = []
+
+        def open_once_the_fast_one_is_done() -> None:
+            deadline = time.monotonic() + HANG_S
+            while remote.stats()["teacher/replica1/requests"] + at_slow.in_flight < requests:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            else:
+                opened.append(True)
+            held.touch()
+
+        opener = threading.Thread(target=open_once_the_fast_one_is_done)
+        opener.start()
+        try:
+            x, t, prompts = _states(2 * requests)
+            assert remote.velocity(x, t, prompts).shape == x.shape
+        finally:
+            held.touch()
+            opener.join(timeout=HANG_S)
+        stats, window = remote.stats(), remote.pool.window
         remote.close()
+    assert opened == [True], f"the fast replica never answered all but the slow one's requests: {stats}"
+    answered = (stats["teacher/replica0/requests"], stats["teacher/replica1/requests"])
+    assert answered == (window, requests - window), stats
 
 
 def test_requests_waiting_for_a_slot_sleep_until_one_frees(
@@ -302,22 +362,26 @@ def test_a_run_with_two_replicas_survives_one_killed_and_matches_the_teacher_in_
 def test_all_replicas_down_stops_the_run_with_a_clear_error_and_keeps_its_checkpoint(
     model_dir: Path, tmp_path: Path
 ) -> None:
+    """The teacher's server crashes (exits 17) at its first call once step 2's checkpoint exists, so in
+    step 3: the run stops there with the error, and step 2's checkpoint is its latest."""
     from omni_diffusion_rl.config import load_config
     from omni_diffusion_rl.trainers.trainer import Trainer
 
-    run = tmp_path / "run"
-    with teacher_servers(model_dir, 1) as (server,):
+    from .helpers import step_records
+
+    run, name, plugin = tmp_path / "run", "test_dying_teacher", _controlled_plugin(tmp_path)
+    env = {"ODRL_TEST_TEACHER_DIES_ONCE": str(run / "checkpoints" / "step_0000002")}
+    with teacher_servers(model_dir, 1, *plugin, name=name, env=env) as (server,):
         overrides = _distill_run(
             model_dir, model_dir, run, 50, [server.url], "train.checkpoint_every=1", "teacher.timeout_s=5"
         )
-        watcher = _kill_after_step(server, run, 2)
-        started = time.monotonic()
-        with pytest.raises(TeacherUnavailable, match="no teacher replica of 'policy' is left"):
+        overrides += [f"teacher.name={name}", f"reward.plugins=[{plugin[1]}]"]  # the name is known here too
+        with pytest.raises(TeacherUnavailable, match=f"no teacher replica of '{name}' is left"):
             Trainer(load_config(None, overrides)).fit()
-        assert time.monotonic() - started < 60
-        watcher.join(timeout=10)
+        assert server.proc is not None and server.proc.wait(timeout=HANG_S) == 17, "it died in a call"
+    assert [r["step"] for r in step_records(run)] == [1, 2], "stopped in step 3, the first without a teacher"
     latest = (run / "checkpoints" / "latest").read_text().strip()
-    assert latest.startswith("step_") and (run / "checkpoints" / latest / "tensors.safetensors").is_file()
+    assert latest == "step_0000002" and (run / "checkpoints" / latest / "tensors.safetensors").is_file()
 
 
 FLAKY = """
