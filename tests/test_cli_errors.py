@@ -12,7 +12,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,13 +64,13 @@ def test_an_alias_bomb_is_refused_at_once_in_a_file_and_in_overrides(
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(_bomb())
     assert len(bomb.read_bytes()) < 500  # 9^9 = 387 million values
-    started = time.monotonic()
+    # Refused, not expanded: expanding the bomb would hold hundreds of millions of values (the
+    # process runs out of memory) long before any message.
     err = _refused(capsys, "train", str(bomb), "--check")
     assert f"odrl: ConfigError: config file {bomb}, line 4: {ALIAS}" in err
     for section in ("algorithm", "reward"):
         err = _refused(capsys, "train", f"{section}.options={{a: &a [1, 1], b: [*a, *a]}}", "--check")
         assert f"odrl: ConfigError: override '{section}.options=" in err and ALIAS in err
-    assert time.monotonic() - started < 10
 
 
 def test_duplicate_keys_are_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

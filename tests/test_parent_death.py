@@ -37,6 +37,18 @@ if "ignore-term" in sys.argv:
 open(sys.argv[1], "w").write(f"{os.getpid()} {armed}")
 time.sleep(60)
 """
+# A worker started without a launcher's variables (argv: pid file, go file): once told to go, it writes
+# its parent then and now beside its pid file, and ends.
+PLAIN_WORKER = """
+import os, sys, time
+from omni_diffusion_rl.runtime.lifeline import exit_with_parent
+armed = exit_with_parent(poll_s=0.2)
+parent = os.getppid()
+open(sys.argv[1], "w").write(f"{os.getpid()} {armed}")
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+open(sys.argv[1] + ".survived", "w").write(f"{parent} {os.getppid()}")
+"""
 # A worker whose launcher dies before it arms the lifeline (argv: pid file, go file).
 LATE_WORKER = """
 import os, sys, time
@@ -167,12 +179,25 @@ def test_the_watchdog_exits_a_launched_process_that_ignores_sigterm(tmp_path: Pa
 
 
 def test_a_process_not_started_by_a_launcher_outlives_its_parent(tmp_path: Path) -> None:
-    """`nohup odrl train &` from a shell must survive the shell."""
-    pid, _ = _worker_under_killed_launcher(tmp_path, PLAIN_ENV)
+    """`nohup odrl train &` from a shell must survive the shell: told to go only once its launcher is
+    dead and reaped (a lifeline's death signal is sent as the launcher exits), the worker writes that
+    it survived, with its parent changed. The 30 s only stops a hang."""
+    pid_file, go = tmp_path / "worker.pid", tmp_path / "go"
+    worker = [sys.executable, "-c", PLAIN_WORKER, str(pid_file), str(go)]
+    with _session([sys.executable, "-c", LAUNCHER, *worker], PLAIN_ENV) as launcher:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30) is not None
+        pid_text, armed = pid_file.read_text().split()
+        assert armed == "False"
+        launcher.kill()
+        launcher.wait(timeout=10)
+    survived = Path(f"{pid_file}.survived")
     try:
-        assert _wait_for(lambda: _gone(pid), 2.5) is None, "a plain process died with its parent"
+        go.touch()
+        assert _wait_for(survived.exists, 30) is not None, "a plain process died with its parent"
+        parents = survived.read_text().split()
+        assert parents[0] != parents[1], parents  # reparented: its launcher was gone when it wrote
     finally:
-        _kill(pid)
+        _kill(int(pid_text))
 
 
 def test_a_launched_process_whose_launcher_died_before_it_armed_exits(tmp_path: Path) -> None:
