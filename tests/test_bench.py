@@ -24,14 +24,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def paired_verdicts(ratios: list[float], at_most: float | None = None, rounding: float = 0.0) -> set[str]:
+def paired_verdicts(
+    ratios: list[float], at_most: float | None = None, rounding: float = 0.0, two_sided: bool = False
+) -> set[str]:
     """The verdicts the benches' rule for a paired comparison (benchmarks/common.py: compare_paired)
     gives for ratios a_i / b_i - 1, each known to +-`rounding` (one verdict when exact). Without
     `at_most`: faster when every round is below 0, slower when every round is above, else within
-    noise; with it: met when every round is at most `at_most`, missed when every round is above."""
+    noise; with it: met when every round is at most `at_most` (in size, when `two_sided`), missed
+    when every round is above."""
     found = set()
-    for low in (min(ratios) - rounding, min(ratios) + rounding):
-        for high in (max(ratios) - rounding, max(ratios) + rounding):
+    gaps = [abs(r) for r in ratios] if two_sided else ratios
+    for low in (min(gaps) - rounding, min(gaps) + rounding):
+        for high in (max(gaps) - rounding, max(gaps) + rounding):
             if low > high:
                 continue
             if at_most is None:
@@ -39,6 +43,17 @@ def paired_verdicts(ratios: list[float], at_most: float | None = None, rounding:
             else:
                 found.add("met" if high <= at_most else "missed" if low > at_most else "within noise")
     return found
+
+
+def test_a_prediction_far_too_low_misses_its_target() -> None:
+    """A prediction is held to its target either way: 63% too low is no more "met" than 63% too high."""
+    from omni_diffusion_rl.benchmarks.common import compare_paired
+
+    for predicted in (0.37, 1.63):
+        compared = compare_paired([predicted] * 2, [1.0, 1.0], at_most=0.15, two_sided=True)
+        assert compared["verdict"] == "missed", compared
+        assert compared["verdict"] in paired_verdicts(compared["each_round"], 0.15, two_sided=True)
+    assert compare_paired([0.9, 1.1], [1.0, 1.0], at_most=0.15, two_sided=True)["verdict"] == "met"
 
 
 def _check_paired(compared: dict, a: list[float], b: list[float], at_most: float | None = None) -> None:
@@ -49,7 +64,9 @@ def _check_paired(compared: dict, a: list[float], b: list[float], at_most: float
         bound = 5e-5 * (1 + x / y) / y + 5e-5 + 1e-9  # from x, y and the ratio each rounded to 4 digits
         assert abs(ratio - (x / y - 1)) <= bound, (compared, x, y)
     assert compared.get("at_most") == at_most, compared
-    assert compared["verdict"] in paired_verdicts(compared["each_round"], at_most, rounding=5e-5), compared
+    two_sided = compared.get("two_sided", False)
+    verdicts = paired_verdicts(compared["each_round"], at_most, rounding=5e-5, two_sided=two_sided)
+    assert compared["verdict"] in verdicts, compared
     assert (compared["min"], compared["max"]) == (min(compared["each_round"]), max(compared["each_round"]))
 
 
@@ -138,6 +155,7 @@ def test_modes_bench_runs_every_mode_and_reports_predictions(
         _check_paired(
             row["prediction_error"][mode], [predicted] * len(each[mode]), each[mode], PREDICTION_TARGET
         )
+        assert row["prediction_error"][mode]["two_sided"], "a prediction too low must miss too"
     assert "interleaved rounds" in capsys.readouterr().out
 
 

@@ -83,17 +83,21 @@ def spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def compare_paired(a: list[float], b: list[float], at_most: float | None = None) -> dict[str, Any]:
+def compare_paired(
+    a: list[float], b: list[float], at_most: float | None = None, two_sided: bool = False
+) -> dict[str, Any]:
     """a against b, paired by round (the rounds interleave the runs, so a pair saw the same state
     of the machine): r_i = a_i / b_i - 1. Without `at_most`: "faster" or "slower" when every round
     agrees on the sign, else "within noise". With `at_most` (a claim "a is at most that fraction
-    slower than b"): "met" when every round is within it, "missed" when none is, else "within noise"."""
+    slower than b"; `two_sided`: "a is within that fraction of b either way", as a prediction):
+    "met" when every round is within it, "missed" when none is, else "within noise"."""
     ratios = [x / y - 1 for x, y in zip(a, b, strict=True)]
     low, high = min(ratios), max(ratios)
     if at_most is None:
         verdict = "faster" if high < 0 else "slower" if low > 0 else "within noise"
     else:
-        verdict = "met" if high <= at_most else "missed" if low > at_most else "within noise"
+        gaps = [abs(r) for r in ratios] if two_sided else ratios
+        verdict = "met" if max(gaps) <= at_most else "missed" if min(gaps) > at_most else "within noise"
     out: dict[str, Any] = {
         "median": round(median(ratios), 4),
         "min": round(low, 4),
@@ -103,6 +107,8 @@ def compare_paired(a: list[float], b: list[float], at_most: float | None = None)
     }
     if at_most is not None:
         out["at_most"] = at_most
+        if two_sided:
+            out["two_sided"] = True
     return out
 
 

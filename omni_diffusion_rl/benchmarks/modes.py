@@ -101,7 +101,9 @@ def _setting_row(setting_overrides: list[str], runs: dict[str, list[dict[str, An
         "whole_loop_s_per_prompt": {m: spread(whole[m]) for m in RUN_MODES},
         "predicted_s_per_prompt": predicted,
         "prediction_error": {  # against each round's real figure: the error's own spread
-            m: compare_paired([predicted[m]] * len(real[m]), real[m], at_most=PREDICTION_TARGET)
+            m: compare_paired(
+                [predicted[m]] * len(real[m]), real[m], at_most=PREDICTION_TARGET, two_sided=True
+            )
             for m in MODES
         },
         "fastest_fixed_mode": best,
