@@ -23,15 +23,21 @@ demo: setup
 	# The demo owns runs/tiny_t2av_nft: running it again starts over there (ARGS: more overrides).
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_t2av_nft.yaml train.overwrite=true $(ARGS)
 
+# The suite on two workers (pytest-xdist, one per core): a test file stays on one worker, so its
+# module fixtures are made once. A test still running after 20 minutes hangs (the longest takes
+# about 6): pytest-timeout stops it. An older .venv gets both plug-ins here.
+XDIST := -n 2 --dist loadfile --timeout 1200
 test: setup
+	$(BIN)/python -c "import xdist, pytest_timeout" 2>/dev/null || $(BIN)/pip install -q -e ".[test,imagebind]"
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q --durations=40
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline ODRL_REQUIRE_IMAGEBIND=1 $(BIN)/python -m pytest -q $(XDIST) --durations=40
 
-# The inner loop: everything but the tests that start training, launcher or benchmark processes
-# (about 110 s on 2 cores).
+# The inner loop: the in-process tests of a few training steps; a test that starts a process or
+# trains longer is marked slow, and tests/conftest.py fails one that is not.
 test-fast: setup
+	$(BIN)/python -c "import xdist, pytest_timeout" 2>/dev/null || $(BIN)/pip install -q -e ".[test,imagebind]"
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q $(XDIST) -m "not slow"
 
 bench: setup
 	$(BIN)/odrl bench nft-step --output runs/bench/nft_step.json

@@ -18,9 +18,13 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from omni_diffusion_rl.runtime.threads import thread_share
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("WANDB_SILENT", "true")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # each xdist worker takes its share of the cores
+    torch.set_num_threads(thread_share(int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 FAST_TIER_OPTIMIZER_STEPS = 8  # a handful: a few training steps of one run
 
