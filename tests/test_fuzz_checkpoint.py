@@ -400,6 +400,7 @@ def test_fuzzed_manifest_loads_or_is_refused(
             assert got is None or got[2]["step"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "breakers"), _cases(MODEL_TARGETS))
 @FUZZ
 @given(data=st.data())
@@ -424,6 +425,7 @@ def test_fuzzed_model_section_loads_or_is_refused(
         resumes_or_refuses(trainer, folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "breakers"), _cases(RESUME_TARGETS))
 @FUZZ
 @given(data=st.data())
@@ -440,6 +442,7 @@ def test_fuzzed_resume_fields_load_or_are_refused(
         resumes_or_refuses(trainer, folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "breakers"), _cases(TRAINING_TARGETS))
 @FUZZ
 @given(data=st.data())
@@ -460,6 +463,7 @@ def test_fuzzed_training_state_loads_or_is_refused(
         resumes_or_refuses(trainer, folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tensors.safetensors", "training_state.safetensors"])
 @pytest.mark.parametrize("op", SAFETENSORS_OPS)
 @FUZZ
