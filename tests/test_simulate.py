@@ -132,6 +132,7 @@ def test_regression_pin_of_the_seed_preset_on_the_four_figures_it_was_fitted_to(
     assert no_margin["long"]["auto_picks"] == "separate"
 
 
+@pytest.mark.slow
 def test_simulate_cli_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     done = subprocess.run(
@@ -159,6 +160,7 @@ def test_simulate_cli_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "Expected JSON with 'costs'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_measured_costs_feed_the_simulator(tmp_path: Path) -> None:
     """Measured costs are what the simulator takes (their sizes are timings: no verdict on them
     beyond being real, since a loaded machine may time 6 sampling steps as fast as 2)."""
