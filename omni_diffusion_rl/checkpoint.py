@@ -226,7 +226,9 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON
 
 # ------------------------------------------------------------------------------------ files
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the one that `path/latest` names."""
+    """A checkpoint directory, or the one that `path/latest` names; a run's checkpoints/ without a
+    `latest` (a run killed between its first checkpoint's rename and the pointer's write) gives its
+    newest complete step folder."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -235,6 +237,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
             f"checkpoint {path} is a file; give a checkpoint folder or a run's checkpoints/"
         )
     latest = _latest_name(path)
+    if latest is None and not (path / MANIFEST).is_file():
+        complete = [d.name for d in path.iterdir() if STEP_DIR.fullmatch(d.name) and (d / MANIFEST).is_file()]
+        latest = max(complete, default=None)
     if latest is not None:
         path = path / latest
     if not (path / MANIFEST).is_file():

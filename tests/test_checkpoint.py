@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,23 @@ def test_latest_pointer(tmp_path: Path) -> None:
     # An explicit older checkpoint is still loadable.
     assert load_checkpoint(root / "step_0000001")[2]["step"] == 1
     assert not list(root.glob(".tmp*")) and not list(root.glob(".latest*"))
+
+
+def test_a_run_killed_before_its_first_latest_pointer_resumes_from_its_newest_complete_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Killed between a checkpoint's rename and the pointer's write: no `latest`, a complete step."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save_checkpoint(root, step, *_payload(step))
+    (root / "latest").unlink()
+    (root / "step_0000003").mkdir()  # a folder without its manifest is not a checkpoint
+    assert resolve_checkpoint(root) == root / "step_0000002"
+    assert load_checkpoint(root)[2]["step"] == 2
+    for step in ("step_0000001", "step_0000002"):
+        shutil.rmtree(root / step)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        resolve_checkpoint(root)
 
 
 def test_keep_last_prunes_older_checkpoints(tmp_path: Path) -> None:
