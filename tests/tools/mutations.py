@@ -320,6 +320,91 @@ MUTATIONS: tuple[Mutation, ...] = (
         (STATES_MUTATED, STATES_BUILT),
         "the max-batch check in check_states_header removed (MAX_BATCH + 1 states are accepted)",
     ),
+    # The plants of issue 41's weak tests: each test was rewritten to fail on its edit.
+    Mutation(
+        "gspo-no-log-ratio-cap",
+        "omni_diffusion_rl/algorithms/gspo.py",
+        "torch.exp(log_w.clamp(max=20.0))",
+        "torch.exp(log_w)",
+        ("tests/test_gspo.py::test_a_sequence_log_ratio_above_20_is_capped_at_20_for_either_sign",),
+        "GSPO's cap on the sequence log-ratio removed (a log-ratio of 100 gives inf)",
+    ),
+    Mutation(
+        "flow-matching-target-flipped",
+        "omni_diffusion_rl/algorithms/nft.py",
+        "    return _batch_mean(_per_sample_mean((v_pred - (noise - x0)) ** 2), sample_weight)",
+        "    return _batch_mean(_per_sample_mean((v_pred - (x0 - noise)) ** 2), sample_weight)",
+        (
+            "tests/test_algorithms.py::test_flow_matching_loss_matches_hand_computation",
+            "tests/test_algorithms.py::test_flow_matching_loss_is_zero_at_the_velocity_of_the_noising_path",
+            "tests/test_sampling.py::test_the_flow_matching_loss_is_least_at_the_exact_gaussian_velocity",
+        ),
+        "flow_matching_loss's target x0 - noise instead of noise - x0 (weighted path)",
+    ),
+    Mutation(
+        "rollout-keeps-old-adapter",
+        "omni_diffusion_rl/trainers/algorithms.py",
+        "        _lora().soft_update_old(learner.transformer, self.old_decay(step))",
+        "        pass",
+        (
+            "tests/test_qwen_omni.py::test_gspo_trains_colocated_on_the_question_file",
+            "tests/test_qwen3_omni.py::test_gspo_trains_colocated_on_the_question_file",
+        ),
+        "the rollout adapter is never updated after a step (colocated GSPO samples with stale weights)",
+    ),
+    Mutation(
+        "rollout-process-ignores-sync",
+        "omni_diffusion_rl/execution/rollout_worker.py",
+        "            self.experience.load_rollout_state(message.tensors)",
+        "            pass",
+        ("tests/test_qwen_omni.py::test_gspo_on_the_thinker_runs_in_the_async_modes",),
+        "a rollout process keeps its first weights at every sync (its version still advances)",
+    ),
+    Mutation(
+        "answers-truncation-flag-inverted",
+        "omni_diffusion_rl/experience/text_sampling.py",
+        "    return Answers(tokens[:, :width], answer_mask[:, :width], logp_out[:, :width], ~done)",
+        "    return Answers(tokens[:, :width], answer_mask[:, :width], logp_out[:, :width], done)",
+        (
+            "tests/test_qwen_omni.py::test_behaviour_log_probs_equal_the_recompute_and_the_thinkers_own_forward",
+        ),
+        "sampled answers flag the finished ones as truncated and the truncated ones as finished",
+    ),
+    Mutation(
+        "learner-skips-optimizer-step",
+        "omni_diffusion_rl/trainers/learner.py",
+        "        self.optimizer.step()",
+        "        pass",
+        ("tests/test_trainer_diffusers.py::test_nft_on_a_tiny_sd3_transformer",),
+        "the optimizer never steps (NFT on tiny SD3 would still score a reward in [0, 1])",
+    ),
+    Mutation(
+        "prediction-target-one-way",
+        "omni_diffusion_rl/benchmarks/common.py",
+        "        gaps = [abs(r) for r in ratios] if two_sided else ratios",
+        "        gaps = ratios",
+        ("tests/test_bench.py::test_a_prediction_far_too_low_misses_its_target",),
+        "a prediction held to its target one way only (63% too low is 'met')",
+    ),
+    Mutation(
+        "resume-without-latest-refused",
+        CHECKPOINT_PY,
+        "    if latest is None and not (path / MANIFEST).is_file():",
+        "    if False:",
+        (
+            "tests/test_checkpoint.py::"
+            "test_a_run_killed_before_its_first_latest_pointer_resumes_from_its_newest_complete_checkpoint",
+        ),
+        "a run's checkpoints/ without a latest pointer is refused though a complete step folder is there",
+    ),
+    Mutation(
+        "plain-process-dies-with-parent",
+        "omni_diffusion_rl/runtime/lifeline.py",
+        "    global _enabled_for\n    if not started_by_launcher():",
+        "    global _enabled_for\n    _set_death_signal(signal.SIGTERM)\n    if not started_by_launcher():",
+        ("tests/test_parent_death.py::test_a_process_not_started_by_a_launcher_outlives_its_parent",),
+        "every process gets the parent-death signal, launched or not (nohup odrl train & would die)",
+    ),
 )
 
 
