@@ -150,8 +150,13 @@ def save_checkpoint(
     return final
 
 
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """The step_XXXXXXX folders of `root` that hold a manifest (a finished save), oldest first."""
+    return sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / MANIFEST).is_file())
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    done = _complete_checkpoints(root)
     latest = _latest_name(root)
     for old in done[:-keep_last] if keep_last > 0 else []:
         if old.name != latest:
@@ -238,8 +243,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         )
     latest = _latest_name(path)
     if latest is None and not (path / MANIFEST).is_file():
-        complete = [d.name for d in path.iterdir() if STEP_DIR.fullmatch(d.name) and (d / MANIFEST).is_file()]
-        latest = max(complete, default=None)
+        complete = _complete_checkpoints(path)
+        latest = complete[-1].name if complete else None
     if latest is not None:
         path = path / latest
     if not (path / MANIFEST).is_file():
