@@ -57,7 +57,7 @@ class _TierGuard:
 GUARD = _TierGuard()
 
 
-def _guard_process_starts() -> None:
+def _install_tier_guard() -> None:
     popen_init = subprocess.Popen.__init__
     process_start = multiprocessing.process.BaseProcess.start
 
@@ -74,7 +74,7 @@ def _guard_process_starts() -> None:
     register_optimizer_step_pre_hook(lambda *_: GUARD.note_optimizer_step())
 
 
-_guard_process_starts()
+_install_tier_guard()
 
 
 @pytest.hookimpl(hookwrapper=True)
