@@ -18,12 +18,14 @@ from aiohttp import web
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.reward import run_on_background_loop
+from omni_diffusion_rl.serving import http_client
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.http_client import (
     MAX_ANSWER_BYTES,
     AnswerTooLarge,
     GaveUp,
     HttpClient,
+    backoff_delay_s,
     bearer_token,
     with_retries,
 )
@@ -148,15 +150,28 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
     return condition()
 
 
-def test_a_failing_request_is_retried_with_backoff_until_it_succeeds(server: tuple[str, Seen]) -> None:
+def test_a_failing_request_is_retried_with_backoff_until_it_succeeds(
+    server: tuple[str, Seen], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, seen = server
     seen.failures_left = 2
     client = HttpClient(None)
-    start = time.monotonic()
+    waits: list[float] = []  # the backoff before each attempt, as with_retries asked for it
+    real_backoff = http_client.backoff
+
+    async def recorded_backoff(attempt: int, backoff_s: float, max_backoff_s: float) -> None:
+        waits.append(backoff_delay_s(attempt, backoff_s, max_backoff_s))
+        await real_backoff(attempt, backoff_s, max_backoff_s)
+
+    monkeypatch.setattr(http_client, "backoff", recorded_backoff)
     answer = _run(lambda: with_retries(_flaky(client, url), 3, 0.05, 1.0, "late", retry_on=(_Busy,)))
     assert answer == {"ok": True} and seen.failures_left == 0
-    assert time.monotonic() - start >= 0.05 + 0.1  # waited 0.05 s, then 0.1 s
+    assert waits == [0.0, 0.05, 0.1], "three attempts: at once, after 0.05 s, then after 0.1 s"
     client.close()
+
+
+def test_the_backoff_doubles_from_its_first_wait_up_to_its_cap() -> None:
+    assert [backoff_delay_s(k, 0.5, 3.0) for k in range(6)] == [0.0, 0.5, 1.0, 2.0, 3.0, 3.0]
 
 
 def test_the_client_gives_up_after_the_last_retry_saying_how_the_last_attempt_failed(

@@ -137,11 +137,16 @@ class HttpClient:
         return session
 
 
+def backoff_delay_s(attempt: int, backoff_s: float, max_backoff_s: float) -> float:
+    """The wait before attempt `attempt` (0 is the first, and waits 0): backoff_s * 2^(attempt - 1),
+    at most max_backoff_s."""
+    return min(max_backoff_s, backoff_s * 2 ** (attempt - 1)) if attempt else 0.0
+
+
 async def backoff(attempt: int, backoff_s: float, max_backoff_s: float) -> None:
-    """Before attempt `attempt` >= 1 (0 is the first): wait backoff_s * 2^(attempt - 1), at most
-    max_backoff_s."""
+    """Before attempt `attempt`: wait backoff_delay_s(...)."""
     if attempt:
-        await asyncio.sleep(min(max_backoff_s, backoff_s * 2 ** (attempt - 1)))
+        await asyncio.sleep(backoff_delay_s(attempt, backoff_s, max_backoff_s))
 
 
 async def with_retries(
