@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,24 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # each xdist worker takes its s
     torch.set_num_threads(thread_share(int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 FAST_TIER_OPTIMIZER_STEPS = 8  # a handful: a few training steps of one run
+
+# A suite started in the background by a non-interactive shell (`make test &` in a script) inherits an
+# ignored SIGINT, and so would every server and launcher it starts: the Ctrl-C tests would find them
+# deaf to it. Give this process Python's own handler back, so its children start with the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _build_font_cache() -> None:
+    """matplotlib lists the machine's fonts (it runs fc-list) the first time it is imported on a
+    machine: do it here, before the guard, not inside whichever fast test draws a chart first."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:  # drawing is optional: nothing to build
+        return
+
+
+_build_font_cache()
 
 
 class _TierGuard:

@@ -34,6 +34,11 @@ pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast
 TOLERANCE = (5e-6, 6e-7)
 FAMILY_TOLERANCE = (1e-5, 6e-6)
 SEPARATE_TOLERANCE = (1e-5, 2e-5)
+# Distillation, RAFT and Flow-GRPO with one process's group dropped at every step: bit for bit on an
+# Intel machine, not on an AMD EPYC one, where the whole run's batch of 2 prompt groups and each
+# sharded process's batch of 1 go through differently blocked matmul kernels: 5.2e-7 (logged, the
+# completion target's loss near 9.6: 5 float32 ulps) and 6.6e-7 (adapters) there; 10x.
+BATCH_SPLIT_TOLERANCE = (5e-6, 7e-6)
 EXACT = (0.0, 0.0)
 SHARDED = "train.sharding=fsdp"
 
@@ -85,13 +90,15 @@ def _adapters(run: Path) -> dict:
 
 
 def _assert_logged_within(rows_a: list[dict], rows_b: list[dict], tolerance: float) -> None:
-    """Every logged loss and reward of two runs' steps within `tolerance` (0: bit-equal; a value
-    that is not finite is never within)."""
+    """Every logged loss and reward of two runs' steps within `tolerance`, relative to the value's
+    size where it is above 1, as float32 rounding is (0: bit-equal; a value that is not finite is
+    never within)."""
     for x, y in zip(rows_a, rows_b, strict=True):
         for key in x:
             if key.startswith(("loss/", "reward/", "nft/")):
                 gap = abs(x[key] - y[key])
-                assert math.isfinite(x[key]) and gap <= tolerance, (x["step"], key, x[key], y[key])
+                within = gap <= tolerance * max(1.0, abs(x[key]))
+                assert math.isfinite(x[key]) and within, (x["step"], key, x[key], y[key])
 
 
 def _assert_same_run(a: Path, b: Path, tolerance: tuple[float, float] = TOLERANCE) -> None:
@@ -202,10 +209,10 @@ def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_w
     _train([*fast_overrides(model_dir, whole, 3), *extra])
     summary = _train([*fast_overrides(model_dir, sharded, 3), *extra, SHARDED], processes=2)
     assert summary["samples"]["dropped/reward_failed"] == 6, "half of the samples were dropped"
-    # bit for bit (measured; so by construction): the red group fails at every step, so one process
-    # trains the blue group that the whole run trains, its loss scaled by 2 (N w_i / sum w) and
-    # FSDP's mean halving it again, the other's gradient an exact 0
-    _assert_same_run(whole, sharded, EXACT)
+    # the red group fails at every step, so one process trains the blue group that the whole run
+    # trains, its loss scaled by 2 (N w_i / sum w) and FSDP's mean halving it again (both exact), the
+    # other's gradient an exact 0; what is left is the batch split (BATCH_SPLIT_TOLERANCE)
+    _assert_same_run(whole, sharded, BATCH_SPLIT_TOLERANCE)
 
 
 def _family_overrides(family: str, folder: Path) -> list[str]:
