@@ -342,3 +342,48 @@ def test_odrl_train_nproc_stops_every_process_it_started(tmp_path: Path, sig: si
     finally:
         for pid in tree:
             _kill(pid)
+
+
+# A process waiting in launch._wait for a child that ends on SIGTERM. Once _wait's handler is in place
+# (a marker file says so), the child sends the waiting process SIGTERM. The stop's waits are 10 minutes:
+# the wait returns only if the child is reaped as soon as it ends.
+SIGTERMED_WAIT = """
+import signal, subprocess, sys
+from pathlib import Path
+from omni_diffusion_rl.runtime import launch
+
+marker = Path(sys.argv[1])
+launch.STOP_SIGNALS = ((signal.SIGTERM, 600.0), (signal.SIGKILL, 600.0))
+install = signal.signal
+def noting(sig, handler):
+    previous = install(sig, handler)
+    if sig == signal.SIGTERM and handler is launch._raise_terminated:
+        marker.write_text("installed")
+    return previous
+signal.signal = noting
+child = subprocess.Popen([sys.executable, "-c", '''
+import os, signal, sys, time
+from pathlib import Path
+while not Path(sys.argv[1]).exists():
+    time.sleep(0.01)
+os.kill(os.getppid(), signal.SIGTERM)
+time.sleep(600)
+''', str(marker)], start_new_session=True)
+print(launch._wait(child), child.returncode, flush=True)
+"""
+
+
+def test_sigterm_of_the_launcher_wait_reaps_its_launcher_at_once(tmp_path: Path) -> None:
+    """`odrl train --nproc N`'s wait on SIGTERM stops the launcher's session and returns 143. Stopping
+    from inside the signal handler, as it once did, could not reap the launcher while the interrupted
+    wait held Popen's lock: each stop wait ran out (here 10 minutes, so that run ends by the hang stop)."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERMED_WAIT, str(tmp_path / "installed")],
+        capture_output=True,
+        text=True,
+        env=PLAIN_ENV,
+        cwd=REPO,
+        timeout=120,  # a hang stop: the fixed wait returns as soon as the child is gone
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["(143,", "True)", "-15"], done.stdout

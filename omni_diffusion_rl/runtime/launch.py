@@ -182,21 +182,32 @@ def _showing(channel: str) -> bool:
     return marked(channel, STARTED) and not marked(channel, REFUSED)
 
 
+class _Terminated(Exception):
+    """This process got SIGTERM while waiting for its launcher."""
+
+
+def _raise_terminated(*_: object) -> None:
+    raise _Terminated
+
+
 def _wait(proc: subprocess.Popen[bytes]) -> tuple[int, bool]:
     """The launcher's exit code, and whether this process stopped it: SIGTERM or Ctrl-C of this
-    process stops the launcher's session (Ctrl-C: exit code 130)."""
-    stopped: list[bool] = []
+    process stops the launcher's session (exit code 143 or 130, as a shell reports those signals).
 
-    def stop(*_: object) -> None:
-        stopped.append(True)
-        _stop_session(proc)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    The SIGTERM handler only unwinds the wait: the session is stopped after it. Stopped from inside
+    the handler, its `proc.wait(timeout)` could never reap the launcher, as the interrupted wait
+    still held the lock that reaping takes, so each of its waits ran out (15 s, then 5 s)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return proc.wait(), bool(stopped)
+        return proc.wait(), False
     except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: a second SIGTERM waits
         _stop_session(proc)
         return 130, True
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop_session(proc)
+        return 128 + signal.SIGTERM, True
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -261,9 +272,12 @@ class _HeldOutput:
         return held
 
 
+STOP_SIGNALS = ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0))  # (signal, seconds to wait for the exit)
+
+
 def _stop_session(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the launcher's session (torch's agent stops its workers), SIGKILL if it lingers."""
-    for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+    for sig, wait_s in STOP_SIGNALS:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
