@@ -1,6 +1,8 @@
 """Two named LoRA adapters on one network: `default` is trained, `old` samples rollouts.
 
-The reference policy is the base network with every adapter disabled.
+The reference policy is the base network with every adapter disabled. peft is imported when adapters
+are injected or looked for, not with this module: loading a config (an algorithm's options) imports
+the trainers, and a launcher or `--check` would otherwise pay for peft and transformers (about 1.5 s).
 """
 
 from __future__ import annotations
@@ -8,13 +10,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..runtime.sharding import copy_whole_into, full_tensor
+
+if TYPE_CHECKING:
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 TRAINED = "default"
 OLD = "old"
@@ -24,6 +28,8 @@ def _lora_layers(model: nn.Module) -> list[BaseTunerLayer]:
     """The adapted layers, found once per model (adapter switches happen several times a step)."""
     cached = model.__dict__.get("_odrl_lora_layers")
     if cached is None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         cached = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         if cached:
             model.__dict__["_odrl_lora_layers"] = cached
@@ -46,6 +52,8 @@ def _target_message(model: nn.Module, target_modules: list[str], reason: str) ->
 
 def add_nft_adapters(model: nn.Module, rank: int, alpha: float, target_modules: list[str]) -> None:
     """Inject the `default` and `old` adapters; `old` starts as an exact copy of `default`."""
+    from peft import LoraConfig, inject_adapter_in_model
+
     for name in (TRAINED, OLD):
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, init_lora_weights=True)
         with warnings.catch_warnings():  # peft warns that a second adapter is intended
