@@ -23,6 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# peft is loaded with the training stack, before any timed phase: models.lora imports it only when
+# adapters are injected, and auto's re-check counts a mode's start-up as the cost of a switch.
+import peft  # noqa: F401
 import torch
 from tqdm.auto import tqdm
 
