@@ -4,6 +4,7 @@ with tensors placed where the backend needs them (nccl: the process's GPU) and p
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +47,61 @@ def all_gather_cat(t: torch.Tensor, group: Any = None, device: torch.device | No
     dist.all_gather(parts, padded, group=group)
     out = torch.cat([part[: int(n)] for part, n in zip(parts, sizes, strict=True)])
     return out.to(device=t.device, dtype=t.dtype)
+
+
+class PeerDataError(RuntimeError):
+    """What a peer process sent through a collective is not what the protocol allows."""
+
+
+GATHER_JSON_MAX_BYTES = 1 << 20  # a process's JSON value in all_gather_json: layouts, configs, names
+
+
+def all_gather_json(
+    value: Any,
+    group: Any = None,
+    device: torch.device | None = None,
+    max_bytes: int = GATHER_JSON_MAX_BYTES,
+) -> list[Any]:
+    """Every process's JSON value (dicts, lists, strings, numbers, booleans, None) in rank order
+    (tuples come back as lists).
+
+    Unlike `dist.all_gather_object`, nothing a peer sends is unpickled: each process sends its
+    length, then UTF-8 JSON bytes; a length over `max_bytes` is refused before anything is
+    allocated for it, and bytes that are not strict JSON are a PeerDataError naming the rank."""
+    data = json.dumps(value, separators=(",", ":")).encode("utf-8")
+    if len(data) > max_bytes:
+        raise ValueError(f"a value of {len(data)} bytes exceeds all_gather_json's limit of {max_bytes}")
+    on = collective_device(device, group)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=on)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s) for s in sizes]
+    for rank, length in enumerate(lengths):
+        if not 0 < length <= max_bytes:
+            raise PeerDataError(
+                f"process {rank} of the group announced {length} bytes of JSON (allowed: 1 to {max_bytes}); "
+                "every machine must run the same omni-diffusion-rl"
+            )
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=on)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [
+        _peer_json(part[:n].cpu().numpy().tobytes(), rank)
+        for rank, (part, n) in enumerate(zip(parts, lengths, strict=True))
+    ]
+
+
+def _peer_json(data: bytes, rank: int) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise PeerDataError(
+            f"process {rank} of the group sent bytes that are not UTF-8 JSON ({type(e).__name__}: {e}); "
+            "every machine must run the same omni-diffusion-rl"
+        ) from None
 
 
 def broadcast_ints(values: list[int], group: Any = None, device: torch.device | None = None) -> list[int]:

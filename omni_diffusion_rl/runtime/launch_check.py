@@ -21,7 +21,7 @@ import json
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -218,11 +218,29 @@ def _missing(store: Any, keys: Sequence[str]) -> list[str]:
 
 
 def _gather(value: Any) -> list[Any]:
-    import torch.distributed as dist
+    """Every process's JSON value, as JSON (never pickle: a peer machine is not trusted to run code here)."""
+    from .distributed import all_gather_json
 
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    return all_gather_json(value)
+
+
+def _layouts(values: list[Any]) -> list[ProcessLayout]:
+    """The gathered layouts, each checked to be one: a peer's fields of the right types, or a LaunchError."""
+    declared = {f.name: f.type for f in fields(ProcessLayout)}
+    layouts = []
+    for rank, value in enumerate(values):
+        ok = isinstance(value, dict) and value.keys() == declared.keys()
+        ok = ok and all(
+            isinstance(value[k], str) if t in ("str", str) else type(value[k]) is int
+            for k, t in declared.items()
+        )
+        if not ok:
+            raise LaunchError(
+                f"process {rank} described its process layout as {str(value)[:200]!r}, not as every "
+                "process does; every machine must run the same omni-diffusion-rl"
+            )
+        layouts.append(ProcessLayout(**value))
+    return layouts
 
 
 def check_machines_agree(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> None:
@@ -234,7 +252,7 @@ def check_machines_agree(config: Mapping[str, Any], env: Mapping[str, str] | Non
     env = _env(env)
     if machine_count(env) <= 1 or not (dist.is_available() and dist.is_initialized()):
         return
-    layouts: list[ProcessLayout] = _gather(describe_process(config, env))
+    layouts = _layouts(_gather(asdict(describe_process(config, env))))
     problems = [layout_problem(layouts, dist.get_world_size())]
     if len({layout.config_sha256 for layout in layouts}) > 1:  # the same on every process
         flat = _gather(flatten(config))

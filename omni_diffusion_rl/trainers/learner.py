@@ -22,7 +22,7 @@ from ..models.policy import FlowPolicy
 from ..precision import autocast_factory, resolve_mixed_precision
 from ..registry import algorithms
 from ..reward import RewardError
-from ..runtime.distributed import all_gather_cat, all_reduce_sum
+from ..runtime.distributed import PeerDataError, all_gather_cat, all_gather_json, all_reduce_sum
 from ..runtime.sharding import Sharder, check_shardable, full_tensor, make_sharder
 
 
@@ -68,8 +68,11 @@ class Learner:
         """Each named per-sample tensor gathered over processes; a name some process lacks is NaN there."""
         names = sorted(parts)
         if self.world_size > 1:
-            everyone: list[list[str]] = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(everyone, names, group=self.group)
+            everyone = all_gather_json(names, self.group, self.device)
+            if not all(isinstance(ns, list) and all(isinstance(n, str) for n in ns) for ns in everyone):
+                raise PeerDataError(
+                    f"a trainer process sent metric names that are not a list of strings: {everyone}"
+                )
             names = sorted({n for ns in everyone for n in ns})
         size = len(next(iter(parts.values()))) if parts else 0
         nan = torch.full((size,), float("nan"))
