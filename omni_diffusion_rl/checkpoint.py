@@ -34,6 +34,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .config import MAX_LORA_RANK as MAX_LORA_RANK  # bounds shared with configs (re-exported)
+from .config import MAX_SAMPLING_STEPS, MAX_STEP
 from .state_codec import StateCodecError, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -50,14 +52,6 @@ MAX_JSON_DEPTH = 32  # what the toolkit writes nests at most 8 deep
 MAX_MANIFEST_FILES = 64
 STEP_DIR = re.compile(r"step_\d{7}")
 
-MAX_STEP = 10**9
-"""The largest step a checkpoint may record (a billion optimizer steps is beyond any run)."""
-MAX_LORA_RANK = 512
-"""The largest LoRA rank a checkpoint may name: 8x the reference recipes' 64 (rank 512 adapters on a
-14B model's attention already take tens of GiB; a rank of millions would try to allocate terabytes)."""
-MAX_SAMPLING_STEPS = 1000
-"""The most sampler steps (sampling.num_steps, sampling.eval_num_steps) a checkpoint may name: flow
-samplers use tens; 1000 is a whole DDPM schedule."""
 MAX_COUNT = 2**53
 """Sample counters and stream positions: exact as floats, far beyond any run."""
 MAX_TEXT = 1024
@@ -455,9 +449,7 @@ def checkpoint_model(state: dict[str, Any], path: Path | str) -> ModelConfig:
             f"checkpoint {path}: state.json records no model configuration (config.model); was it "
             "written by odrl train?"
         )
-    model = _checked_section(section, "model", path)
-    if model.lora_rank > MAX_LORA_RANK:
-        raise _refuse(path, "model.lora_rank", model.lora_rank, f"ranks above {MAX_LORA_RANK} are refused")
+    model = _checked_section(section, "model", path)  # its range checks bound the rank (MAX_LORA_RANK)
     check_pretrained(model.pretrained, path)
     for i, target in enumerate(model.lora_targets):
         if not target or not target.isprintable():

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, ExecutionConfig, describe, load_config
+from .config import MAX_SAMPLING_STEPS, MAX_STEP, ConfigError, ExecutionConfig, describe, load_config
 from .export import EXPORT_HELP, add_export_arguments, run_export
 from .runtime.launch_check import (
     REFUSED,
@@ -704,14 +704,18 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, most: int = MAX_STEP) -> int:
     try:
         value = int(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from e
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {most}, got {value}")
     return value
+
+
+def _sampler_steps(text: str) -> int:
+    return _positive_int(text, MAX_SAMPLING_STEPS)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, token_env: str, port: int) -> None:
@@ -859,7 +863,7 @@ def _add_sample(sub: Subcommands) -> None:
     sample.add_argument("--pretrained", default="builtin", help="base model when no checkpoint is given")
     sample.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     sample.add_argument("--prompts-file", help="UTF-8 file, one prompt per line")
-    sample.add_argument("--steps", type=_positive_int, default=20, help="sampling steps")
+    sample.add_argument("--steps", type=_sampler_steps, default=20, help="sampling steps (at most 1000)")
     sample.add_argument("--solver", default="euler", choices=("euler", "heun"))
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument(

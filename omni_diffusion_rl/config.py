@@ -148,6 +148,28 @@ def _check_depth(data: Any) -> None:
             stack += [(v, f"{key}[{i}]", depth + 1) for i, v in enumerate(value)]
 
 
+# Bounds on the counts and sizes that allocate: a config, a command line and a checkpoint (which imports
+# these) are held to the same ones, each far beyond any real run.
+MAX_STEP = 10**9
+"""The most optimizer steps (train.steps; the largest step a checkpoint may record)."""
+MAX_LORA_RANK = 512
+"""The largest LoRA rank: 8x the reference recipes' 64 (rank 512 adapters on a 14B model's attention
+already take tens of GiB; a rank of millions would try to allocate terabytes)."""
+MAX_SAMPLING_STEPS = 1000
+"""The most sampler steps (sampling.num_steps, sampling.eval_num_steps, odrl sample --steps): flow
+samplers use tens; 1000 is a whole DDPM schedule."""
+MAX_GROUP_SIZE = 1024
+"""The most samples per prompt (data.group_size): the references use 8 to 24."""
+MAX_PROMPTS_PER_STEP = 65536
+"""The most prompt groups per optimizer step (data.prompts_per_step), over all processes."""
+MAX_EVAL_SAMPLES = 1 << 20
+"""The most held-out samples of an evaluation (data.eval_samples)."""
+MAX_CLIP_FPS = 240.0
+"""The most video frames a second a question file's clips are decoded at (data.clip_fps)."""
+MAX_SEED = 2**32 - 1
+"""The largest seed (train.seed): numpy's generators take 32 bits."""
+
+
 def _spec(default: Any, doc: str, **checks: Any) -> Any:
     """A field with a default, a one-line doc and checks: gt, ge, le, choices."""
     if isinstance(default, (list, dict)):
@@ -162,7 +184,7 @@ class ModelConfig:
         "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | minimax_h3 | a registered family",
     )
     pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
-    lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)
+    lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1, le=MAX_LORA_RANK)
     lora_alpha: float = _spec(32.0, "LoRA alpha (reference recipes use 2 x rank)", gt=0)
     lora_targets: list[str] = _spec([], "module names to adapt; empty = the family's default")
     options: dict[str, Any] = _spec(
@@ -186,8 +208,13 @@ class ModelConfig:
 @dataclass
 class SamplingConfig:
     solver: str = _spec("euler", "ODE solver for rollouts", choices=("euler", "heun"))
-    num_steps: int = _spec(10, "sampling steps for training rollouts (also the training timestep grid)", ge=1)
-    eval_num_steps: int = _spec(20, "sampling steps for evaluation and previews", ge=1)
+    num_steps: int = _spec(
+        10,
+        "sampling steps for training rollouts (also the training timestep grid)",
+        ge=1,
+        le=MAX_SAMPLING_STEPS,
+    )
+    eval_num_steps: int = _spec(20, "sampling steps for evaluation and previews", ge=1, le=MAX_SAMPLING_STEPS)
     time_shift: float = _spec(1.0, "sigma shift s: t' = s t / (1 + (s - 1) t)", gt=0)
     rollout_chunks: int = _spec(
         1,
@@ -285,17 +312,25 @@ class DataConfig:
         "builtin:tiny_world_heldout",
         "held-out prompts for before/after evaluation (a question file: its heldout lines)",
     )
-    prompts_per_step: int = _spec(8, "prompt groups per optimizer step (over all processes)", ge=1)
-    group_size: int = _spec(8, "samples per prompt (K); advantages need at least 2", ge=2)
+    prompts_per_step: int = _spec(
+        8, "prompt groups per optimizer step (over all processes)", ge=1, le=MAX_PROMPTS_PER_STEP
+    )
+    group_size: int = _spec(8, "samples per prompt (K); advantages need at least 2", ge=2, le=MAX_GROUP_SIZE)
     eval_samples: int = _spec(
-        256, "held-out samples for the before/after evaluation (eval_samples / prompts per prompt)", ge=1
+        256,
+        "held-out samples for the before/after evaluation (eval_samples / prompts per prompt)",
+        ge=1,
+        le=MAX_EVAL_SAMPLES,
     )
     questions: str = _spec(
         "tiny_avqa",
         "answering runs: the registered question set that prompts not from a question file name",
     )
     clip_fps: float = _spec(
-        8.0, "question files: video frames a second the clips are decoded at (the model's own)", gt=0
+        8.0,
+        "question files: video frames a second the clips are decoded at (the model's own)",
+        gt=0,
+        le=MAX_CLIP_FPS,
     )
     clip_sample_rate: int = _spec(
         8000, "question files: audio samples a second (files at another rate are skipped)", ge=1
@@ -366,8 +401,8 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _spec(240, "optimizer steps", ge=1)
-    seed: int = _spec(0, "seed for prompts, noise and initialisation", ge=0)
+    steps: int = _spec(240, "optimizer steps", ge=1, le=MAX_STEP)
+    seed: int = _spec(0, "seed for prompts, noise and initialisation", ge=0, le=MAX_SEED)
     output_dir: str = _spec("runs/tiny_t2av_nft", "where metrics, previews and checkpoints go (one run each)")
     overwrite: bool = _spec(
         False, "start over in an output_dir that holds a run: delete its checkpoints, metrics and previews"

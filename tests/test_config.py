@@ -238,3 +238,33 @@ def test_every_shipped_recipe_loads_and_validates(recipe: Path, monkeypatch: pyt
     clip = clip_format_of(cfg.data)
     assert len(load_prompts(cfg.data.prompts, "train", clip)) >= cfg.data.prompts_per_step
     assert load_prompts(cfg.data.eval_prompts, "heldout", clip)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "bound"),
+    [
+        ("train.steps", "1000000001", "<= 1000000000"),
+        ("train.seed", "100000000000000000000", "<= 4294967295"),
+        ("model.lora_rank", "100000000", "<= 512"),
+        ("sampling.num_steps", "1000000000", "<= 1000"),
+        ("sampling.eval_num_steps", "1001", "<= 1000"),
+        ("data.group_size", "1025", "<= 1024"),
+        ("data.prompts_per_step", "100000000", "<= 65536"),
+        ("data.eval_samples", "1000000000", "<= 1048576"),
+        ("data.clip_fps", "1e9", "<= 240.0"),
+    ],
+)
+def test_counts_that_allocate_are_bounded_with_a_sentence(key: str, value: str, bound: str) -> None:
+    """The same bounds as a checkpoint's (checkpoint.py imports them): a count past one is refused
+    before anything is allocated for it, naming the key and its bound."""
+    with pytest.raises(ConfigError, match=f"{key}: .* is out of range; it must be {bound}"):
+        load_config(None, [f"{key}={value}"])
+    load_config(None, [f"{key}={bound.split()[-1]}"])  # the bound itself is allowed
+
+
+def test_odrl_sample_steps_are_bounded_on_the_command_line() -> None:
+    from omni_diffusion_rl.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sample", "--steps", "1000000000"])
+    assert build_parser().parse_args(["sample", "--steps", "1000"]).steps == 1000

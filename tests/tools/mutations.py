@@ -129,11 +129,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "checkpoint-model-no-rank-cap",
-        CHECKPOINT_PY,
-        "    if model.lora_rank > MAX_LORA_RANK:\n",
-        "    if False:\n",
+        CONFIG_PY,
+        'lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1, le=MAX_LORA_RANK)',
+        'lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1)',
         (MODEL,),
-        "checkpoint_model without the MAX_LORA_RANK cap (rank 513 reaches eval)",
+        "model.lora_rank without its MAX_LORA_RANK bound, which checkpoints share (rank 513 reaches eval)",
     ),
     Mutation(
         "checkpoint-pretrained-no-exists",
