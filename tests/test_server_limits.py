@@ -623,3 +623,21 @@ def test_readme_states_the_limits() -> None:
     section = Path(REPO / "docs" / "rewards.md").read_text(encoding="utf-8").split("## Reward servers", 1)[1]
     for fact in ("input_limits", "16384", "413", "415", "401", "16 x 16"):
         assert fact in section, fact
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("max_wait_ms", float("nan")),  # every lone request waited out its client's timeout
+        ("max_wait_ms", float("inf")),  # a lone request was never answered
+        ("max_wait_ms", -1.0),
+        ("max_wait_ms", 60_001.0),
+        ("max_request_mb", float("nan")),
+        ("max_request_mb", 0.0),
+    ],
+)
+def test_a_server_option_that_is_not_a_finite_number_in_range_is_refused(option: str, value: float) -> None:
+    flag = "--" + option.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{option} \\({flag}\\) must be a number of (milliseconds|MB)"):
+        ServeSettings(**{option: value}).check()
+    ServeSettings(max_wait_ms=60_000.0).check()  # the bound itself serves

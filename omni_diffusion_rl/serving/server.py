@@ -66,6 +66,7 @@ from .wire import (
 
 logger = logging.getLogger(__name__)
 API_VERSION = 1
+MAX_WAIT_MS = 60_000.0  # a batch waits at most a minute to fill (--max-wait-ms)
 CLOSE_WAIT_S = 0.5  # at shutdown, after the requests being scored were answered: for the rest to go
 LINGER_BYTES = 4 << 20  # a refused request's unread rest up to this: read and dropped, the connection kept
 LINGER_S = (
@@ -98,8 +99,18 @@ class ServeSettings:
     service_ms: float = 0.0  # teachers: a fixed time added per model call (a remote accelerator's stand-in)
 
     def check(self) -> None:
-        if self.max_batch < 1 or self.max_wait_ms < 0 or self.max_request_mb <= 0 or self.max_in_flight < 1:
-            raise ValueError("max_batch and max_in_flight must be >= 1, max_wait_ms >= 0, max_request_mb > 0")
+        if self.max_batch < 1 or self.max_in_flight < 1:
+            raise ValueError("max_batch and max_in_flight must be >= 1")
+        if not (math.isfinite(self.max_wait_ms) and 0 <= self.max_wait_ms <= MAX_WAIT_MS):
+            # nan: every lone request waited out the client's timeout; inf: it was never answered
+            raise ValueError(
+                f"max_wait_ms (--max-wait-ms) must be a number of milliseconds from 0 to {MAX_WAIT_MS:g}; "
+                f"got {self.max_wait_ms}"
+            )
+        if not (math.isfinite(self.max_request_mb) and self.max_request_mb > 0):
+            raise ValueError(
+                f"max_request_mb (--max-request-mb) must be a number of MB above 0: {self.max_request_mb}"
+            )
         if not (math.isfinite(self.max_uploads_mb) and self.max_uploads_mb >= self.max_request_mb):
             raise ValueError(
                 f"max_uploads_mb ({self.max_uploads_mb}) must be a number of MB at least max_request_mb "
