@@ -1033,7 +1033,7 @@ def _add_serve_teacher(sub: Subcommands) -> None:
 
 def cmd_avqa_files(args: argparse.Namespace) -> int:
     from .world.avqa import split_scenes
-    from .world.avqa_files import write_example_set
+    from .world.avqa_files import QUESTION_FILE, write_example_set
 
     for split, count in (("train", args.train_clips), ("heldout", args.heldout_clips)):
         scenes = len(split_scenes(heldout=split == "heldout"))
@@ -1043,7 +1043,22 @@ def cmd_avqa_files(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    path = write_example_set(args.output, args.train_clips, args.heldout_clips, args.seed)
+    output = Path(args.output)
+    held = [p for p in (output / QUESTION_FILE, output / "clips") if p.exists()]
+    if held and not args.overwrite:
+        print(
+            f"odrl avqa-files: {output} already holds {' and '.join(p.name for p in held)}, which this "
+            "would overwrite; give another --output, or --overwrite to replace them",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        path = write_example_set(output, args.train_clips, args.heldout_clips, args.seed)
+    except OSError as e:
+        print(
+            f"odrl avqa-files: cannot write the example set into {output}: {e.strerror or e}", file=sys.stderr
+        )
+        return 2
     print(json.dumps({"question_file": str(path), "clips": args.train_clips + args.heldout_clips}))
     return 0
 
@@ -1058,6 +1073,9 @@ def _add_avqa_files(sub: Subcommands) -> None:
     files.add_argument("--train-clips", type=_positive_int, default=12, help="clips of training scenes (12)")
     files.add_argument("--heldout-clips", type=_positive_int, default=4, help="clips of held-out scenes (4)")
     files.add_argument("--seed", type=int, default=0)
+    files.add_argument(
+        "--overwrite", action="store_true", help="replace questions.jsonl and clips/ already in --output"
+    )
     files.set_defaults(func=cmd_avqa_files)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from omni_diffusion_rl.prompts import PromptFileError, load_prompts
 from omni_diffusion_rl.world.avqa_files import QUESTION_FILE, example_clips, write_example_set
 from omni_diffusion_rl.world.tiny_clip import DURATION_S, FPS, SAMPLE_RATE
 
-from .helpers import REPO, step_records
+from .helpers import REPO, odrl, step_records
 
 SHIPPED = REPO / "recipes" / "data" / "tiny_avqa_files"
 TINY = ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1)
@@ -395,3 +396,33 @@ def test_a_registered_question_set_is_asked_as_tiny_avqa_is(tmp_path: Path) -> N
     overrides = gspo_overrides("builtin-omni", tmp_path / "run", 1, "data.questions=nowhere")
     with pytest.raises(RegistryError, match="nowhere.*tiny_avqa"):
         Trainer(load_config(None, overrides))
+
+
+@pytest.mark.slow  # runs `odrl avqa-files` processes
+def test_avqa_files_never_overwrites_a_users_questions_without_overwrite(tmp_path: Path) -> None:
+    """A folder that already holds questions.jsonl (a user's own, say) is refused with a sentence and
+    left as it was; --overwrite replaces it; a folder that cannot be made is a sentence, not a traceback."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "questions.jsonl").write_text("my own questions\n")
+    command = [*odrl("avqa-files"), "--train-clips", "1"]
+    command += ["--heldout-clips", "1"]
+    refused = subprocess.run(
+        [*command, "--output", str(folder)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert refused.returncode == 2 and "already holds questions.jsonl" in refused.stderr, refused.stderr
+    assert (folder / "questions.jsonl").read_text() == "my own questions\n" and not (
+        folder / "clips"
+    ).exists()
+    replaced = subprocess.run(
+        [*command, "--output", str(folder), "--overwrite"], capture_output=True, text=True, timeout=120
+    )
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert (folder / "questions.jsonl").read_text() != "my own questions\n"
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    failed = subprocess.run(
+        [*command, "--output", str(blocked / "set")], capture_output=True, text=True, timeout=120
+    )
+    assert failed.returncode == 2 and "cannot write the example set into" in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr
