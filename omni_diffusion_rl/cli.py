@@ -794,8 +794,10 @@ def _add_train(sub: Subcommands) -> None:
     """`odrl train`: post-training, on one machine or several."""
     train = sub.add_parser(
         "train",
-        help="post-train a policy with DiffusionNFT (colocated; use accelerate launch for several processes)",
-        description="Post-train with DiffusionNFT; prints a JSON line with the held-out reward before/after.",
+        help="post-train a model with the config's algorithm and execution mode (--nproc N: N processes)",
+        description="Post-train a model with the config's algorithm (DiffusionNFT, Flow-GRPO, RAFT, "
+        "distillation or GSPO) in its execution mode (colocated, separate, hybrid or auto); prints a JSON "
+        "line with the held-out results before and after.",
         epilog=CONFIG_KEYS,
         formatter_class=_ConfigKeysFormatter,
     )

@@ -181,7 +181,8 @@ def _spec(default: Any, doc: str, **checks: Any) -> Any:
 class ModelConfig:
     family: str = _spec(
         "tiny_av",
-        "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | minimax_h3 | a registered family",
+        "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | minimax_h3 | answering: tiny_omni "
+        "(built-in) | qwen2_5_omni | qwen3_omni | a registered family",
     )
     pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
     lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1, le=MAX_LORA_RANK)

@@ -268,3 +268,22 @@ def test_odrl_sample_steps_are_bounded_on_the_command_line() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sample", "--steps", "1000000000"])
     assert build_parser().parse_args(["sample", "--steps", "1000"]).steps == 1000
+
+
+def test_train_help_names_every_algorithm_mode_and_registered_family() -> None:
+    """`odrl train --help` once said DiffusionNFT and colocated only, and its family list left out the
+    answering families."""
+    from omni_diffusion_rl.cli import build_parser
+    from omni_diffusion_rl.config import ModelConfig
+    from omni_diffusion_rl.registry import models
+
+    parser = build_parser()
+    train = next(
+        action.choices["train"] for action in parser._actions if getattr(action, "choices", None)
+    )  # the train subcommand's parser
+    description = train.description
+    for word in ("DiffusionNFT", "Flow-GRPO", "RAFT", "distillation", "GSPO", "separate", "hybrid", "auto"):
+        assert word in description, word
+    family_doc = ModelConfig.__dataclass_fields__["family"].metadata["doc"]
+    missing = [name for name in models.names() if name not in family_doc]
+    assert not missing, f"model.family's help leaves out {missing}"
