@@ -100,6 +100,20 @@ def test_a_family_option_that_does_not_exist_is_wrong(tmp_path: Path) -> None:
     assert options.status == WRONG and "fps unknown to minimax_h3; it takes height, width" in options.detail
 
 
+@pytest.mark.parametrize("family", ["tiny_av", "tiny_omni", "sd3", "stable_audio"])
+def test_an_option_to_a_family_that_takes_none_is_wrong_and_refused_at_load(family: str) -> None:
+    """These families read no model.options: one given was ignored without a word."""
+    from omni_diffusion_rl.config import ConfigError
+    from omni_diffusion_rl.models.families import check_family_options
+
+    cfg = load_config(None, [f"model.family={family}", "model.options={height: 64}", "eval.metrics=[]"])
+    (options,) = [f for f in preflight(cfg) if f.what == "model.options"]
+    assert options.status == WRONG and f"height unknown to {family}, which takes no options" in options.detail
+    with pytest.raises(ConfigError, match=f"model.options: height unknown to {family}"):
+        check_family_options(family, {"height": 64})
+    check_family_options(family, {})
+
+
 def test_the_gspo_recipe_checks_ready_and_a_missing_tokenizer_is_named(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

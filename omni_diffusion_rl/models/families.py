@@ -28,6 +28,7 @@ def load_tiny_av(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     """The built-in tiny text-to-audio-video model ('builtin' or a saved directory)."""
     from .tiny_av import DEFAULT_LORA_TARGETS, TinyAVPolicy
 
+    check_family_options("tiny_av", cfg.options)
     return TinyAVPolicy.from_pretrained(cfg.pretrained), list(DEFAULT_LORA_TARGETS)
 
 
@@ -37,6 +38,7 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
     prompts (otherwise prompts are hashed offline)."""
     from .diffusers_adapter import DiffusersAudioPolicy, DiffusersImagePolicy, TransformersPromptEncoder
 
+    check_family_options("sd3" if image else "stable_audio", cfg.options)
     cls = DiffusersImagePolicy if image else DiffusersAudioPolicy
     is_local = Path(cfg.pretrained).exists()
     vae = "vae" if not is_local or _has_local(cfg.pretrained, "vae") else None
@@ -49,10 +51,13 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
     return policy, list(policy.lora_target_modules)
 
 
+NO_OPTIONS = ("tiny_av", "tiny_omni", "sd3", "stable_audio")  # built-in families that take no model.options
+
+
 def check_family_options(family: str, options: dict) -> None:
     """model.options against the family's policy constructor (ltx2, minimax_h3) or its option names
-    (qwen2_5_omni, qwen3_omni); a ConfigError names
-    the unknown keys. Families without options take none."""
+    (qwen2_5_omni, qwen3_omni); a ConfigError names the unknown keys. The built-in families without
+    options (NO_OPTIONS) refuse any; a registered family reads its own."""
     if family == "ltx2":
         from .ltx2 import LTX2Policy as policy_class
     elif family == "minimax_h3":
@@ -64,6 +69,13 @@ def check_family_options(family: str, options: dict) -> None:
         if unknown:
             raise ConfigError(
                 f"model.options: {', '.join(unknown)} unknown to {family}; it takes {', '.join(OPTIONS)}"
+            )
+        return
+    elif family in NO_OPTIONS:
+        if options:
+            raise ConfigError(
+                f"model.options: {', '.join(sorted(map(str, options)))} unknown to {family}, which takes no "
+                "options; leave model.options empty"
             )
         return
     else:
@@ -90,6 +102,7 @@ def load_tiny_omni(cfg: ModelConfig) -> tuple[Any, list[str]]:
     answering policy on tiny AVQA."""
     from .tiny_omni import TinyOmniPolicy
 
+    check_family_options("tiny_omni", cfg.options)
     pretrained = "builtin-omni" if cfg.pretrained == "builtin" else cfg.pretrained
     policy = TinyOmniPolicy.from_pretrained(pretrained)
     return policy, list(policy.lora_targets)
