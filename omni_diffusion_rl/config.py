@@ -868,6 +868,11 @@ def check_teacher_routes(routes: dict[str, Any], has_urls: bool) -> None:
         urls = spec.get("urls", [])
         if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
             raise ConfigError(f"{where}.urls: expected a list of teacher server urls")
+        if urls and spec.get("options"):  # a served teacher was built by its server: options would be unread
+            raise ConfigError(
+                f"{where}: options and urls both given; a route served by teacher servers is built there "
+                "(odrl serve-teacher --options), so drop its options here or its urls to build it in process"
+            )
         for part in parts:
             if part in owner:
                 raise ConfigError(f"teacher.routes: part '{part}' is in routes '{owner[part]}' and '{route}'")

@@ -754,6 +754,10 @@ def test_routes_that_leave_out_or_invent_a_part_are_refused(
         ),
         ("teacher.routes={a: {parts: []}}", "non-empty list"),
         ("teacher.routes={a: {parts: [picture], teacher: policy}}", r"unknown keys \['teacher'\]"),
+        (  # the options of a served route were ignored without a word
+            "teacher.routes={a: {parts: [picture], urls: ['http://127.0.0.1:9'], options: {cfg_scale: 2}}}",
+            "teacher.routes.a: options and urls both given",
+        ),
     ],
 )
 def test_bad_routes_are_refused_at_config_load(
