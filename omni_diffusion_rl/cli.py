@@ -709,8 +709,10 @@ def _positive_int(text: str, most: int = MAX_STEP) -> int:
         value = int(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from e
-    if not 1 <= value <= most:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {most}, got {value}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
     return value
 
 

@@ -266,7 +266,7 @@ def test_odrl_sample_steps_are_bounded_on_the_command_line() -> None:
     from omni_diffusion_rl.cli import build_parser
 
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["sample", "--steps", "1000000000"])
+        build_parser().parse_args(["sample", "--steps", "1000000000"])  # "must be at most 1000"
     assert build_parser().parse_args(["sample", "--steps", "1000"]).steps == 1000
 
 

@@ -161,11 +161,16 @@ def _processes_naming(text: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
-def test_a_launch_past_its_timeout_is_stopped_with_all_its_processes(tmp_path: Path) -> None:
-    """A step of a million sampling steps never ends: the launch is stopped at its timeout, and
-    neither the launcher nor its 2 workers (each names `tmp_path` on its command line) is left."""
+def test_a_launch_past_its_timeout_is_stopped_with_all_its_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose reward sleeps 10 minutes does not end in time: the launch is stopped at its
+    timeout, and neither the launcher nor its 2 workers (each names `tmp_path` on its command line)
+    is left."""
     config, overrides = family_run("tiny_av", tmp_path, REPO / "recipes" / "configs" / "tiny_t2av_nft.yaml")
-    endless = [*overrides, "sampling.num_steps=1000000"]
+    monkeypatch.setenv("ODRL_TEST_SLOW_S", "600")  # the launched workers inherit it
+    plugin = REPO / "tests" / "plugin_rewards.py"
+    endless = [*overrides, f"reward.plugins=[{plugin}]", "reward.weights={test_slow: 1.0}"]
     with pytest.raises(RuntimeError, match="ran past 20 s and was stopped"):
         measure_case(Case("tiny_av", 2, "none"), config, endless, tmp_path, timeout_s=20)
     deadline = time.monotonic() + 120  # a worker killed before it armed its lifeline exits when it does
