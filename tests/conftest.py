@@ -82,6 +82,10 @@ def _install_tier_guard() -> None:
 
     def guarded_popen_init(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
         GUARD.note_process(f"subprocess: {str(args)[:120]}")
+        if os.environ.get("ODRL_PROC_LOG") and GUARD.item is not None and kwargs.get("env") is not None:
+            # the process census names the test that started a process: an env the test built
+            # before the test began (helpers.ENV) would name none
+            kwargs["env"] = {"PYTEST_CURRENT_TEST": GUARD.item.nodeid, **kwargs["env"]}
         popen_init(self, args, *rest, **kwargs)
 
     def guarded_process_start(self: multiprocessing.process.BaseProcess) -> None:

@@ -2,7 +2,8 @@
 
 `install VENV` puts a start-up hook (a .pth file and its module) into VENV's site-packages. While
 ODRL_PROC_LOG names a file, every interpreter of that venv then appends one JSON line at exit: its
-command line, wall and CPU seconds, and the test that was running (PYTEST_CURRENT_TEST). A process
+command line, wall and CPU seconds, and the test that started it (PYTEST_CURRENT_TEST; tests/conftest.py
+adds it to an environment a test built before it began, as helpers.ENV is). A process
 ended by a signal (a server stopped with SIGTERM or SIGKILL) writes nothing, so the census counts
 less than the total. `report LOG` groups the lines by command; `uninstall VENV` removes the hook.
 Use a venv of its own (a clone's `make setup`), not the one you work in:
