@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Iterator
@@ -106,15 +107,44 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
     from omni_diffusion_rl.benchmarks.reward_server import run_reward_server_bench
 
     output = tmp_path / "reward_server.json"
-    result = run_reward_server_bench(output, rounds=1, clients=4, requests_per_client=2, overhead_repeats=2)
+    result = run_reward_server_bench(  # the attack: one request of each of its 6 kinds (default 200)
+        output, rounds=1, clients=4, requests_per_client=2, overhead_repeats=2, adversarial_requests=6
+    )
     report = json.loads(output.read_text(encoding="utf-8"))
     assert report == json.loads(json.dumps(result))
+    attack = report["adversarial"]
+    assert attack["requests"] == 6 and attack["server_alive"] is True, attack
+    assert len(attack["kinds"]) == 6 and all(
+        sum(k["statuses"].values()) == 1 for k in attack["kinds"].values()
+    )
     throughput, overhead = report["throughput"], report["overhead"]
     assert throughput["clients"] == 4 and len(throughput["per_round"]) == 1
     assert throughput["batched_samples_per_s"] > 0 and throughput["batch1_samples_per_s"] > 0
     assert throughput["mean_batch_size"] >= 1
     assert len(overhead["served_ms_each"]) == len(overhead["in_process_ms_each"]) == 2
     assert overhead["added_ms"] == pytest.approx(overhead["served_ms"] - overhead["in_process_ms"], abs=0.02)
+
+
+def test_an_attack_during_which_no_good_request_finished_is_a_missed_target_not_a_crash() -> None:
+    from omni_diffusion_rl.benchmarks.reward_server import _summary, adversarial_lines
+
+    empty = _summary([])
+    assert empty == {"count": 0, "median": None, "p90": None, "max": None, "each": []}
+    attack = {
+        "requests": 6,
+        "flood_s": 2.0,
+        "good_latency_s": empty,
+        "quiet_latency_s": _summary([0.01, 0.03, 0.02]),
+        "good_statuses": {},
+        "target_good_median_s": 0.5,
+        "rss_peak_mb": 300.0,
+        "rss_start_mb": 250.0,
+        "rss_bound_mb": 1024,
+        "kinds": {},
+    }
+    lines = adversarial_lines(attack, {True: "met", False: "MISSED"})
+    assert "no good request finished during the flood (quiet: median 0.020 s; " in lines[1], lines
+    assert lines[1].endswith("target median < 0.5 s: MISSED)"), lines
 
 
 def test_modes_bench_runs_every_mode_and_reports_predictions(
@@ -185,14 +215,17 @@ def test_recheck_bench_compares_a_wrong_pick_with_and_without_the_recheck(tmp_pa
 def test_teacher_bench_compares_schedules_and_replicas(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from omni_diffusion_rl.benchmarks.teacher import SCHEDULES, run_teacher_bench
+    from omni_diffusion_rl.benchmarks.teacher import REPLICA_LOADS, SCHEDULES, run_teacher_bench
     from omni_diffusion_rl.runtime.threads import thread_share
 
     from .helpers import fast_overrides, tiny_model_dir
 
     overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), tmp_path / "unused", 1)
     output = tmp_path / "bench" / "teacher.json"
-    result = run_teacher_bench(output, None, overrides, steps=3, repeats=1, states=32)
+    # the replicas under one load: each load is three more servers running the same code
+    result = run_teacher_bench(
+        output, None, overrides, steps=3, repeats=1, states=32, replica_loads=("compute-bound",)
+    )
     report = json.loads(output.read_text(encoding="utf-8"))
     assert report == json.loads(json.dumps(result))
     schedule = report["schedule"]
@@ -214,10 +247,12 @@ def test_teacher_bench_compares_schedules_and_replicas(
     for name in SCHEDULES:
         assert served[name]["trained"]["median"] == 12 and served[name]["teacher_s_per_step"]["median"] > 0
     assert math.isfinite(served["hidden_share_of_teacher_time_one_step_off"]["median"])
-    assert set(report["replicas"]) == {
+    assert set(report["replicas"]) == {"compute-bound"}
+    assert set(REPLICA_LOADS) == {  # the loads of a default run
         "compute-bound",
         "service 100 ms per batch (remote accelerator stand-in)",
     }
+    assert inspect.signature(run_teacher_bench).parameters["replica_loads"].default == tuple(REPLICA_LOADS)
     for row in report["replicas"].values():
         assert row["1 replica states/s"]["median"] > 0 and row["2 replicas states/s"]["median"] > 0
         half = row["1 replica on the share of each of 2 states/s"]["median"]
@@ -236,3 +271,5 @@ def test_teacher_bench_compares_schedules_and_replicas(
     )
     with pytest.raises(ValueError, match="parts must be some of schedules, replicas; got \\['replica'\\]"):
         run_teacher_bench(output, None, overrides, parts=("replica",))
+    with pytest.raises(ValueError, match="replica_loads must be some of compute-bound, service 100 ms"):
+        run_teacher_bench(output, None, overrides, replica_loads=("gpu",))

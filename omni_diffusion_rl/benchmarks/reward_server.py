@@ -186,18 +186,32 @@ def format_table(result: dict[str, Any]) -> str:
 def adversarial_lines(a: dict[str, Any], met: dict[bool, str]) -> list[str]:
     """The table's lines for the server under attack."""
     good, target = a["good_latency_s"], a["target_good_median_s"]
+    quiet = _seconds(a["quiet_latency_s"]["median"])
+    if good["count"]:
+        latency = (
+            f"  good request latency: median {good['median']:.3f} s, p90 {good['p90']:.3f} s, "
+            f"max {good['max']:.3f} s (quiet: median {quiet}; "
+            f"target median < {target:g} s: {met[good['median'] < target]}); answers {a['good_statuses']}"
+        )
+    else:
+        latency = (
+            f"  good request latency: no good request finished during the flood (quiet: median {quiet}; "
+            f"target median < {target:g} s: {met[False]})"
+        )
     lines = [
         f"under attack: {a['requests']} concurrent adversarial requests ({a['flood_s']:.1f} s), "
         f"{good['count']} good requests during it from another client",
-        f"  good request latency: median {good['median']:.3f} s, p90 {good['p90']:.3f} s, "
-        f"max {good['max']:.3f} s (quiet: median {a['quiet_latency_s']['median']:.3f} s; "
-        f"target median < {target:g} s: {met[good['median'] < target]}); answers {a['good_statuses']}",
+        latency,
         f"  server peak RSS {a['rss_peak_mb']:.0f} MB (at start {a['rss_start_mb']:.0f} MB; bound "
         f"{a['rss_bound_mb']} MB: {met[a['rss_peak_mb'] < a['rss_bound_mb']]})",
     ]
     for kind, row in a["kinds"].items():
         lines.append(f"  {kind:<34}{row['statuses']}  (body {row['body_mb']:.2f} MB)")
     return lines
+
+
+def _seconds(value: float | None) -> str:
+    return "none timed" if value is None else f"{value:.3f} s"
 
 
 # ------------------------------------------------------------------------------------------ under attack
@@ -334,7 +348,11 @@ def _count(counts: dict[str, int], status: int) -> None:
 
 
 def _summary(seconds: list[float]) -> dict[str, Any]:
+    """Count, median, p90 and max of `seconds`; the statistics are None when none was timed (a client
+    whose every request was still pending)."""
     ordered = sorted(seconds)
+    if not ordered:
+        return {"count": 0, "median": None, "p90": None, "max": None, "each": []}
     return {
         "count": len(ordered),
         "median": round(statistics.median(ordered), 4),

@@ -41,6 +41,11 @@ SCHEDULES = {
     "one_step_off": ("teacher.overlap=true", "teacher.one_step_off=true"),
     "blocking": ("teacher.overlap=false",),
 }
+# The replicas' loads: each its own three servers (the extra arguments of every one).
+REPLICA_LOADS = {
+    "compute-bound": (),
+    "service 100 ms per batch (remote accelerator stand-in)": ("--service-ms", "100"),
+}
 
 
 def _schedule_run(
@@ -132,13 +137,20 @@ def run_teacher_bench(
     repeats: int = 3,
     states: int = 512,
     parts: tuple[str, ...] = PARTS,
+    replica_loads: tuple[str, ...] = tuple(REPLICA_LOADS),
 ) -> dict[str, Any]:
-    """The `parts` asked for (both by default); prints a table, writes JSON."""
+    """The `parts` asked for (both by default), the replicas under the `replica_loads` named (every
+    one of REPLICA_LOADS by default); prints a table, writes JSON."""
     from ..config import load_config
 
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         raise ValueError(f"odrl bench teacher: parts must be some of {', '.join(PARTS)}; got {list(parts)}")
+    if set(replica_loads) - set(REPLICA_LOADS) or not replica_loads:
+        raise ValueError(
+            f"odrl bench teacher: replica_loads must be some of {', '.join(REPLICA_LOADS)}; "
+            f"got {list(replica_loads)}"
+        )
     overrides = ["sampling.rollout_chunks=2", *(overrides or [])]  # chunks: what the teacher overlaps with
     base = output.parent / "teacher_runs"
     teacher = load_config(config, overrides).teacher
@@ -151,7 +163,7 @@ def run_teacher_bench(
     if "schedules" in parts:
         result |= _schedules_in_process_and_served(config, overrides, steps, repeats, base, teacher)
     if "replicas" in parts:
-        result["replicas"] = _replica_bench(states, repeats)
+        result["replicas"] = _replica_bench(states, repeats, replica_loads)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(_table(result))
@@ -186,16 +198,14 @@ def _schedules_in_process_and_served(
     }
 
 
-def _replica_bench(states: int, repeats: int) -> dict[str, Any]:
-    """States per second through one and two teacher servers, interleaved rounds."""
+def _replica_bench(states: int, repeats: int, loads: tuple[str, ...]) -> dict[str, Any]:
+    """States per second through one and two teacher servers, interleaved rounds, under each load."""
     from ..serving.process import ServerProcess
 
     replicas: dict[str, Any] = {}
     serve: dict[str, Any] = {"command": "serve-teacher"}
-    for label, extra in (
-        ("compute-bound", []),
-        ("service 100 ms per batch (remote accelerator stand-in)", ["--service-ms", "100"]),
-    ):
+    for label in loads:
+        extra = REPLICA_LOADS[label]
         alone, shared = ["--threads", str(thread_share(1))], ["--threads", str(thread_share(2))]
         with (
             ServerProcess(["policy"], "--max-batch", "16", *alone, *extra, **serve) as solo,
