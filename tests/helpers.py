@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 from diffusers import SD3Transformer2DModel
 
 from omni_diffusion_rl.models.tiny_av import TinyAVTransformer
@@ -96,3 +99,14 @@ def tiny_sd3() -> SD3Transformer2DModel:
         out_channels=4,
         pos_embed_max_size=8,
     )
+
+
+def with_a_spawned_peer(peer: Callable[..., None], args: tuple[Any, ...], here: Callable[[], None]) -> None:
+    """Run `here` in this process while `peer(0, *args)` runs in a spawned one (process 1 of a pair),
+    then wait for the peer: its failure raises with its traceback."""
+    process = mp.start_processes(peer, args=args, nprocs=1, start_method="spawn", join=False)
+    try:
+        here()
+    finally:
+        while not process.join():
+            pass

@@ -2,24 +2,29 @@
 
 Two real gloo processes on 127.0.0.1. Process 1 plays a hostile peer: it speaks the wire protocol by
 hand (a length, then bytes) and sends a pickle that would create a file when unpickled, a length of
-a terabyte, or valid JSON; process 0 runs the real all_gather_json and reports what it got."""
+a terabyte, or valid JSON; process 0 (this test process) runs the real all_gather_json and reports
+what it got. The pair plays every case in turn (each leaves both processes at the same collective),
+and each test reads its case's outcome."""
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from omni_diffusion_rl.runtime.distributed import GATHER_JSON_MAX_BYTES, PeerDataError, all_gather_json
 from omni_diffusion_rl.runtime.launch import free_port
 
-pytestmark = pytest.mark.slow  # starts processes
+from .helpers import with_a_spawned_peer
+
+pytestmark = pytest.mark.slow  # starts a process
+
+CASES = ("json", "pickle", "huge")
 
 
 class _CreatesAFile:
@@ -44,44 +49,66 @@ def _send_raw(data: bytes, announced: int) -> None:
     dist.all_gather([torch.empty_like(padded) for _ in range(2)], padded)
 
 
-def _process(rank: int, port: int, case: str, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _play(rank: int, case: str, folder: Path) -> None:
+    """One case on both processes: process 1 sends, process 0 writes `folder`/outcome.json."""
+    if rank == 1:
+        if case == "pickle":
+            payload = pickle.dumps(_CreatesAFile(str(folder / "unpickled")))
+            _send_raw(payload, len(payload))
+        elif case == "huge":
+            _send_raw(b"", 1 << 40)
+        else:
+            all_gather_json({"names": ["a", "b"], "rank": 1})
+        return
     try:
-        if rank == 1:
-            if case == "pickle":
-                payload = pickle.dumps(_CreatesAFile(str(Path(folder) / "unpickled")))
-                _send_raw(payload, len(payload))
-            elif case == "huge":
-                _send_raw(b"", 1 << 40)
-            else:
-                all_gather_json({"names": ["a", "b"], "rank": 1})
-            return
-        try:
-            outcome = {"values": all_gather_json({"names": ["c"], "rank": 0})}
-        except PeerDataError as e:
-            outcome = {"error": str(e)}
-        (Path(folder) / "outcome.json").write_text(json.dumps(outcome))
+        outcome = {"values": all_gather_json({"names": ["c"], "rank": 0})}
+    except PeerDataError as e:
+        outcome = {"error": str(e)}
+    (folder / "outcome.json").write_text(json.dumps(outcome))
+
+
+def _process(rank: int, port: int, root: str) -> None:
+    timeout = timedelta(seconds=300)  # a collective whose peer is gone fails (a hang stop, no verdict)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", timeout=timeout, rank=rank, world_size=2
+    )
+    try:
+        for case in CASES:
+            _play(rank, case, Path(root) / case)
+            dist.barrier()  # the next case starts once both processes are done with this one
     finally:
         dist.destroy_process_group()
 
 
-def _run(case: str, folder: Path) -> dict:
-    mp.start_processes(_process, args=(free_port(), case, str(folder)), nprocs=2, start_method="spawn")
-    return json.loads((folder / "outcome.json").read_text())
+def _hostile_peer(_index: int, port: int, root: str) -> None:
+    """Process 1, in a process of its own."""
+    _process(1, port, root)
 
 
-def test_peers_values_arrive_as_json_in_rank_order(tmp_path: Path) -> None:
-    outcome = _run("json", tmp_path)
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, Path]]:
+    """Each case's outcome on process 0, and the folder it was played in."""
+    root = tmp_path_factory.mktemp("collective_json")
+    for case in CASES:
+        (root / case).mkdir()
+    args = (free_port(), str(root))
+    with_a_spawned_peer(_hostile_peer, args, lambda: _process(0, *args))
+    return {case: (json.loads((root / case / "outcome.json").read_text()), root / case) for case in CASES}
+
+
+def test_peers_values_arrive_as_json_in_rank_order(outcomes: dict[str, tuple[dict, Path]]) -> None:
+    outcome, _ = outcomes["json"]
     assert outcome == {"values": [{"names": ["c"], "rank": 0}, {"names": ["a", "b"], "rank": 1}]}
 
 
-def test_a_pickle_from_a_peer_is_refused_and_never_unpickled(tmp_path: Path) -> None:
-    outcome = _run("pickle", tmp_path)
+def test_a_pickle_from_a_peer_is_refused_and_never_unpickled(outcomes: dict[str, tuple[dict, Path]]) -> None:
+    outcome, folder = outcomes["pickle"]
     assert "process 1 of the group sent bytes that are not UTF-8 JSON" in outcome.get("error", ""), outcome
-    assert not (tmp_path / "unpickled").exists(), "the peer's pickle ran code here"
+    assert not (folder / "unpickled").exists(), "the peer's pickle ran code here"
 
 
-def test_a_length_past_the_limit_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
-    outcome = _run("huge", tmp_path)
+def test_a_length_past_the_limit_is_refused_before_anything_is_allocated(
+    outcomes: dict[str, tuple[dict, Path]],
+) -> None:
+    outcome, _ = outcomes["huge"]
     assert f"process 1 of the group announced {1 << 40} bytes" in outcome.get("error", ""), outcome

@@ -4,17 +4,23 @@
 --machine_rank R ...` as accelerate users start it): the same run as one machine with as many
 processes; machines that disagree (process counts, configs) are refused before any step; a machine
 that never joins, or a process that dies before the run begins, ends the others with a sentence.
+
+Where machine 0's `odrl train` need not be a process of its own (its launcher's exit code and output
+are what is checked), this test process runs it (`odrl_here`): its launched processes are real ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +42,8 @@ from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 
-LAUNCH_ENV = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+HERE_ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}  # the launchers run by this process
+LAUNCH_ENV = {**ENV, **HERE_ENV}
 SAFETY_TIMEOUT_S = 300  # a hang fails the test; no verdict depends on how fast a run is
 CLOCK_KEYS = ("time/", "idle/", "rollout/seconds_per_group", "buffer/depth")  # as test_behaviour_fixture
 # separate mode with a deterministic schedule (see test_behaviour_fixture): the rollout process
@@ -54,10 +61,106 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("model"))
 
 
+OFFLINE = {k: ENV[k] for k in ("HF_HUB_OFFLINE", "WANDB_MODE", "PYTHONUNBUFFERED")}  # what ENV adds
+HANG_S = 600  # a run that takes longer hangs: its processes are stopped (never a verdict on speed)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str], cwd: Path) -> Iterator[None]:
+    """os.environ with `values` set and `cwd` the working folder, as they were after."""
+    before, folder = {key: os.environ.get(key) for key in values}, Path.cwd()
+    os.environ.update(values)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(folder)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _output_to(folder: Path) -> Iterator[tuple[Path, Path]]:
+    """This process's stdout and stderr (file descriptors 1 and 2, which launched processes inherit,
+    and sys.stdout/sys.stderr) appended to folder/stdout and folder/stderr meanwhile."""
+    paths = (folder / "stdout", folder / "stderr")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(paths[0], "a") as out, open(paths[1], "a") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                yield paths
+        finally:
+            out.flush()
+            err.flush()
+            for fd, kept in zip((1, 2), saved, strict=True):
+                os.dup2(kept, fd)
+                os.close(kept)
+
+
+def stop_launched() -> None:
+    """SIGKILL the sessions this process started (its children that lead a session of their own: a
+    launcher and the processes it started)."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            _state, parent, _group, session = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+        if int(parent) == me and int(session) == int(entry.name):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(entry.name), signal.SIGKILL)
+
+
+def odrl_here(
+    args: list[str], env: dict[str, str], timeout_s: float = HANG_S
+) -> subprocess.CompletedProcess[str]:
+    """`odrl ARGS` as its own process would run it, in this one (`main`: a run of one process trains
+    here; `--nproc N` or `--nnodes M` launches its processes from here, as the command's launcher):
+    the exit code and everything printed, by this process and by the ones it launched. The
+    environment is this one's, offline, with `env`; the working folder the repository's.
+    accelerate's state is reset before and after, so that nothing carries over between runs or into
+    other tests. Past `timeout_s` (or when interrupted) every process launched is killed."""
+    from accelerate.state import AcceleratorState
+
+    from omni_diffusion_rl.cli import main
+
+    watchdog = threading.Timer(timeout_s, stop_launched)
+    watchdog.daemon = True
+    with tempfile.TemporaryDirectory(prefix="odrl-here-") as folder:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        watchdog.start()
+        try:
+            with _environment({**OFFLINE, **env}, REPO), _output_to(Path(folder)) as (out, err):
+                code = main(args)
+        except BaseException:
+            stop_launched()
+            raise
+        finally:
+            watchdog.cancel()
+            AcceleratorState._reset_state(reset_partial_state=True)
+        return subprocess.CompletedProcess(["odrl", *args], code, out.read_text(), err.read_text())
+
+
+def _machine_args(
+    rank: int, port: int, args: list[str], nproc: int = 1, join_timeout_s: int = 120
+) -> list[str]:
+    """One machine's `odrl train` arguments of a 2-machine run."""
+    machine = ["--nnodes", "2", "--node-rank", str(rank), "--master-port", str(port)]
+    return ["train", "--nproc", str(nproc), *machine, "--join-timeout", str(join_timeout_s), *args]
+
+
 def _machine(rank: int, port: int, args: list[str], nproc: int = 1, join_timeout_s: int = 120) -> list[str]:
     """One machine's `odrl train` command of a 2-machine run."""
-    machine = ["--nnodes", "2", "--node-rank", str(rank), "--master-port", str(port)]
-    return odrl("train", "--nproc", str(nproc), *machine, "--join-timeout", str(join_timeout_s), *args)
+    return odrl(*_machine_args(rank, port, args, nproc, join_timeout_s))
 
 
 def _accelerate_machine(rank: int, port: int, args: list[str]) -> list[str]:
@@ -69,15 +172,18 @@ def _accelerate_machine(rank: int, port: int, args: list[str]) -> list[str]:
     return [*command, str(REPO / "recipes" / "train_nft.py"), *args]
 
 
-def _run_machines(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    """Every machine's command started at once (each in a session of its own), run to its end."""
-    with ThreadPoolExecutor(len(commands)) as pool:
-        runs = [pool.submit(run_process_tree, c, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO) for c in commands]
-        return [run.result() for run in runs]
+def _run_machines(machine_0: list[str], *others: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    """Every machine started at once, run to its end: machine 0's `odrl train` (its arguments) by this
+    process, as its launcher; the others' commands each in a process and session of its own."""
+    with ThreadPoolExecutor(len(others)) as pool:
+        runs = [pool.submit(run_process_tree, c, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO) for c in others]
+        first = odrl_here(machine_0, HERE_ENV, SAFETY_TIMEOUT_S)
+        return [first, *(run.result() for run in runs)]
 
 
 def _one_machine(nproc: int, args: list[str]) -> subprocess.CompletedProcess[str]:
-    done = run_process_tree(odrl("train", "--nproc", str(nproc), *args), SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO)
+    """`odrl train --nproc N` of one machine, its launcher run by this process."""
+    done = odrl_here(["train", "--nproc", str(nproc), *args], HERE_ENV, SAFETY_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -100,9 +206,9 @@ def _assert_same_adapters(a: Path, b: Path) -> None:
     assert [k for k in adapters_a if not adapters_a[k].equal(adapters_b[k])] == [], "adapters differ"
 
 
-def _survivors(session: int, marker: str) -> list[str]:
-    """Processes still in `session`, or whose command line names `marker` (a launched process runs
-    in a session of its own)."""
+def _survivors(session: int | None, marker: str) -> list[str]:
+    """Processes still in `session` (None: no session of its own, as a launcher run by this process),
+    or whose command line names `marker` (a launched process runs in a session of its own)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -275,7 +381,7 @@ def test_two_machines_of_one_process_match_one_machine_of_two(model_dir: Path, t
     reference = _one_machine(2, fast_overrides(model_dir, one, 2))
     two = tmp_path / "two_machines"
     args, port = [*fast_overrides(model_dir, two, 2), "train.sharding=fsdp"], free_port()
-    first, second = _run_machines(_machine(0, port, args), _machine(1, port, args))
+    first, second = _run_machines(_machine_args(0, port, args), _machine(1, port, args))
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
     assert "sharding: FSDP2 over 2 training processes" in first.stderr
     rows_1, rows_2 = step_records(one), step_records(two)
@@ -309,7 +415,7 @@ def test_separate_mode_trains_on_machine_0_from_a_rollout_process_on_machine_1(
     )
     two = tmp_path / "two_machines"
     args, port = [*fast_overrides(model_dir, two, 2), *DETERMINISTIC_SEPARATE], free_port()
-    first, second = _run_machines(_machine(0, port, args), _accelerate_machine(1, port, args))
+    first, second = _run_machines(_machine_args(0, port, args), _accelerate_machine(1, port, args))
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
     summary = last_json_line(first.stdout)
     assert summary["execution"]["mode"] == "separate"
@@ -323,29 +429,23 @@ def test_separate_mode_trains_on_machine_0_from_a_rollout_process_on_machine_1(
 
 
 @pytest.mark.slow  # starts launchers and training processes
-@pytest.mark.parametrize(
-    ("machine_1", "sentence"),
-    [
-        ({"nproc": 1}, "the machines do not agree on the run's layout: machine 0 "),
-        ({"extra": ["train.steps=3"]}, "machine 1 was given another config than machine 0: train.steps is 3"),
-    ],
-    ids=["nproc", "config"],
-)
-def test_machines_that_disagree_are_refused_before_any_step(
-    model_dir: Path, tmp_path: Path, machine_1: dict, sentence: str
-) -> None:
+def test_machines_that_disagree_are_refused_before_any_step(model_dir: Path, tmp_path: Path) -> None:
     """Machine 0 says --nproc 2 and machine 1 --nproc 1 (torch elastic forms a world of 3 anyway),
-    or machine 1 is given another override: every machine exits 2 with the sentence, no traceback."""
+    and machine 1 is given another override: every machine exits 2 with both sentences (each
+    disagreement is checked on its own and named: one pair of machines shows both), no traceback."""
     run = tmp_path / "run"
     args, port = [*fast_overrides(model_dir, run, 2), "data.prompts_per_step=4"], free_port()
-    nproc_0 = 2 if "nproc" in machine_1 else 1
     first, second = _run_machines(
-        _machine(0, port, args, nproc=nproc_0),
-        _machine(1, port, [*args, *machine_1.get("extra", [])], nproc=machine_1.get("nproc", 1)),
+        _machine_args(0, port, args, nproc=2), _machine(1, port, [*args, "train.steps=3"], nproc=1)
+    )
+    sentences = (
+        "the machines do not agree on the run's layout: machine 0 ",
+        "machine 1 was given another config than machine 0: train.steps is 3",
     )
     for done in (first, second):
         assert done.returncode == 2, done.stderr[-3000:]
-        assert done.stderr.count(sentence) == 1, done.stderr[-3000:]
+        for sentence in sentences:
+            assert done.stderr.count(sentence) == 1, done.stderr[-3000:]
         assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert not (run / "metrics.jsonl").exists(), "refused before any step is logged"
 
@@ -356,22 +456,25 @@ def test_a_machine_that_never_joins_ends_the_other_with_a_sentence_and_leaves_no
 ) -> None:
     """Machine 0 started alone waits for the other to join; machine 1 started alone waits for
     machine 0 to answer. Each gives up after --join-timeout with one sentence instead of torch's
-    traceback, and no process of either is left."""
+    traceback, and no process of either is left. Machine 0 is a process of its own, machine 1's
+    launcher this test's process (every process it launched names its run folder)."""
     runs = {rank: tmp_path / f"alone_{rank}" for rank in (0, 1)}
-    started = {
-        rank: _start(_machine(rank, free_port(), fast_overrides(model_dir, run, 2), join_timeout_s=10))
+    args = {
+        rank: _machine_args(rank, free_port(), fast_overrides(model_dir, run, 2), join_timeout_s=10)
         for rank, run in runs.items()
     }
+    started = _start(odrl(*args[0]))
     ended, survivors = {}, {}
     try:
-        for rank, proc in started.items():
-            ended[rank] = proc.communicate(timeout=SAFETY_TIMEOUT_S)[1]
-            survivors[rank] = _survivors(proc.pid, str(runs[rank]))
+        alone = odrl_here(args[1], HERE_ENV, SAFETY_TIMEOUT_S)
+        ended[1], survivors[1] = (alone.returncode, alone.stderr), _survivors(None, str(runs[1]))
+        err = started.communicate(timeout=SAFETY_TIMEOUT_S)[1]
+        ended[0] = (started.returncode, err)
+        survivors[0] = _survivors(started.pid, str(runs[0]))
     finally:
-        for proc in started.values():
-            _kill_session(proc)
-    for rank, err in ended.items():
-        assert started[rank].returncode == 1, err[-3000:]
+        _kill_session(started)
+    for rank, (code, err) in sorted(ended.items()):
+        assert code == 1, err[-3000:]
         assert "odrl: machine(s) did not join within 10 s (--join-timeout)" in err, err[-3000:]
         assert "--node-rank (0 on the machine at --master-addr 127.0.0.1, 1 on the other)" in err
         assert "Traceback" not in err, err[-3000:]
@@ -453,14 +556,13 @@ def test_a_process_that_dies_before_the_run_begins_stops_the_other_machine(
     args = fast_overrides(model_dir, tmp_path / "run", 2)
     relay = _Relay(port)
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(1) as pool:
             machine_1 = _machine(1, relay.port, [*args, f"train.output_dir={blocked}"])
             late = pool.submit(run_process_tree, machine_1, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO)
             reached = relay.reached.wait(SAFETY_TIMEOUT_S)
-            machine_0 = _machine(0, port, args, join_timeout_s=20)
-            early = pool.submit(run_process_tree, machine_0, SAFETY_TIMEOUT_S, LAUNCH_ENV, REPO)
-            relay.forward()
-            first, second = early.result(), late.result()
+            relay.forward()  # machine 1's connection goes through as soon as machine 0's store listens
+            first = odrl_here(_machine_args(0, port, args, join_timeout_s=20), HERE_ENV, SAFETY_TIMEOUT_S)
+            second = late.result()
     finally:
         relay.close()
     assert reached, "machine 1 never tried to reach machine 0"

@@ -4,12 +4,12 @@ gloo processes, and whole runs that must equal the unsharded ones."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from omni_diffusion_rl.algorithms.nft import flow_matching_loss, nft_loss
 from omni_diffusion_rl.config import ConfigError, load_config
@@ -24,7 +24,7 @@ from omni_diffusion_rl.runtime.sharding import (
 )
 from omni_diffusion_rl.trainers.algorithms import trained_rows
 
-from .helpers import tiny_model_dir, tiny_sd3
+from .helpers import tiny_model_dir, tiny_sd3, with_a_spawned_peer
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,9 @@ def test_an_adapter_that_binds_nothing_is_an_error() -> None:
 
 
 # ---------------------------------------------------------------------- the pieces on two gloo processes
+PEER_TIMEOUT = timedelta(seconds=300)  # a collective whose peer is gone fails (a hang stop, no verdict)
+
+
 def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None:
     from omni_diffusion_rl.runtime.sharding import (
         Sharder,
@@ -147,7 +150,9 @@ def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None
         whole_optimizer_state,
     )
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=PEER_TIMEOUT
+    )
     try:
         model = load_config(None, [f"model.pretrained={model_dir}", "model.lora_rank=4"]).model
         torch.manual_seed(0)
@@ -236,15 +241,17 @@ def _sharded_pieces(rank: int, init_file: str, model_dir: str, out: str) -> None
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # starts processes
+def _peer(_index: int, init_file: str, model_dir: str, out: str) -> None:
+    """Process 1 of the two, in a process of its own."""
+    _sharded_pieces(1, init_file, model_dir, out)
+
+
+@pytest.mark.slow  # starts a process
 def test_sharded_pieces_on_two_processes_equal_the_whole_model(model_dir: Path, tmp_path: Path) -> None:
+    """Process 0 is this test's, process 1 a spawned one."""
     out = tmp_path / "result"
-    mp.start_processes(
-        _sharded_pieces,
-        args=(str(tmp_path / "init"), str(model_dir), str(out)),
-        nprocs=2,
-        start_method="spawn",
-    )
+    args = (str(tmp_path / "init"), str(model_dir), str(out))
+    with_a_spawned_peer(_peer, args, lambda: _sharded_pieces(0, *args))
     for rank in (0, 1):
         got = json.loads(Path(f"{out}.{rank}").read_text())
         assert got["sharded"], "every parameter of the transformer is a shard"

@@ -1,7 +1,14 @@
 """Whole sharded runs (train.sharding=fsdp) on two gloo processes against unsharded ones: the same
 losses, rewards and adapters (within 10x the gaps measured, below) for the tiny model, LTX-2 and
 MiniMax-H3, for NFT, distillation and RAFT (with dropped samples), resume in every direction, bf16,
-offload, and the separate and hybrid modes with a sharded trainer pool."""
+offload, and the separate and hybrid modes with a sharded trainer pool.
+
+`odrl train` runs in this process (`main`), as its own process would: a run of one unsharded process
+(the references, and a sharded checkpoint resumed whole) trains here, torch on 1 thread as in a
+process of its own with OMP_NUM_THREADS=1 (measured: bit for bit the same metrics and adapters as in
+a process of its own, for the tiny model, LTX-2, H3 and every dropped-samples algorithm here); a run
+of several processes is launched from here (`odrl train --nproc N`'s launcher; its accelerate launch
+and training processes are processes of their own)."""
 
 from __future__ import annotations
 
@@ -20,11 +27,13 @@ from omni_diffusion_rl.world import tiny_world as world
 from .av_rewards import AV_LEVEL_PLUGIN
 from .h3_tiny import CLIP as H3_CLIP
 from .h3_tiny import save_tiny_h3
-from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
+from .helpers import ENV, REPO, fast_overrides, last_json_line, step_records, tiny_model_dir
 from .ltx2_tiny import CLIP as LTX2_CLIP
 from .ltx2_tiny import tiny_ltx2_pipeline
+from .test_multinode import odrl_here
 
-pytestmark = pytest.mark.slow  # multi-process runs: left out of `make test-fast`
+# multi-process runs: left out of `make test-fast`; torch on 1 thread for the runs made in this process
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 # (logged losses and rewards, adapter tensors): 10x the largest gap measured between 2 sharded and 1
 # unsharded process on one machine (fp32, 3 steps, OMP_NUM_THREADS=1; docs/sharding.md). Tiny NFT
@@ -51,21 +60,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _train(
     overrides: list[str], processes: int = 1, resume: Path | None = None, env: dict[str, str] | None = None
 ) -> dict:
-    """`odrl train [--nproc N]` in its own processes; its summary."""
+    """`odrl train [--nproc N]` run by this process (odrl_here): one unsharded process trains here,
+    N processes are launched from here. Its summary."""
     args = ["train", *(["--nproc", str(processes)] if processes > 1 else []), *overrides]
     args += ["--resume", str(resume)] if resume else []
-    env = {
-        **ENV,
-        "ACCELERATE_USE_CPU": "true",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-        **(env or {}),
-    }
-    proc = run_process_tree(odrl(*args), timeout_s=600, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    done = odrl_here(args, env)
+    assert done.returncode == 0, done.stderr[-4000:]
     if processes > 1 and SHARDED in overrides:
-        assert "sharding: FSDP2 over" in proc.stderr, "the run says which sharding is in force"
-    return last_json_line(proc.stdout)
+        assert "sharding: FSDP2 over" in done.stderr, "the run says which sharding is in force"
+    return last_json_line(done.stdout)
 
 
 def _accelerate_fsdp(overrides: list[str]) -> dict:
