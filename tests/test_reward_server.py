@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +29,7 @@ from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 from rewards.imagebind import imagebind_available
 
-from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
+from .helpers import ENV, REPO, fast_overrides, step_records, tiny_model_dir
 
 pytestmark = pytest.mark.slow  # every test here starts a reward server or training process
 needs_imagebind = pytest.mark.skipif(
@@ -79,7 +78,7 @@ def server(gates: Path) -> ServerProcess:
     plugin = gates.parent / "gated_reward.py"
     plugin.write_text(GATED)
     args = ("--max-request-mb", "0.25", "--max-wait-ms", "50", "--plugin", str(plugin))
-    names = [*TINY, *TESTS, "test_gated"]
+    names = [*TINY, *TESTS, "test_gated", "test_fails_on_red"]
     with _server(*args, env={"ODRL_TEST_GATES": str(gates)}, names=names) as srv:
         yield srv
 
@@ -272,17 +271,16 @@ def test_a_token_is_enforced_when_set() -> None:
         authorised.close()
 
 
-def test_binding_beyond_loopback_without_a_token_is_refused() -> None:
-    env = {k: v for k, v in ENV.items() if k != "ODRL_REWARD_TOKEN"}
-    done = subprocess.run(
-        odrl("serve-reward", "color_match", "--host", "0.0.0.0", "--port", "0"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2
-    assert "without a token" in done.stderr and "ODRL_REWARD_TOKEN" in done.stderr
+def test_binding_beyond_loopback_without_a_token_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`odrl serve-reward` refuses before it loads a reward or listens: run in this process."""
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.delenv("ODRL_REWARD_TOKEN", raising=False)
+    assert main(["serve-reward", "color_match", "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "without a token" in err and "ODRL_REWARD_TOKEN" in err, err
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -366,10 +364,17 @@ def _kill_after_first_step(srv: ServerProcess, run: Path, restart_after_s: float
     return thread
 
 
-def test_a_run_survives_its_reward_server_being_killed_and_restarted(model_dir: Path, tmp_path: Path) -> None:
+def test_a_run_survives_its_reward_server_being_killed_and_restarted_and_stops_when_it_stays_down(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """One server, two runs. The first (the tiny rewards) sees it killed after its first step and
+    restarted a second later: it matches the run scoring in process. The second also asks
+    test_dies_after, which crashes the (restarted) server (exits 17) in its second call, step 2's
+    scoring (one call a step): the run stops there, in that step, after the one retry it was allowed."""
     reference = tmp_path / "in_process"
     _served_run(model_dir, reference, "", 4)
-    with _server(names=TINY) as srv:
+    names = [*TINY, "test_dies_after"]
+    with _server(names=names, env={"ODRL_TEST_DIE_AFTER": "2"}) as srv:
         port = srv.url.rsplit(":", 1)[1]
         srv.command[srv.command.index("--port") + 1] = port  # come back on the same address
         run = tmp_path / "served"
@@ -379,57 +384,51 @@ def test_a_run_survives_its_reward_server_being_killed_and_restarted(model_dir: 
         assert len([line for line in srv.output if '"event": "ready"' in line]) == 2, (
             "the server was restarted"
         )
-    served, local = step_records(run), step_records(reference)
-    assert len(served) == len(local) == 4
-    for a, b in zip(served, local, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+        served, local = step_records(run), step_records(reference)
+        assert len(served) == len(local) == 4
+        for a, b in zip(served, local, strict=True):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
 
-
-def test_a_run_whose_reward_server_stays_down_stops_with_a_clear_error(
-    model_dir: Path, tmp_path: Path
-) -> None:
-    """The server crashes (exits 17) in its second call of test_dies_after, which is step 2's scoring
-    (one call a step): the run stops there, in that step, after the one retry it was allowed."""
-    names = [*TINY, "test_dies_after"]
-    weights = "reward.weights={" + ", ".join(f"{n}: 1.0" for n in names) + "}"
-    with _server(names=names, env={"ODRL_TEST_DIE_AFTER": "2"}) as srv:
-        run = tmp_path / "served"
+        weights = "reward.weights={" + ", ".join(f"{n}: 1.0" for n in names) + "}"
+        down = tmp_path / "down"
         with pytest.raises(RewardServerError, match=r"failed 2 times.*Is `odrl serve-reward .*` running"):
-            _served_run(model_dir, run, srv.url, 50, "reward.request_retries=1", weights)
+            _served_run(model_dir, down, srv.url, 50, "reward.request_retries=1", weights)
         assert srv.proc is not None and srv.proc.wait(timeout=HANG_S) == 17, "the server died in its call"
-    assert [r["step"] for r in step_records(run)] == [1], "stopped in step 2, the first without a server"
-    assert not (run / "checkpoints" / "step_0000050").exists()
+    assert [r["step"] for r in step_records(down)] == [1], "stopped in step 2, the first without a server"
+    assert not (down / "checkpoints" / "step_0000050").exists()
 
 
-def test_two_processes_with_a_process_left_without_samples_match_one(model_dir: Path, tmp_path: Path) -> None:
+def test_two_processes_with_a_process_left_without_samples_match_one(
+    server: ServerProcess, model_dir: Path, tmp_path: Path
+) -> None:
     """One prompt group per process, one group unscorable: that process trains nothing, joins the
-    gradient average with weight 0, and the run equals a single process's."""
+    gradient average with weight 0, and the run equals a single process's (both scored by the
+    module's server; a request whose batch fails is answered alone)."""
     red = next(s.prompt for s in world.ALL_SCENES if s.color == "red")
     blue = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{red}\n{blue}\n")
-    with _server(names=["color_match", "test_fails_on_red"]) as srv:
-        extra = [
-            f"data.prompts={prompts}",
-            "reward.weights={color_match: 1.0, test_fails_on_red: 1.0}",
-            f"reward.url={srv.url}",
-            "reward.max_failed_fraction=0.5",
-            "train.eval_at_start_and_end=false",
-        ]
-        single = tmp_path / "single"
-        Trainer(load_config(None, fast_overrides(model_dir, single, 2) + extra)).fit()
-        double = tmp_path / "double"
-        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-        launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        launch += ["--main_process_port", "29531", str(REPO / "recipes" / "train_nft.py")]
-        proc = run_process_tree(
-            [*launch, *fast_overrides(model_dir, double, 2), *extra],
-            timeout_s=300,
-            env={**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
-            cwd=REPO,
-        )
+    extra = [
+        f"data.prompts={prompts}",
+        "reward.weights={color_match: 1.0, test_fails_on_red: 1.0}",
+        f"reward.url={server.url}",
+        "reward.max_failed_fraction=0.5",
+        "train.eval_at_start_and_end=false",
+    ]
+    single = tmp_path / "single"
+    Trainer(load_config(None, fast_overrides(model_dir, single, 2) + extra)).fit()
+    double = tmp_path / "double"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch += ["--main_process_port", "29531", str(REPO / "recipes" / "train_nft.py")]
+    proc = run_process_tree(
+        [*launch, *fast_overrides(model_dir, double, 2), *extra],
+        timeout_s=300,
+        env={**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows_1, rows_2 = step_records(single), step_records(double)
     assert len(rows_1) == len(rows_2) == 2

@@ -1,8 +1,8 @@
 """Reward server faults: stalled uploads, idle connections, Ctrl-C, bad tokens, absurd media, bad urls.
 
 Servers run on 127.0.0.1, either in this process (on a thread with its own event loop, for settings the
-command line does not expose) or as `odrl serve-reward` child processes. Every socket is closed and
-every server stopped by the test that opened it.
+command line does not expose) or as `odrl serve-reward` child processes. Every socket is closed by the
+test that opened it, every server stopped by the test or module fixture that started it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.serving.server import ServeSettings, serve
 
-from .helpers import ENV, REPO, odrl
+from .helpers import ENV, REPO
 
 PLUGIN = ("--plugin", "tests.plugin_rewards")
 SCORE_PATH = "/score/test_prompt_length"
@@ -162,6 +162,27 @@ def _wait_for(condition: Callable[[], bool], within_s: float) -> bool:
 
 
 @pytest.fixture(scope="module")
+def patient_server() -> Iterator[Callable[[], ServerProcess]]:
+    """The `odrl serve-reward` process of the tests that need the command itself (its --max-in-flight,
+    its Ctrl-C), started once: --max-in-flight 8, no batching wait, keep-alive and read timeouts that
+    no test outlives, test_slow sleeping as long. The Ctrl-C test stops it: a test that asks for it
+    after that gets a new one."""
+    started: list[ServerProcess] = []
+
+    def live() -> ServerProcess:
+        if not started or started[-1].proc is None or started[-1].proc.poll() is not None:
+            args = ("--max-in-flight", "8", "--max-wait-ms", "0")
+            args += ("--keepalive-timeout-s", LONG_S, "--read-timeout-s", LONG_S)
+            names = ["test_prompt_length", "test_slow"]
+            started.append(_subprocess_server(*args, names=names, env={"ODRL_TEST_SLOW_S": LONG_S}).start())
+        return started[-1]
+
+    yield live
+    for srv in started:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
 def quick_server() -> Iterator[str]:
     """An in-process server with short read/keep-alive timeouts and a small in-flight limit."""
     settings = ServeSettings(
@@ -176,30 +197,31 @@ def quick_server() -> Iterator[str]:
 
 
 @pytest.mark.slow  # starts a reward server process
-def test_stalled_uploads_do_not_make_real_requests_wait_or_fail() -> None:
+def test_stalled_uploads_do_not_make_real_requests_wait_or_fail(
+    patient_server: Callable[[], ServerProcess],
+) -> None:
     """300 uploads that stall after 2 bytes against --max-in-flight 8: a real request is answered
     while every one of them is still being received (their read timeout is far past the test)."""
-    args = ("--max-in-flight", "8", "--read-timeout-s", LONG_S)
-    with _subprocess_server(*args, names=["test_prompt_length"]) as srv:
-        host, port = _host_port(srv.url)
-        stalled: list[socket.socket] = []
+    srv = patient_server()
+    host, port = _host_port(srv.url)
+    stalled: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            stalled.append(_stalled_upload(host, port))
+        reading = _wait_for(lambda: _get_json(f"{srv.url}/info").get("reading", 0) >= 300, HANG_S)
+        assert reading, "the server did not start receiving the 300 uploads"
         try:
-            for _ in range(300):
-                stalled.append(_stalled_upload(host, port))
-            reading = _wait_for(lambda: _get_json(f"{srv.url}/info").get("reading", 0) >= 300, HANG_S)
-            assert reading, "the server did not start receiving the 300 uploads"
-            try:
-                code, answer = _post(srv.url + SCORE_PATH, _good_body(), timeout=HANG_S)
-            except OSError as e:  # urllib's timeout
-                pytest.fail(f"a real request got no answer behind 300 stalled uploads: {e}")
-            assert code == 200 and answer["scores"] == [3.0], f"{code} {answer}"
-            info = _get_json(f"{srv.url}/info")
-            assert info["reading"] == 300 and info["in_flight"] == 0, (
-                f"answered while all 300 uploads were still pending: {info}"
-            )
-        finally:
-            for sock in stalled:
-                sock.close()
+            code, answer = _post(srv.url + SCORE_PATH, _good_body(), timeout=HANG_S)
+        except OSError as e:  # urllib's timeout
+            pytest.fail(f"a real request got no answer behind 300 stalled uploads: {e}")
+        assert code == 200 and answer["scores"] == [3.0], f"{code} {answer}"
+        info = _get_json(f"{srv.url}/info")
+        assert info["reading"] == 300 and info["in_flight"] == 0, (
+            f"answered while all 300 uploads were still pending: {info}"
+        )
+    finally:
+        for sock in stalled:
+            sock.close()
 
 
 def test_bodies_arriving_at_once_are_bounded_by_max_uploads_mb() -> None:
@@ -279,20 +301,16 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeout(qui
 
 
 @pytest.mark.slow  # starts a reward server process
-def test_ctrl_c_stops_the_server_within_seconds_whatever_its_connections_do() -> None:
+def test_ctrl_c_stops_the_server_within_seconds_whatever_its_connections_do(
+    patient_server: Callable[[], ServerProcess],
+) -> None:
     """An idle keep-alive connection, a stalled upload and a request inside a model call: each of them
     would last 600 s (the server's keep-alive and read timeouts, the call's sleep), so a server that
     exits at all before HANG_S did not wait for any of them."""
-    srv = _subprocess_server(
-        "--max-wait-ms",
-        "0",
-        "--keepalive-timeout-s",
-        LONG_S,
-        "--read-timeout-s",
-        LONG_S,
-        names=["test_prompt_length", "test_slow"],
-        env={"ODRL_TEST_SLOW_S": LONG_S},
-    ).start()
+    srv = patient_server()
+    idle_now = lambda: _get_json(f"{srv.url}/info")  # noqa: E731
+    # connections an earlier test closed are gone: what is pending below is this test's
+    assert _wait_for(lambda: (idle_now()["reading"], idle_now()["in_flight"]) == (0, 0), HANG_S), idle_now()
     host, port = _host_port(srv.url)
     idle = http.client.HTTPConnection(host, port, timeout=10)
     opened: list[socket.socket] = []
@@ -378,18 +396,17 @@ def test_a_good_token_is_accepted() -> None:
     ServeSettings(host="0.0.0.0", token="s3cret-token_1.2~3").check()
 
 
-@pytest.mark.slow  # starts `odrl serve-reward`
-def test_serve_reward_refuses_a_whitespace_token_from_the_environment() -> None:
-    env = {**ENV, "MY_TOKEN": " "}
-    done = subprocess.run(
-        odrl("serve-reward", "color_match", "--port", "0", "--token-env", "MY_TOKEN"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "MY_TOKEN" in done.stderr and "whitespace" in done.stderr, done.stderr[-2000:]
+@pytest.mark.slow  # `odrl serve-reward` itself (in this process: it refuses before loading a reward)
+def test_serve_reward_refuses_a_whitespace_token_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.setenv("MY_TOKEN", " ")
+    code = main(["serve-reward", "color_match", "--port", "0", "--token-env", "MY_TOKEN"])
+    out, err = capsys.readouterr()
+    assert code == 2, out[-2000:] + err[-2000:]
+    assert "MY_TOKEN" in err and "whitespace" in err, err[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,6 @@ from .helpers import (
     REPO,
     fast_overrides,
     last_json_line,
-    odrl,
     step_records,
     tiny_model_dir,
     trained_adapter_norm,
@@ -104,16 +103,15 @@ def test_a_dead_rollout_process_stops_the_run_without_hanging(model_dir: Path, t
     assert steps in ([], [1]), f"3 groups were scored (one reward call each), one step's worth: {steps}"
 
 
-def test_separate_needs_two_processes(model_dir: Path, tmp_path: Path) -> None:
-    done = subprocess.run(
-        odrl("train", *fast_overrides(model_dir, tmp_path / "run", 1), "execution.mode=separate"),
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and "needs at least 2 processes" in done.stderr
+def test_separate_needs_two_processes(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`odrl train` started alone (in this process: the refusal is its exit code and its sentence)."""
+    from omni_diffusion_rl.cli import main
+
+    code = main(["train", *fast_overrides(model_dir, tmp_path / "run", 1), "execution.mode=separate"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs at least 2 processes" in err, err[-3000:]
 
 
 def test_a_fast_rollout_filling_a_small_buffer_does_not_block_weight_syncs(
@@ -156,11 +154,13 @@ def _refuse_to_receive(rank: int, init_file: str, result_file: str) -> None:
 
 
 def test_a_send_nobody_takes_times_out_instead_of_hanging(tmp_path: Path) -> None:
+    """Two processes forked from this one (spawned ones would import torch, diffusers and this module
+    again, seconds of CPU each, for a test of the transport alone)."""
     import torch.multiprocessing as mp
 
     result = tmp_path / "result.txt"
     mp.start_processes(
-        _refuse_to_receive, args=(str(tmp_path / "init"), str(result)), nprocs=2, start_method="spawn"
+        _refuse_to_receive, args=(str(tmp_path / "init"), str(result)), nprocs=2, start_method="fork"
     )
     assert result.read_text() == "TimeoutError: rank 1 did not take a message within 1 s"
 
@@ -179,10 +179,16 @@ def _balances(buf: dict) -> bool:
     )
 
 
-def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up(model_dir: Path, tmp_path: Path) -> None:
-    args = fast_overrides(model_dir, tmp_path / "run", 6) + SLOW_SCORING
-    args += ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
-    proc = _launch(args, 29557, env=SLOW_SCORING_ENV, timeout=180)
+def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up_and_resumes_with_balanced_accounting(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A hybrid run whose rollout process cannot keep up lends the trainer; resumed from its last
+    checkpoint for two more steps, its accounting counts both runs and balances, lent group ids and
+    the rollout stream continue."""
+    run = tmp_path / "run"
+    base = fast_overrides(model_dir, run, 6) + SLOW_SCORING
+    base += ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
+    proc = _launch(base, 29557, env=SLOW_SCORING_ENV, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ex = last_json_line(proc.stdout)["execution"]
     assert ex["mode"] == "hybrid" and _balances(ex["buffer"]) and ex["buffer"]["trained"] == 6 * 2 * 2
@@ -196,26 +202,21 @@ def test_hybrid_lends_the_trainer_when_rollout_cannot_keep_up(model_dir: Path, t
     assert set(ex["idle_fraction"]["rollout"]) == {"staleness_gate", "buffer_full", "weight_sync"}
     assert set(ex["idle_fraction"]["trainer"]) == {"waiting_for_data", "weight_sync", "switching"}
 
-
-def test_separate_resumes_with_balanced_accounting(model_dir: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    base = fast_overrides(model_dir, run, 2) + ["execution.mode=hybrid", "train.eval_at_start_and_end=false"]
-    first = _launch([*base, *SLOW_SCORING], 29559, env=SLOW_SCORING_ENV, timeout=180)
-    assert first.returncode == 0, first.stderr[-4000:]
-    lent_before = last_json_line(first.stdout)["execution"]["hybrid"]["lent_groups"]
-    resume = ["train.steps=4", "--resume", str(run / "checkpoints")]
-    resumed = _launch([*base, *SLOW_SCORING, *resume], 29561, env=SLOW_SCORING_ENV, timeout=180)
+    lent_before = hybrid["lent_groups"]
+    streamed = json.loads((run / "checkpoints" / "step_0000006" / "state.json").read_text())["execution"]
+    resume = ["train.steps=8", "--resume", str(run / "checkpoints")]
+    resumed = _launch([*base, *resume], 29561, env=SLOW_SCORING_ENV, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     summary = last_json_line(resumed.stdout)
     buf = summary["execution"]["buffer"]
     assert _balances(buf), buf
-    assert buf["trained"] == 4 * 2 * 2 == summary["samples"]["trained"], "both runs' samples are counted"
-    state = json.loads((run / "checkpoints" / "step_0000004" / "state.json").read_text())["execution"]
+    assert buf["trained"] == 8 * 2 * 2 == summary["samples"]["trained"], "both runs' samples are counted"
+    state = json.loads((run / "checkpoints" / "step_0000008" / "state.json").read_text())["execution"]
     assert state["lent_made"] == lent_before + summary["execution"]["hybrid"]["lent_groups"], (
         "lent ids continue"
     )
-    assert state["stream_next"] >= 2 * 2, "the rollout stream continues past the first run's groups"
-    assert [r["step"] for r in step_records(run)] == [1, 2, 3, 4]
+    assert state["stream_next"] > streamed["stream_next"], "the rollout stream continues past the first run's"
+    assert [r["step"] for r in step_records(run)] == list(range(1, 9))
 
 
 def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_path: Path) -> None:
@@ -242,16 +243,19 @@ def test_auto_measures_predicts_and_runs_the_fastest_mode(model_dir: Path, tmp_p
     assert summary["samples"]["trained"] == 2 * 2 * 2
 
 
-# the wrong prior's misprediction must save clearly more than a switch costs (1-2 s here, wandb's
-# start included)
-SLOWER_ROLLOUT = ["sampling.num_steps=120", "algorithm.timestep_fraction=0.0125"]
-# for the single-trainer re-check, where the saving per prompt is small: 4x the rollout work per
-# step and more steps, so that the switch saves several times what it costs (CI measured a 1.7 s
-# switch against a 1.6 s saving with 120 steps and a 30-step run)
-SLOWEST_ROLLOUT = ["sampling.num_steps=240", "algorithm.timestep_fraction=0.00625"]
+# The re-checks below must switch, and clearly: the wrong prior's misprediction must save several
+# times what a switch costs (seconds: the group in flight, the start of a mode, wandb's included,
+# and an async mode's first step). The rollout is made slow the way SLOW_SCORING does it, by a sleep
+# in the reward, not by computation (hundreds of sampling steps took a minute of CPU a run): a group
+# then takes SLOW_GROUP_S whatever the machine's load, and training a step (about 0.1 s alone) stays
+# far under it. Measured: with 2 trainers, 2 s a group and 16 steps save 28 s against a 4.6 s switch;
+# one trainer saves less per prompt (it halves a step, not a third of it) and its switch costs two
+# groups and wandb's start (13 s), so 3 s a group and 16 steps save about 42 s.
+SLOW_GROUP_S = {"follow": "2.0", "recheck": "3.0"}
+FAST_SAMPLING_STEPS = 3  # fast_overrides' sampling.num_steps: the prior's length
 
 
-def _wrong_prior(path: Path, length: int = 120) -> Path:
+def _wrong_prior(path: Path, length: int = FAST_SAMPLING_STEPS) -> Path:
     """Costs under which separate (1 rollout process) looks twice as fast as colocated."""
     path.write_text(json.dumps(wrong_prior(2, 2, length)))
     return path
@@ -260,7 +264,12 @@ def _wrong_prior(path: Path, length: int = 120) -> Path:
 def _flat_prior(path: Path) -> Path:
     """Generation nearly free and training all fixed cost: every async split looks the same, and
     auto starts with the first (1 rollout process)."""
-    costs = {"gen_fixed_s": 0.001, "gen_per_unit_s": 0.0, "length": 120, "train_fixed_s": 10.0}
+    costs = {
+        "gen_fixed_s": 0.001,
+        "gen_per_unit_s": 0.0,
+        "length": FAST_SAMPLING_STEPS,
+        "train_fixed_s": 10.0,
+    }
     path.write_text(json.dumps({"costs": {**costs, "train_per_sample_s": 0.0, "sync_s": 0.0}}))
     return path
 
@@ -284,28 +293,33 @@ def test_auto_rechecks_with_the_runs_timings_and_switches_modes(model_dir: Path,
     """A wrong prior (generation nearly free, training all fixed cost) makes auto start separate;
     the re-check calibrates it with the rollout's real timings and switches (to colocated, or to
     hybrid, which the simulator then predicts about as fast) from a checkpoint, losing nothing."""
-    prior = _wrong_prior(tmp_path / "prior.json", 240)
+    prior, steps = _wrong_prior(tmp_path / "prior.json"), 16
     run = tmp_path / "run"
-    args = (
-        fast_overrides(model_dir, run, 50) + SLOWEST_ROLLOUT + ["execution.mode=auto", "tracking.wandb=true"]
-    )
+    args = [
+        *fast_overrides(model_dir, run, steps),
+        *SLOW_SCORING,
+        "execution.mode=auto",
+        "tracking.wandb=true",
+    ]
     args += [
         f"execution.auto_costs={prior}",
         "execution.auto_recheck_every=2",
         "execution.auto_switch_margin=0.3",
     ]
-    proc = _launch(args, 29565, timeout=180)
+    env = {**SLOW_SCORING_ENV, "ODRL_TEST_SLOW_S": SLOW_GROUP_S["recheck"]}
+    proc = _launch(args, 29565, env=env, timeout=420)  # 1-2 minutes, sleeping mostly
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = last_json_line(proc.stdout)
     auto = summary["auto"]
     assert auto["picked"] == "separate" and auto["costs_from"] == str(prior)
     # started from the prior as given, not from a warm-up's measurements
-    assert auto["measured_costs"] == costs_to_json(load_costs(str(prior)).with_length(240)), auto
-    switched = _check_segments(summary, 50)
+    given = load_costs(str(prior)).with_length(FAST_SAMPLING_STEPS)
+    assert auto["measured_costs"] == costs_to_json(given), auto
+    switched = _check_segments(summary, steps)
     why = [(r["why"], r["switch_cost_s"]) for r in auto["rechecks"]]
     assert switched and switched[0]["running"] == "separate (1 rollout)", why
     assert switched[0]["measured"]["gen_s"] > 0.001, "calibrated with the rollout's real timings"
-    assert [r["step"] for r in step_records(run)] == list(range(1, 51))
+    assert [r["step"] for r in step_records(run)] == list(range(1, steps + 1))
     assert "heldout_reward_after" in summary, "evaluated once, at the real end"
     assert json.loads((run / "summary.json").read_text())["auto"]["switches"] == len(switched)
     runs = sorted((run / "wandb").glob("offline-run-*"))
@@ -349,22 +363,23 @@ def test_auto_follows_the_leader_with_two_trainer_processes(model_dir: Path, tmp
     """3 processes: colocated cannot split 2 prompt groups, so auto weighs separate and hybrid at
     each split; the wrong prior starts separate with 2 trainers, and when the leader's re-check
     switches, the other trainer process follows at the same step."""
-    run = tmp_path / "run"
-    args = fast_overrides(model_dir, run, 24) + SLOWER_ROLLOUT + ["execution.mode=auto"]
+    run, steps = tmp_path / "run", 16
+    args = fast_overrides(model_dir, run, steps) + SLOW_SCORING + ["execution.mode=auto"]
     args += [
         f"execution.auto_costs={_flat_prior(tmp_path / 'prior.json')}",
         "execution.auto_recheck_every=2",
     ]
-    proc = _launch([*args, "train.eval_at_start_and_end=false"], 29571, timeout=240, processes=3)
+    env = {**SLOW_SCORING_ENV, "ODRL_TEST_SLOW_S": SLOW_GROUP_S["follow"]}
+    proc = _launch([*args, "train.eval_at_start_and_end=false"], 29571, env=env, timeout=420, processes=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = last_json_line(proc.stdout)
     auto = summary["auto"]
     assert auto["predicted_s_per_prompt"]["colocated"] == float("inf")
     assert auto["picked"] == "separate" and auto["rollout_replicas"]["separate"] == 1
-    switched = _check_segments(summary, 24)
+    switched = _check_segments(summary, steps)
     assert switched and switched[0]["running"] == "separate (1 rollout)", [r["why"] for r in auto["rechecks"]]
     assert auto["segments"][0]["trainer_replicas"] == 2
-    assert [r["step"] for r in step_records(run)] == list(range(1, 25))
+    assert [r["step"] for r in step_records(run)] == list(range(1, steps + 1))
 
 
 def _fails_by_itself(args: list[str], weights: str, env: dict[str, str], port: int, hang_s: int):  # noqa: ANN202
