@@ -33,23 +33,28 @@ def test_pretrain_writes_a_loadable_model_and_lowers_the_loss(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(tmp_path: Path) -> None:
+def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--dim/--depth/--heads size the model; --teacher's folder recommends guidance 3 unless it
-    learned no empty prompt; a size that cannot work is refused before any training."""
+    learned no empty prompt; a size that cannot work is refused before any training. The first
+    pretraining is a real `odrl pretrain` process; the others go through cli.main in this one."""
+    from omni_diffusion_rl.cli import main
 
-    def pretrain(*extra: str) -> subprocess.CompletedProcess:
-        command = odrl("pretrain", "--steps", "1", "--dim", "32", "--depth", "1", "--heads", "2", *extra)
-        return subprocess.run(command, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
-
+    size = ("--steps", "1", "--dim", "32", "--depth", "1", "--heads", "2")
     guided, unguided = tmp_path / "guided", tmp_path / "unguided"
-    assert pretrain("--teacher", "--output", str(guided)).returncode == 0
+    command = odrl("pretrain", *size, "--teacher", "--output", str(guided))
+    done = subprocess.run(command, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     config = json.loads((guided / "config.json").read_text())
     assert (config["dim"], config["depth"], config["heads"]) == (32, 1, 2)
     assert read_folder_guidance(guided) == 3.0
-    assert pretrain("--teacher", "--prompt-dropout", "0", "--output", str(unguided)).returncode == 0
+    assert main(["pretrain", *size, "--teacher", "--prompt-dropout", "0", "--output", str(unguided)]) == 0
     assert read_folder_guidance(unguided) is None
-    bad = pretrain("--heads", "5", "--output", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "dim 32 must be a multiple of heads 5" in bad.stderr, bad.stderr
+    capsys.readouterr()
+    assert main(["pretrain", *size, "--heads", "5", "--output", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "dim 32 must be a multiple of heads 5" in err, err
     assert not (tmp_path / "bad").exists()
 
 
@@ -152,31 +157,19 @@ def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sample_command_writes_previews(tmp_path: Path) -> None:
+def test_sample_command_writes_previews(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`odrl sample` through cli.main in this process (its refusals in a real process:
+    test_cli_errors.py)."""
+    from omni_diffusion_rl.cli import main
+
     model = tiny_model_dir(tmp_path / "model")
     out = tmp_path / "samples"
-    proc = subprocess.run(
-        odrl(
-            "sample",
-            "--pretrained",
-            str(model),
-            "--prompt",
-            world.HELDOUT_PROMPTS[0],
-            "--prompt",
-            world.HELDOUT_PROMPTS[1],
-            "--steps",
-            "3",
-            "--output",
-            str(out),
-        ),
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    files = json.loads(proc.stdout.strip().splitlines()[-1])["files"]
+    prompts = ["--prompt", world.HELDOUT_PROMPTS[0], "--prompt", world.HELDOUT_PROMPTS[1]]
+    capsys.readouterr()
+    code = main(["sample", "--pretrained", str(model), *prompts, "--steps", "3", "--output", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    files = json.loads(printed.out.strip().splitlines()[-1])["files"]
     assert {"sheet.png", "sample_00.gif", "sample_01.wav", "index.json"} <= set(files)
     index = json.loads((out / "index.json").read_text())
     assert index["prompts"] == world.HELDOUT_PROMPTS[:2]

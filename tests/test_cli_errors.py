@@ -3,7 +3,8 @@ error path of cli.main (issue 24, items 5, 9 and 10): config loading bounded (al
 deep nesting), teacher routing failures, a missing teacher token, teacher options, a port in use, an
 unwritable output, a device as a prompt or config file, a plug-in calling sys.exit, a teacher url with
 a path. A genuine bug keeps its traceback. In-process tests call cli.main (an exception it did not
-turn into a sentence would fail the test); the slow ones run `python -m omni_diffusion_rl.cli`."""
+turn into a sentence would fail the test); the slow ones run `python -m omni_diffusion_rl.cli` where
+the property is a real process's (its exit code, no traceback however it ends)."""
 
 from __future__ import annotations
 
@@ -307,48 +308,61 @@ def _teacher_server(model: Path, **env: str) -> ServerProcess:
 
 
 @pytest.mark.slow  # starts server and training processes
-def test_teacher_routing_failures_are_sentences(teacher_dir: Path, tmp_path: Path) -> None:
+def test_teacher_routing_failures_and_every_replica_gone_are_sentences(
+    teacher_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each teacher routing failure is refused by cli.main with one sentence (in this process, against
+    real servers); then, in a real `odrl train` process, every replica gone mid-run is a sentence
+    (exit code 2, no traceback) and the checkpoint stays. Three servers serve every case: the other
+    model sits behind a token, asked with it for the mismatch and without it for the refusal, and
+    the first teacher is the one killed mid-run at the end."""
+    from .test_teacher_server import _kill_after_step
+
     student, other = tiny_model_dir(tmp_path / "student", seed=1), tiny_model_dir(tmp_path / "other", seed=3)
     with socket.socket() as free:  # a port nothing listens on
         free.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{free.getsockname()[1]}"
     with (
         _teacher_server(teacher_dir, OMP_NUM_THREADS="1") as first,
-        _teacher_server(other, OMP_NUM_THREADS="1") as second,
-        _teacher_server(teacher_dir, OMP_NUM_THREADS="1", ODRL_TEACHER_TOKEN="s3cret") as guarded,
+        _teacher_server(other, OMP_NUM_THREADS="1", ODRL_TEACHER_TOKEN="s3cret") as guarded,
         ServerProcess(["color_match"], env={**ENV, "OMP_NUM_THREADS": "1"}) as rewards,
     ):
-        cases = {
-            (rewards.url,): f"TeacherServerMismatch: teacher server {rewards.url} does not serve 'policy'; "
-            "it serves []; it is a reward server (rewards ['color_match'])",
-            (first.url, second.url): "TeacherServerMismatch: the teacher replicas serve different models",
-            (closed,): f"TeacherUnavailable: teacher server {closed} does not answer /info",
+        cases = [  # the urls, the token this process sends (None: none), the sentence
             (
-                guarded.url,
-            ): f"TeacherRequestRejected: teacher server {guarded.url} refused /info (401): no token "
-            "was sent: set ODRL_TEACHER_TOKEN to the token the teacher server was started with",
-            ("http://127.0.0.1:8500/velocity",): "TeacherURLError: teacher.urls: teacher server url",
-        }
-        for i, (urls, message) in enumerate(cases.items()):
-            _sentence(
-                _odrl("train", *_distill(student, tmp_path / f"run{i}", 2, list(urls))), f"odrl: {message}"
-            )
-
-
-@pytest.mark.slow  # starts server and training processes
-def test_every_replica_gone_mid_run_is_a_sentence_and_the_checkpoint_stays(
-    teacher_dir: Path, tmp_path: Path
-) -> None:
-    from .test_teacher_server import _kill_after_step
-
-    run = tmp_path / "run"
-    with _teacher_server(teacher_dir, OMP_NUM_THREADS="1") as server:
-        watcher = _kill_after_step(server, run, 2)
+                [rewards.url],
+                None,
+                f"TeacherServerMismatch: teacher server {rewards.url} does not serve 'policy'; it serves [];"
+                " it is a reward server (rewards ['color_match'])",
+            ),
+            (
+                [first.url, guarded.url],
+                "s3cret",  # the first ignores it; the second answers with its (other) model
+                "TeacherServerMismatch: the teacher replicas serve different models",
+            ),
+            ([closed], None, f"TeacherUnavailable: teacher server {closed} does not answer /info"),
+            (
+                [guarded.url],
+                None,
+                f"TeacherRequestRejected: teacher server {guarded.url} refused /info (401): no token "
+                "was sent: set ODRL_TEACHER_TOKEN to the token the teacher server was started with",
+            ),
+            (["http://127.0.0.1:8500/velocity"], None, "TeacherURLError: teacher.urls: teacher server url"),
+        ]
+        for i, (urls, token, message) in enumerate(cases):
+            if token is None:
+                monkeypatch.delenv("ODRL_TEACHER_TOKEN", raising=False)
+            else:
+                monkeypatch.setenv("ODRL_TEACHER_TOKEN", token)
+            err = _refused(capsys, "train", *_distill(student, tmp_path / f"run{i}", 2, urls))
+            assert f"odrl: {message}" in err, err
+        monkeypatch.delenv("ODRL_TEACHER_TOKEN", raising=False)
+        run = tmp_path / "run"  # the only teacher is killed after step 2 of 50
+        watcher = _kill_after_step(first, run, 2)
         overrides = _distill(
-            teacher_dir, run, 50, [server.url], "train.checkpoint_every=1", "teacher.timeout_s=5"
+            teacher_dir, run, 50, [first.url], "train.checkpoint_every=1", "teacher.timeout_s=5"
         )
         done = _odrl("train", *overrides)
         watcher.join(timeout=10)
-    _sentence(done, f"odrl: TeacherUnavailable: no teacher replica of 'policy' is left ({server.url}: ")
+    _sentence(done, f"odrl: TeacherUnavailable: no teacher replica of 'policy' is left ({first.url}: ")
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert (run / "checkpoints" / latest / "tensors.safetensors").is_file()

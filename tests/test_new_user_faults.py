@@ -20,6 +20,16 @@ def _train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout)
 
 
+def _train_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`odrl train ARGS` through cli.main in this process (run from the repository root, as `_train`):
+    its exit code and stderr. An error it did not turn into a sentence fails the test."""
+    from omni_diffusion_rl.cli import main
+
+    capsys.readouterr()
+    code = main(["train", *args])
+    return code, capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
@@ -27,11 +37,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow  # starts training or launcher processes
 def test_a_second_run_into_a_run_folder_is_refused_and_the_first_run_survives(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The refusal in a real process (its exit code, no traceback); the runs around it in this one."""
+    monkeypatch.chdir(REPO)
     run = tmp_path / "run"
-    first = _train(*fast_overrides(model_dir, run, steps=4), "train.checkpoint_every=2")
-    assert first.returncode == 0, first.stderr
+    code, err = _train_in_process(
+        capsys, *fast_overrides(model_dir, run, steps=4), "train.checkpoint_every=2"
+    )
+    assert code == 0, err
     metrics = (run / "metrics.jsonl").read_text()
     second = _train(*fast_overrides(model_dir, run, steps=1))
     assert second.returncode == 2
@@ -41,8 +55,8 @@ def test_a_second_run_into_a_run_folder_is_refused_and_the_first_run_survives(
     assert (run / "metrics.jsonl").read_text() == metrics  # nothing erased
     assert resolve_checkpoint(run / "checkpoints").name == "step_0000004"
     # Starting over on purpose leaves one consistent run behind.
-    again = _train(*fast_overrides(model_dir, run, steps=1), "train.overwrite=true")
-    assert again.returncode == 0, again.stderr
+    code, err = _train_in_process(capsys, *fast_overrides(model_dir, run, steps=1), "train.overwrite=true")
+    assert code == 0, err
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_0000001"]
     steps = [json.loads(line).get("step") for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(s for s in steps if s is not None) <= 1
@@ -93,12 +107,15 @@ def test_a_config_that_is_not_a_mapping_is_a_clear_error(tmp_path: Path, text: s
         load_config(path, ["train.steps=3"])
 
 
-@pytest.mark.slow  # starts training or launcher processes
-def test_a_directory_given_as_config_or_prompt_file(tmp_path: Path) -> None:
+@pytest.mark.slow  # trains in process
+def test_a_directory_given_as_config_or_prompt_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError, match="is a directory; give a file"):
         load_config(tmp_path)
-    done = _train(f"data.prompts={tmp_path}", f"train.output_dir={tmp_path / 'run'}", timeout=60)
-    assert done.returncode == 2 and "is a directory" in done.stderr and "Traceback" not in done.stderr
+    code, err = _train_in_process(capsys, f"data.prompts={tmp_path}", f"train.output_dir={tmp_path / 'run'}")
+    assert code == 2 and "is a directory" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -146,14 +163,18 @@ def test_odrl_train_nproc_refuses_a_layout_before_starting_any_process(
     assert "must be divisible by the 2 trainer processes" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # starts training or launcher processes
-def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(tmp_path: Path) -> None:
-    missing = _train(f"model.pretrained={tmp_path / 'nowhere'}", f"train.output_dir={tmp_path / 'a'}")
-    assert missing.returncode == 2 and "nowhere" in missing.stderr and "Traceback" not in missing.stderr
-    hub = _train("model.pretrained=someone/not-downloaded", f"train.output_dir={tmp_path / 'b'}", timeout=60)
-    assert hub.returncode == 2 and "someone/not-downloaded" in hub.stderr and "Traceback" not in hub.stderr
-    targets = _train("model.lora_targets=[no_such_layer]", f"train.output_dir={tmp_path / 'c'}", timeout=60)
-    assert targets.returncode == 2 and "no_such_layer" in targets.stderr and "Traceback" not in targets.stderr
+@pytest.mark.slow  # builds models in process
+def test_a_missing_pretrained_model_and_bad_lora_targets_are_clear_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(REPO)
+    for override, output, name in (
+        (f"model.pretrained={tmp_path / 'nowhere'}", "a", "nowhere"),
+        ("model.pretrained=someone/not-downloaded", "b", "someone/not-downloaded"),
+        ("model.lora_targets=[no_such_layer]", "c", "no_such_layer"),
+    ):
+        code, err = _train_in_process(capsys, override, f"train.output_dir={tmp_path / output}")
+        assert code == 2 and name in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow
@@ -209,20 +230,23 @@ def test_a_reward_url_with_a_path_is_refused_at_load(url: str) -> None:
         load_config(None, [f"reward.url={url}"])
 
 
-@pytest.mark.slow  # starts training or launcher processes
-def test_a_reward_server_that_is_down_names_the_rewards(tmp_path: Path) -> None:
+@pytest.mark.slow  # trains in process
+def test_a_reward_server_that_is_down_names_the_rewards(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
+    monkeypatch.chdir(REPO)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    done = _train(
+    code, err = _train_in_process(
+        capsys,
         f"reward.url=http://127.0.0.1:{port}",
         "reward.request_retries=1",
         "reward.timeout_s=2",
         f"train.output_dir={tmp_path / 'run'}",
-        timeout=120,
     )
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert f"http://127.0.0.1:{port}" in done.stderr and "'color_match'" in done.stderr
-    assert "odrl serve-reward color_match" in done.stderr
+    assert code == 2 and "Traceback" not in err
+    assert f"http://127.0.0.1:{port}" in err and "'color_match'" in err
+    assert "odrl serve-reward color_match" in err
