@@ -40,6 +40,7 @@ pytestmark = pytest.mark.slow
 
 SAFETY_S = 900.0  # a hang, not a verdict on speed: the longest bounded command takes about a minute
 _TRAIN = ["train.steps=2", "data.eval_samples=8", "sampling.num_steps=4", "sampling.eval_num_steps=4"]
+_TRAIN += ["data.prompts_per_step=2", "data.group_size=4"]  # 8 samples a step: each prompt a group of 4
 _EVAL = ["data.eval_samples=8", "sampling.eval_num_steps=4"]
 BOUNDED = {  # command pattern -> what is appended to it (later overrides win over the README's own)
     r"^make demo\b": ["ARGS='" + " ".join(_TRAIN) + "'"],
