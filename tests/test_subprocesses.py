@@ -54,3 +54,31 @@ def _is_zombie(pid: int) -> bool:
 def test_a_finished_run_returns_its_output_and_code() -> None:
     done = run_process_tree([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"], timeout_s=30)
     assert (done.returncode, done.stdout.strip()) == (3, "out")
+
+
+# The child's parent-death signal (prctl PR_GET_PDEATHSIG) and the lifeline variable it was given.
+REPORT_LIFELINE = """
+import ctypes, os
+signal = ctypes.c_int(0)
+ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(signal), 0, 0, 0)
+print(signal.value, os.environ.get("ODRL_EXIT_WITH_PARENT", "unset"))
+"""
+
+
+@pytest.mark.slow  # starts processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_child_started_off_the_main_thread_runs_no_python_before_exec_and_arms_itself() -> None:
+    """From the main thread the death signal is armed between fork and exec (SIGTERM, 15); from
+    another thread nothing runs there (Python code in a forked copy of a threaded process can crash)
+    and the child is told to arm its own lifeline instead."""
+    import threading
+
+    env = {k: v for k, v in os.environ.items() if k != "ODRL_EXIT_WITH_PARENT"}
+    command = [sys.executable, "-c", REPORT_LIFELINE]
+    assert run_process_tree(command, 60, env=env).stdout.split() == ["15", "unset"]
+    outputs: list[str] = []
+    thread = threading.Thread(target=lambda: outputs.append(run_process_tree(command, 60, env=env).stdout))
+    thread.start()
+    thread.join(timeout=60)
+    assert outputs and outputs[0].split() == ["0", "1"], outputs
+    assert "ODRL_EXIT_WITH_PARENT" not in env, "the caller's environment is left as it was"

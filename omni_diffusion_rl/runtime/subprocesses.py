@@ -1,17 +1,24 @@
 """Running a multi-process job (a launcher and the processes it starts) to its end, or stopping all
 of it: a launcher killed on a timeout would otherwise leave its training processes running. The
 launcher also dies with the caller (lifeline.parent_death_preexec), and the training processes
-with their launcher (lifeline.exit_with_parent; torch starts each in a session of its own)."""
+with their launcher (lifeline.exit_with_parent; torch starts each in a session of its own).
+
+Started from another thread than the main one, the child runs no Python code between fork and exec
+(no preexec_fn): in a forked copy of a process with other threads running, that code can crash
+(SIGSEGV before the command even starts, seen in a test worker that had run many tests). It is told
+instead (lifeline.OVERRIDE_VARIABLE) to arm its own lifeline: an `odrl` command or a recipe does
+so first thing, and a launcher's processes die with their launcher either way."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from .lifeline import parent_death_preexec
+from .lifeline import OVERRIDE_VARIABLE, parent_death_preexec
 
 
 def run_process_tree(
@@ -24,15 +31,19 @@ def run_process_tree(
     """Run `command` in its own session and capture its text output. Past `timeout_s`, every
     process of the session is killed and subprocess.TimeoutExpired is raised (with the output).
     `started` is told the process as it starts (a caller on another thread may `kill_session` it)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    child_env = dict(env if env is not None else os.environ)
+    if not on_main:
+        child_env[OVERRIDE_VARIABLE] = "1"  # it arms its own lifeline (module docstring)
     proc = subprocess.Popen(
         list(command),
         cwd=cwd,
-        env=dict(env) if env is not None else None,
+        env=child_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=parent_death_preexec(),
+        preexec_fn=parent_death_preexec() if on_main else None,  # noqa: PLW1509 - one prctl call
     )
     if started is not None:
         started(proc)
