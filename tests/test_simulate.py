@@ -132,6 +132,53 @@ def test_regression_pin_of_the_seed_preset_on_the_four_figures_it_was_fitted_to(
     assert no_margin["long"]["auto_picks"] == "separate"
 
 
+MEASURED = REPO / "tests" / "fixtures" / "modes_bench_measured.json"
+# Where the recording shows the simulator missing the bench's target, with the bound its error stays in
+# and why. Short sampling, colocated: predicted 28% under the real seconds in both rounds (-0.279,
+# -0.280). Auto, running colocated in the same rounds, was 20% faster than colocated run directly (0.160
+# against 0.200 s a prompt; steps of the direct runs took longer both generating and training), and the
+# prediction is 12-15% under even auto's: the direct colocated runs are slower than the costs measured
+# at warm-up say, by a per-step cost the simulator does not model (not yet found; in the recording of
+# 2026-12-01 both were equal). An entry that stops missing fails below: remove it.
+KNOWN_MISSES = {("short", "colocated"): 0.35}
+
+
+def test_the_simulator_predicts_real_timings_it_was_not_fitted_to() -> None:
+    """A validation on measurements: `odrl bench modes` recorded on this kind of machine (quiet; see
+    the file's `recorded`); each round's auto warm-up measured its unit costs, then each mode ran for
+    real. From that round's measured costs alone, the simulator must reproduce the prediction auto
+    logged (a change of the simulator moves it: re-record the file, and say why), and land within
+    the bench's target (PREDICTION_TARGET, either way) of each mode's real steady seconds in the
+    same round, except KNOWN_MISSES. Nothing of these real seconds went into the costs or the
+    simulator."""
+    from omni_diffusion_rl.benchmarks.common import DEFAULT_CONFIG, QUIET
+    from omni_diffusion_rl.benchmarks.modes import PREDICTION_TARGET
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.execution.planner.auto import predict
+
+    recorded = json.loads(MEASURED.read_text())
+    assert recorded["rounds"] >= 2 and set(recorded["settings"]) == {"short", "long"}
+    errors: dict[tuple[str, str], list[float]] = {}
+    for name, row in recorded["settings"].items():
+        overrides = [*row["overrides"], *QUIET, f"train.steps={recorded['steps_per_run']}"]
+        cfg = load_config(str(REPO / DEFAULT_CONFIG), overrides)
+        assert len(row["auto_each_round"]) == recorded["rounds"]
+        for i, auto in enumerate(row["auto_each_round"]):
+            predicted = predict(CostModel(**auto["measured_costs"]), cfg, recorded["processes"])
+            for mode in MODES:
+                logged = auto["predicted_s_per_prompt"][mode]
+                assert predicted[mode] == pytest.approx(logged, abs=2e-4), (name, i, mode)
+                real = row["real_s_per_prompt_each_round"][mode][i]
+                errors.setdefault((name, mode), []).append(round(predicted[mode] / real - 1, 3))
+    for key, each in errors.items():
+        bound = KNOWN_MISSES.get(key, PREDICTION_TARGET)
+        assert max(map(abs, each)) <= bound, f"{key}: prediction errors {each}, bound {bound:.0%} ({errors})"
+        if key in KNOWN_MISSES:
+            assert max(map(abs, each)) > PREDICTION_TARGET, (
+                f"{key} meets the target now: drop it from KNOWN_MISSES"
+            )
+
+
 @pytest.mark.slow
 def test_simulate_cli_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
