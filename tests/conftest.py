@@ -8,10 +8,13 @@ means what the Makefile says. A module-scoped fixture is charged to the test tha
 
 from __future__ import annotations
 
+import json
 import multiprocessing.process
 import os
+import resource
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,8 +106,34 @@ _install_tier_guard()
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     GUARD.reset(item)
+    before = _cpu_now() if CPU_LOG else None
     yield
     GUARD.reset(None)
+    if before is not None:
+        _log_cpu(item.nodeid, before, _cpu_now())
+
+
+# Where the suite's CPU goes, per test: with ODRL_TEST_CPU_LOG=FILE each test appends a JSON line of
+# its wall seconds, this process's CPU seconds and its children's (every process it started and
+# reaped, with their own reaped children; a server killed by a signal counts once reaped). Setup and
+# teardown are included: a module fixture is charged to the test that first sets it up.
+CPU_LOG = os.environ.get("ODRL_TEST_CPU_LOG")
+
+
+def _cpu_now() -> tuple[float, float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (
+        time.monotonic(),
+        own.ru_utime + own.ru_stime,
+        children.ru_utime + children.ru_stime,
+    )
+
+
+def _log_cpu(nodeid: str, before: tuple[float, float, float], after: tuple[float, float, float]) -> None:
+    wall, own, children = (round(b - a, 2) for a, b in zip(before, after, strict=True))
+    line = {"test": nodeid, "wall_s": wall, "cpu_s": own, "children_cpu_s": children}
+    with open(str(CPU_LOG), "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
