@@ -71,9 +71,11 @@ def exit_with_parent(poll_s: float = POLL_S) -> bool:
 def parent_death_preexec(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A subprocess preexec_fn that makes the child receive `sig` when this process dies (the
     signal survives exec), or None where the system cannot do it. Prepared here, before the
-    fork: the child only makes one system call."""
+    fork: the child only makes one system call. None off the main thread too: the signal fires
+    when the starting thread ends, not the process, and Python code run in a forked copy of a
+    process whose other threads are running can crash (SIGSEGV before the command starts)."""
     prctl = _prctl()
-    if prctl is None:
+    if prctl is None or threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
 

@@ -31,9 +31,8 @@ def run_process_tree(
     """Run `command` in its own session and capture its text output. Past `timeout_s`, every
     process of the session is killed and subprocess.TimeoutExpired is raised (with the output).
     `started` is told the process as it starts (a caller on another thread may `kill_session` it)."""
-    on_main = threading.current_thread() is threading.main_thread()
     child_env = dict(env if env is not None else os.environ)
-    if not on_main:
+    if threading.current_thread() is not threading.main_thread():
         child_env[OVERRIDE_VARIABLE] = "1"  # it arms its own lifeline (module docstring)
     proc = subprocess.Popen(
         list(command),
@@ -43,7 +42,7 @@ def run_process_tree(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=parent_death_preexec() if on_main else None,  # noqa: PLW1509 - one prctl call
+        preexec_fn=parent_death_preexec(),  # noqa: PLW1509 - one prctl call, main thread only
     )
     if started is not None:
         started(proc)

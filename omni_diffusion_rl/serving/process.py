@@ -44,7 +44,6 @@ class ServerProcess:
         """Start the server and wait for its ready line. Started from the main thread, the server
         dies with this process even when it is SIGKILLed (Linux's parent-death signal, which fires
         when the starting thread ends: from another thread it is not armed)."""
-        on_main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             self.command,
             stdout=subprocess.PIPE,
@@ -52,7 +51,7 @@ class ServerProcess:
             text=True,
             env=self.env,
             cwd=self.cwd,
-            preexec_fn=parent_death_preexec() if on_main else None,  # noqa: PLW1509 - one prctl call
+            preexec_fn=parent_death_preexec(),  # noqa: PLW1509 - one prctl call, main thread only
         )
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_pump, args=(self.proc.stdout, lines, self.output), daemon=True).start()
