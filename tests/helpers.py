@@ -110,3 +110,14 @@ def with_a_spawned_peer(peer: Callable[..., None], args: tuple[Any, ...], here: 
     finally:
         while not process.join():
             pass
+
+
+def odrl_main(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """`odrl ARGV` through cli.main in this process: its exit code, stdout and stderr (what was
+    printed before it is dropped). `capsys`: the test's pytest.CaptureFixture."""
+    from omni_diffusion_rl.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -15,7 +15,7 @@ from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.world import tiny_world as world
 from omni_diffusion_rl.world.pretrain import pretrain_base_model
 
-from .helpers import ENV, REPO, odrl, tiny_model_dir
+from .helpers import ENV, REPO, odrl, odrl_main, tiny_model_dir
 
 
 @pytest.mark.slow
@@ -39,8 +39,6 @@ def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(
     """--dim/--depth/--heads size the model; --teacher's folder recommends guidance 3 unless it
     learned no empty prompt; a size that cannot work is refused before any training. The first
     pretraining is a real `odrl pretrain` process; the others go through cli.main in this one."""
-    from omni_diffusion_rl.cli import main
-
     size = ("--steps", "1", "--dim", "32", "--depth", "1", "--heads", "2")
     guided, unguided = tmp_path / "guided", tmp_path / "unguided"
     command = odrl("pretrain", *size, "--teacher", "--output", str(guided))
@@ -49,11 +47,13 @@ def test_odrl_pretrain_takes_the_teachers_size_and_writes_its_guidance(
     config = json.loads((guided / "config.json").read_text())
     assert (config["dim"], config["depth"], config["heads"]) == (32, 1, 2)
     assert read_folder_guidance(guided) == 3.0
-    assert main(["pretrain", *size, "--teacher", "--prompt-dropout", "0", "--output", str(unguided)]) == 0
+    code, _, err = odrl_main(
+        capsys, "pretrain", *size, "--teacher", "--prompt-dropout", "0", "--output", str(unguided)
+    )
+    assert code == 0, err
     assert read_folder_guidance(unguided) is None
-    capsys.readouterr()
-    assert main(["pretrain", *size, "--heads", "5", "--output", str(tmp_path / "bad")]) == 2
-    err = capsys.readouterr().err
+    code, _, err = odrl_main(capsys, "pretrain", *size, "--heads", "5", "--output", str(tmp_path / "bad"))
+    assert code == 2, err
     assert "dim 32 must be a multiple of heads 5" in err, err
     assert not (tmp_path / "bad").exists()
 
@@ -160,16 +160,14 @@ def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
 def test_sample_command_writes_previews(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`odrl sample` through cli.main in this process (its refusals in a real process:
     test_cli_errors.py)."""
-    from omni_diffusion_rl.cli import main
-
     model = tiny_model_dir(tmp_path / "model")
     out = tmp_path / "samples"
     prompts = ["--prompt", world.HELDOUT_PROMPTS[0], "--prompt", world.HELDOUT_PROMPTS[1]]
-    capsys.readouterr()
-    code = main(["sample", "--pretrained", str(model), *prompts, "--steps", "3", "--output", str(out)])
-    printed = capsys.readouterr()
-    assert code == 0, printed.err
-    files = json.loads(printed.out.strip().splitlines()[-1])["files"]
+    code, printed, err = odrl_main(
+        capsys, "sample", "--pretrained", str(model), *prompts, "--steps", "3", "--output", str(out)
+    )
+    assert code == 0, err
+    files = json.loads(printed.strip().splitlines()[-1])["files"]
     assert {"sheet.png", "sample_00.gif", "sample_01.wav", "index.json"} <= set(files)
     index = json.loads((out / "index.json").read_text())
     assert index["prompts"] == world.HELDOUT_PROMPTS[:2]

@@ -12,7 +12,7 @@ from omni_diffusion_rl.checkpoint import resolve_checkpoint
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.run_dir import prepare_run_dir
 
-from .helpers import ENV, REPO, fast_overrides, odrl, tiny_model_dir
+from .helpers import ENV, REPO, fast_overrides, odrl, odrl_main, tiny_model_dir
 
 
 def _train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
@@ -23,11 +23,8 @@ def _train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
 def _train_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """`odrl train ARGS` through cli.main in this process (run from the repository root, as `_train`):
     its exit code and stderr. An error it did not turn into a sentence fails the test."""
-    from omni_diffusion_rl.cli import main
-
-    capsys.readouterr()
-    code = main(["train", *args])
-    return code, capsys.readouterr().err
+    code, _, err = odrl_main(capsys, "train", *args)
+    return code, err
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.world import tiny_world as world
 from rewards.imagebind import imagebind_available
 
-from .helpers import ENV, REPO, fast_overrides, step_records, tiny_model_dir
+from .helpers import ENV, REPO, fast_overrides, odrl_main, step_records, tiny_model_dir
 
 pytestmark = pytest.mark.slow  # every test here starts a reward server or training process
 needs_imagebind = pytest.mark.skipif(
@@ -275,11 +275,9 @@ def test_binding_beyond_loopback_without_a_token_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`odrl serve-reward` refuses before it loads a reward or listens: run in this process."""
-    from omni_diffusion_rl.cli import main
-
     monkeypatch.delenv("ODRL_REWARD_TOKEN", raising=False)
-    assert main(["serve-reward", "color_match", "--host", "0.0.0.0", "--port", "0"]) == 2
-    err = capsys.readouterr().err
+    code, _, err = odrl_main(capsys, "serve-reward", "color_match", "--host", "0.0.0.0", "--port", "0")
+    assert code == 2, err
     assert "without a token" in err and "ODRL_REWARD_TOKEN" in err, err
 
 

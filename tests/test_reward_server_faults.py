@@ -33,7 +33,7 @@ from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.serving.server import ServeSettings, serve
 
-from .helpers import ENV, REPO
+from .helpers import ENV, REPO, odrl_main
 
 PLUGIN = ("--plugin", "tests.plugin_rewards")
 SCORE_PATH = "/score/test_prompt_length"
@@ -400,11 +400,10 @@ def test_a_good_token_is_accepted() -> None:
 def test_serve_reward_refuses_a_whitespace_token_from_the_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from omni_diffusion_rl.cli import main
-
     monkeypatch.setenv("MY_TOKEN", " ")
-    code = main(["serve-reward", "color_match", "--port", "0", "--token-env", "MY_TOKEN"])
-    out, err = capsys.readouterr()
+    code, out, err = odrl_main(
+        capsys, "serve-reward", "color_match", "--port", "0", "--token-env", "MY_TOKEN"
+    )
     assert code == 2, out[-2000:] + err[-2000:]
     assert "MY_TOKEN" in err and "whitespace" in err, err[-2000:]
 

@@ -21,6 +21,7 @@ from .helpers import (
     REPO,
     fast_overrides,
     last_json_line,
+    odrl_main,
     step_records,
     tiny_model_dir,
     trained_adapter_norm,
@@ -107,10 +108,9 @@ def test_separate_needs_two_processes(
     model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`odrl train` started alone (in this process: the refusal is its exit code and its sentence)."""
-    from omni_diffusion_rl.cli import main
-
-    code = main(["train", *fast_overrides(model_dir, tmp_path / "run", 1), "execution.mode=separate"])
-    err = capsys.readouterr().err
+    code, _, err = odrl_main(
+        capsys, "train", *fast_overrides(model_dir, tmp_path / "run", 1), "execution.mode=separate"
+    )
     assert code == 2 and "needs at least 2 processes" in err, err[-3000:]
 
 
