@@ -121,7 +121,6 @@ def _setting_row(setting_overrides: list[str], runs: dict[str, list[dict[str, An
         "hybrid_vs_colocated": compare_paired(real["hybrid"], real["colocated"]),
         "hybrid_lends": [r["execution"]["hybrid"]["lends"] for r in runs["hybrid"]],
         "idle_fraction": {m: runs[m][0]["execution"]["idle_fraction"] for m in ("separate", "hybrid")},
-        "measured_costs": autos[0]["measured_costs"],
         # each round's auto: the costs it measured and what the simulator predicted from them (a test
         # re-simulates these against the same round's real seconds: timings the simulator was not fitted to)
         "auto_each_round": [
