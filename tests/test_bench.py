@@ -108,7 +108,14 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
 
     output = tmp_path / "reward_server.json"
     result = run_reward_server_bench(  # the attack: one request of each of its 6 kinds (default 200)
-        output, rounds=1, clients=4, requests_per_client=2, overhead_repeats=2, adversarial_requests=6
+        output,
+        rounds=1,
+        clients=4,
+        requests_per_client=2,
+        overhead_repeats=2,
+        adversarial_requests=6,
+        padded_requests=2,
+        padding_mb=64,
     )
     report = json.loads(output.read_text(encoding="utf-8"))
     assert report == json.loads(json.dumps(result))
@@ -117,6 +124,9 @@ def test_reward_server_bench_writes_report(tmp_path: Path, one_thread: None) -> 
     assert len(attack["kinds"]) == 6 and all(
         sum(k["statuses"].values()) == 1 for k in attack["kinds"].values()
     )
+    padded = report["padded"]  # refused from the header: the padding is neither awaited nor received
+    assert padded["statuses"] == {"400": 2} and padded["server_alive"] is True, padded
+    assert padded["padding_sent_mb"]["max"] < 64, padded
     throughput, overhead = report["throughput"], report["overhead"]
     assert throughput["clients"] == 4 and len(throughput["per_round"]) == 1
     assert throughput["batched_samples_per_s"] > 0 and throughput["batch1_samples_per_s"] > 0

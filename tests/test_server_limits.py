@@ -315,15 +315,18 @@ def _media_body(
     return save_tensors(tensors, metadata=meta)
 
 
-def _header_only(url: str, path: str, body: bytes) -> tuple[int, dict[str, Any], int]:
-    """POST `body`'s safetensors header alone (its Content-Length says the whole body): the answer,
-    and how many bytes of the body were sent. Only a server that decides from the header answers."""
+def _header_only(
+    url: str, path: str, body: bytes, content_length: int | None = None
+) -> tuple[int, dict[str, Any], int]:
+    """POST `body`'s safetensors header alone (its Content-Length says the whole body, or
+    `content_length`): the answer, and how many bytes of the body were sent. Only a server that
+    decides from the header answers."""
     prefix = body[: 8 + int.from_bytes(body[:8], "little")]
     host, port = _address(url)
     with socket.create_connection((host, port), timeout=30) as sock:
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {CONTENT_TYPE}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"Content-Length: {len(body) if content_length is None else content_length}\r\n\r\n"
         )
         sock.sendall(head.encode() + prefix)
         data = b""
@@ -335,6 +338,18 @@ def _header_only(url: str, path: str, body: bytes) -> tuple[int, dict[str, Any],
         while len(answer) < length:
             answer += sock.recv(65536)
     return int(status_line.split()[1]), json.loads(answer), len(prefix)
+
+
+def _post_chunked(url: str, path: str, body: bytes) -> bytes:
+    """POST `body` as one chunk of a chunked body: the raw reply (the server answers, then closes)."""
+    host, port = _address(url)
+    with socket.create_connection((host, port), timeout=30) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        sock.sendall(head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
 
 
 async def _post_whole(url: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -402,6 +417,29 @@ def test_frames_beyond_the_limit_are_refused_from_the_header_alone(tiny_url: str
     assert sent < 1000 < len(body)
     info = _request(tiny_url, "/info", method="GET")[1]
     assert info["reading"] == 0 and info["in_flight"] == 0, info
+
+
+@pytest.mark.parametrize("extra", [250 << 20, -1], ids=["250 MB of padding", "a byte short"])
+def test_a_body_of_another_length_than_its_header_declares_is_refused_from_the_header(
+    tiny_url: str, extra: int
+) -> None:
+    """A valid header whose Content-Length says 250 MB more than the payload it declares (padding
+    after it), or a byte less, is answered once the header has arrived: the padding is never sent,
+    so it is never received or held."""
+    body = encode_media(_tiny_clips(1), [tiny_world.ALL_SCENES[0].prompt])
+    code, answer, sent = _header_only(tiny_url, "/score/color_match", body, len(body) + extra)
+    assert code == 400 and sent < len(body), answer
+    assert f"the body is {len(body) + extra} bytes" in answer["error"], answer
+    assert f"declares a payload of {len(body)} bytes" in answer["error"], answer
+    info = _request(tiny_url, "/info", method="GET")[1]
+    assert info["reading"] == 0 and info["in_flight"] == 0, info
+
+
+def test_a_chunked_body_that_goes_on_past_its_payload_is_refused(tiny_url: str) -> None:
+    body = encode_media(_tiny_clips(1), [tiny_world.ALL_SCENES[0].prompt]) + b"padding"
+    reply = _post_chunked(tiny_url, "/score/color_match", body)
+    assert reply.startswith(b"HTTP/1.1 400") and b"the chunked body goes on" in reply, reply[:300]
+    assert _health(tiny_url) == 200
 
 
 def test_health_answers_during_the_attack(tiny_url: str) -> None:
@@ -498,13 +536,7 @@ def test_a_reward_that_declares_no_limits_gets_the_documented_defaults() -> None
 def test_a_chunked_body_over_the_size_limit_gets_413() -> None:
     with served({"plain": Undeclared()}, max_request_mb=0.01) as url:
         body = _media_body(None, (1, 1, 8_000), ["a"])  # 16 KB of audio > 10 KB
-        host, port = _address(url)
-        with socket.create_connection((host, port), timeout=30) as sock:
-            head = f"POST /score/plain HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n\r\n"
-            sock.sendall(head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
-            reply = b""
-            while chunk := sock.recv(65536):  # the server answers, then closes the connection
-                reply += chunk
+        reply = _post_chunked(url, "/score/plain", body)
         assert reply.startswith(b"HTTP/1.1 413") and b"exceeds the server's limit" in reply, reply[:300]
         assert _health(url) == 200
 

@@ -9,6 +9,9 @@
   prompt limit, 2048 x 2048 and 1024 x 1024 frames) while one client sends good requests one after
   another: the good requests' latency (target: median under 1 s), every adversarial answer's status
   (all 4xx), and the server's peak RSS (VmHWM; target: under RSS_BOUND_MB).
+* Padded bodies (issue 42): 16 requests at once, each a valid payload whose Content-Length
+  declares 250 MB of padding after it, streamed by the client until the server answers or closes;
+  a fresh server's peak RSS, the statuses, and the padding each client got to send.
 
 Both servers are real child processes on 127.0.0.1. Rounds alternate the arms so that other load
 on the machine hits them alike; the report gives medians (and the per-round values in the JSON).
@@ -90,6 +93,8 @@ def run_reward_server_bench(
     requests_per_client: int = 8,
     overhead_repeats: int = 10,
     adversarial_requests: int = 200,
+    padded_requests: int = 16,
+    padding_mb: int = 250,
 ) -> dict[str, Any]:
     """Throughput (batched vs batch size 1), client overhead and behaviour under attack; print a
     table, write JSON to `output`."""
@@ -151,6 +156,7 @@ def run_reward_server_bench(
             "served_ms_each": [round(t * 1e3, 2) for t in served],
         },
         "adversarial": run_adversarial(adversarial_requests),
+        "padded": run_padded(padded_requests, padding_mb),
         "machine": machine_info(),
     }
     print(format_table(result))
@@ -179,8 +185,21 @@ def format_table(result: dict[str, Any]) -> str:
             f"  added {o['added_ms']:.2f} ms, ratio {o['ratio']:.3f}  "
             f"(target <= {o['target_added_ms']:g} ms: {met[o['added_ms'] <= o['target_added_ms']]})",
             *adversarial_lines(a, met),
+            *padded_lines(result["padded"], met),
         ]
     )
+
+
+def padded_lines(p: dict[str, Any], met: dict[bool, str]) -> list[str]:
+    """The table's lines for the padded bodies."""
+    return [
+        f"padded bodies: {p['requests']} at once, each a {p['payload_kb']:.0f} KB payload declaring "
+        f"{p['padding_mb']} MB of padding after it; answers {p['statuses']}",
+        f"  padding sent before the server answered or closed: median {p['padding_sent_mb']['median']:.1f} "
+        f"MB, max {p['padding_sent_mb']['max']:.1f} MB",
+        f"  server peak RSS {p['rss_peak_mb']:.0f} MB (at start {p['rss_start_mb']:.0f} MB; bound "
+        f"{p['rss_bound_mb']} MB: {met[p['rss_peak_mb'] < p['rss_bound_mb']]})",
+    ]
 
 
 def adversarial_lines(a: dict[str, Any], met: dict[bool, str]) -> list[str]:
@@ -379,4 +398,71 @@ def run_adversarial(requests: int = 200) -> dict[str, Any]:
         "rss_peak_mb": round(rss_peak, 1),
         "rss_bound_mb": RSS_BOUND_MB,
         "target_good_median_s": TARGET_GOOD_MEDIAN_S,
+    }
+
+
+# ------------------------------------------------------------------------------------------ padded bodies
+def _padded_request(url: str, payload: bytes, padding: int) -> tuple[int, int]:
+    """POST `payload` declaring `padding` more bytes, streamed in 1 MB pieces until the server
+    answers or closes: (status, 0 when no answer came; padding bytes sent)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    piece, sent = bytes(1 << 20), 0
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        head = (
+            f"POST /score/shape_match HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: {CONTENT_TYPE}\r\n"
+            f"Content-Length: {len(payload) + padding}\r\n\r\n"
+        )
+        try:
+            sock.sendall(head.encode() + payload)
+            sock.setblocking(False)
+            while sent < padding:
+                try:
+                    if sock.recv(1, socket.MSG_PEEK):
+                        break  # the server answered
+                except BlockingIOError:
+                    pass
+                try:
+                    sent += sock.send(piece[: padding - sent])
+                except BlockingIOError:
+                    time.sleep(0.001)
+            sock.setblocking(True)
+            reply = sock.recv(65536)
+        except OSError:  # reset or closed while sending: the server stopped reading
+            return 0, sent
+    status = reply.split(b" ", 2)[1] if reply.startswith(b"HTTP/1.1 ") else b"0"
+    return int(status), sent
+
+
+def run_padded(requests: int = 16, padding_mb: int = 250) -> dict[str, Any]:
+    """A fresh tiny-world reward server under `requests` padded bodies at once: their statuses, the
+    padding each got to send, and the server's peak RSS."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    payload = _good_body()
+    with ServerProcess(ATTACKED_REWARDS) as server:
+        assert server.proc is not None
+        rss_start, _ = _rss_mb(server.proc.pid)
+        with ThreadPoolExecutor(requests) as pool:
+            done = list(
+                pool.map(lambda _: _padded_request(server.url, payload, padding_mb << 20), range(requests))
+            )
+        _, rss_peak = _rss_mb(server.proc.pid)
+        alive = server.proc.poll() is None
+    statuses: dict[str, int] = {}
+    for status, _ in done:
+        _count(statuses, status)
+    sent = [padding / 2**20 for _, padding in done]
+    return {
+        "requests": requests,
+        "payload_kb": round(len(payload) / 1024, 1),
+        "padding_mb": padding_mb,
+        "statuses": statuses,
+        "padding_sent_mb": {"median": round(statistics.median(sent), 1), "max": round(max(sent), 1)},
+        "server_alive": alive,
+        "rss_start_mb": round(rss_start, 1),
+        "rss_peak_mb": round(rss_peak, 1),
+        "rss_bound_mb": RSS_BOUND_MB,
     }

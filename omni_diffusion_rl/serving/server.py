@@ -55,6 +55,7 @@ from .wire import (
     MAX_HEADER_BYTES,
     MAX_PROMPT_CHARS,
     MAX_TEXT_CHARS,
+    Header,
     TooLarge,
     WireError,
     check_media_header,
@@ -512,7 +513,9 @@ class _Service:
             return None
         return _error(503, f"busy: {self.in_flight} requests in flight; retry later", "busy")
 
-    async def receive(self, request: web.Request, precheck: Callable[[bytes], None]) -> bytes | web.Response:
+    async def receive(
+        self, request: web.Request, precheck: Callable[[bytes], Header]
+    ) -> bytes | web.Response:
         """The request's body once it has arrived, or the answer refusing it (busy, too large, slow,
         or a header that `precheck` refuses: then the rest of the body is not received)."""
         if request.content_length is not None and request.content_length > self.max_bytes:
@@ -535,7 +538,7 @@ class _Service:
         refusal = None
         try:
             body = await self.read_in_time(request, precheck)
-        except WireError as e:  # refused by its header (or a chunked body over max_bytes)
+        except WireError as e:  # refused by its header, or a body of another length than it declares
             refusal = _wire_error(e)
         finally:
             self.reading -= 1
@@ -547,7 +550,7 @@ class _Service:
         return self.busy() or body
 
     async def read_in_time(
-        self, request: web.Request, precheck: Callable[[bytes], None]
+        self, request: web.Request, precheck: Callable[[bytes], Header]
     ) -> bytes | web.Response:
         """The body, once `precheck` passed its header; a body not in within read_timeout_s gets 408,
         and its connection is closed."""
@@ -567,7 +570,7 @@ class _Service:
         request: web.Request,
         known: dict[str, Any],
         what: str,
-        precheck: Callable[[str, bytes], None],
+        precheck: Callable[[str, bytes], Header],
         decode: Callable[[str, bytes], Any],
         answer: Callable[[str, Any], Any],
     ) -> web.StreamResponse:
@@ -594,14 +597,18 @@ class _Service:
         finally:
             self.in_flight -= 1
 
-    def media_precheck(self, name: str, prefix: bytes) -> None:
-        check_media_header(read_header(prefix), self.limits[name], self.settings.max_batch, name)
+    def media_precheck(self, name: str, prefix: bytes) -> Header:
+        header = read_header(prefix)
+        check_media_header(header, self.limits[name], self.settings.max_batch, name)
+        return header
 
     def media_decode(self, name: str, body: bytes) -> Any:
         return decode_media(body, self.limits[name], self.settings.max_batch, name)
 
-    def states_precheck(self, name: str, prefix: bytes) -> None:
-        check_states_header(read_header(prefix, STATES_EXPECTS), self.latents[name], self.settings.max_batch)
+    def states_precheck(self, name: str, prefix: bytes) -> Header:
+        header = read_header(prefix, STATES_EXPECTS)
+        check_states_header(header, self.latents[name], self.settings.max_batch)
+        return header
 
     def states_decode(self, name: str, body: bytes) -> Any:
         return decode_states(body, self.latents[name], self.settings.max_batch)
@@ -733,20 +740,35 @@ def _content_type_refusal(request: web.Request) -> web.Response | None:
     return _error(415, message, "unsupported_media_type")
 
 
-async def _read_checked(request: web.Request, precheck: Callable[[bytes], None], max_bytes: int) -> bytes:
+async def _read_checked(request: web.Request, precheck: Callable[[bytes], Header], max_bytes: int) -> bytes:
     """The request's body. Its first 8 + header-length bytes go to `precheck` (on a worker thread)
-    before the rest is received, so a request refused by its header costs no more than that."""
+    before the rest is received, so a request refused by its header costs no more than that; then
+    exactly the payload the header declares is received: a body of another length is refused before
+    its rest is read (padding after a valid header is never received)."""
     stream = request.content
     prefix = await _read_up_to(stream, 8)
     prefix += await _read_up_to(stream, header_length(prefix, request.content_length))
-    await asyncio.get_running_loop().run_in_executor(None, precheck, prefix)
-    chunks, total = [prefix], len(prefix)
-    while chunk := await stream.readany():
-        total += len(chunk)
-        if total > max_bytes:  # only a chunked body gets here: a declared length was checked
-            raise TooLarge(_too_large_message(None, max_bytes))
-        chunks.append(chunk)
-    return b"".join(chunks)
+    header = await asyncio.get_running_loop().run_in_executor(None, precheck, prefix)
+    declared = header.payload_bytes
+    if declared > max_bytes:
+        raise TooLarge(_too_large_message(declared, max_bytes))
+    length = request.content_length
+    if length is not None and length != declared:
+        raise WireError(_length_mismatch(f"the body is {length} bytes", header))
+    rest = await _read_up_to(stream, declared - len(prefix))
+    if len(prefix) + len(rest) < declared:
+        raise WireError(_length_mismatch(f"the body ended after {len(prefix) + len(rest)} bytes", header))
+    if length is None and await stream.readany():  # chunked: nothing may follow the payload
+        raise WireError(_length_mismatch("the chunked body goes on", header))
+    return prefix + rest
+
+
+def _length_mismatch(what: str, header: Header) -> str:
+    data = header.payload_bytes - header.size
+    return (
+        f"{what}, but its safetensors header declares a payload of {header.payload_bytes} bytes "
+        f"({header.size} of header, {data} of tensor data): send the payload alone, whole"
+    )
 
 
 async def _read_up_to(stream: Any, size: int) -> bytes:

@@ -91,6 +91,12 @@ class Header:
     metadata: dict[str, str]
     size: int
 
+    @property
+    def payload_bytes(self) -> int:
+        """The whole payload's length as the header declares it: 8 + header, then the tensor data
+        up to the furthest end offset (safetensors allows nothing after it)."""
+        return self.size + max((spec.offsets[1] for spec in self.tensors.values()), default=0)
+
 
 @dataclass(frozen=True)
 class MediaMeta:
