@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .bounded_json import nesting_exceeds
 from .config import MAX_LORA_RANK as MAX_LORA_RANK  # bounds shared with configs (re-exported)
 from .config import MAX_SAMPLING_STEPS, MAX_STEP
 from .state_codec import StateCodecError, decode_state, encode_state
@@ -67,8 +68,6 @@ BUILTIN_MODELS = ("builtin", "builtin-omni", "builtin-teacher")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
-_JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
-"""A JSON string (skipped whole, brackets in it included) or a bracket."""
 
 
 class CheckpointError(RuntimeError):
@@ -183,21 +182,6 @@ def read_bounded(path: Path, limit: int = MAX_JSON_BYTES) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ bounded JSON
-def json_nesting_exceeds(text: str, limit: int) -> bool:
-    """Whether `text` nests lists and objects more than `limit` deep (brackets inside strings do not
-    count), found in one pass without recursion."""
-    depth = 0
-    for match in _JSON_NESTING.finditer(text):
-        first = match.group()[0]
-        if first in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        elif first in "]}":
-            depth -= 1
-    return False
-
-
 def read_json(path: Path, limit: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """A checkpoint's JSON file, at most `limit` bytes and `max_depth` levels deep. The depth is
     checked before parsing, so no file reaches Python's recursion limit; a file over either bound,
@@ -212,7 +196,7 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON
         raise CheckpointError(
             f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); the checkpoint was edited or damaged"
         ) from e
-    if json_nesting_exceeds(text, max_depth):
+    if nesting_exceeds(text, max_depth):
         raise CheckpointError(
             f"{path} nests lists and objects more than {max_depth} deep, which no checkpoint does; the "
             "checkpoint was edited or damaged"

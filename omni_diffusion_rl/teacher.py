@@ -60,20 +60,47 @@ class TeacherInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TeacherInfo:
-        try:
-            parts = data.get("trained_parts")
-            problem = None if parts is None else part_names_problem(parts)
-            if problem:
-                raise ValueError(f"trained_parts: {problem}")
-            return cls(
-                latent_shape=tuple(int(d) for d in data["latent_shape"]),
-                layout=str(data["layout"]),
-                convention=str(data["convention"]),
-                fingerprint=str(data["fingerprint"]),
-                trained_parts=None if parts is None else tuple(parts),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise TeacherMismatch(f"a teacher described itself without a usable {e}: {data!r:.300}") from e
+        """A description received from a teacher (a server's /info), each field checked; a
+        TeacherMismatch names the first field that is missing or not what it must be."""
+        problem = _description_problem(data)
+        if problem:
+            raise TeacherMismatch(f"a teacher described itself with {problem}: {data!r:.300}")
+        parts = data.get("trained_parts")
+        return cls(
+            latent_shape=tuple(data["latent_shape"]),
+            layout=data["layout"],
+            convention=data["convention"],
+            fingerprint=data["fingerprint"],
+            trained_parts=None if parts is None else tuple(parts),
+        )
+
+
+MAX_LATENT_DIMS = 8
+MAX_LATENT_DIM = 2**31 - 1
+MAX_DESCRIPTION_CHARS = 4096  # layout, convention and fingerprint
+
+
+def _description_problem(data: object) -> str | None:
+    """What is wrong with a teacher's description (a dict from JSON), or None."""
+    if not isinstance(data, dict):
+        return f"a {type(data).__name__} instead of an object"
+    shape = data.get("latent_shape")
+    if not (
+        isinstance(shape, list)
+        and 0 < len(shape) <= MAX_LATENT_DIMS
+        and all(type(d) is int and 0 < d <= MAX_LATENT_DIM for d in shape)
+    ):
+        return (
+            f"latent_shape {str(shape)[:80]} (it must be a list of 1 to {MAX_LATENT_DIMS} whole numbers "
+            f"from 1 to {MAX_LATENT_DIM})"
+        )
+    for name in ("layout", "convention", "fingerprint"):
+        value = data.get(name)
+        if not (isinstance(value, str) and 0 < len(value) <= MAX_DESCRIPTION_CHARS):
+            return f"{name} {str(value)[:80]} (it must be text of 1 to {MAX_DESCRIPTION_CHARS} characters)"
+    parts = data.get("trained_parts")
+    problem = None if parts is None else part_names_problem(parts)
+    return f"trained_parts: {problem}" if problem else None
 
 
 @runtime_checkable

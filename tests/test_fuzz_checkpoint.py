@@ -388,7 +388,7 @@ def test_fuzzed_manifest_loads_or_is_refused(
     """manifest.json mutated (its file table, entries, sizes, hashes, names; anywhere; its text
     spliced): load_checkpoint, with and without the training state, loads or raises CheckpointError.
 
-    Mutations it fails on: `json_nesting_exceeds` always False (RecursionError in json.loads);
+    Mutations it fails on: `nesting_exceeds` always False (RecursionError in json.loads);
     read_json catching json.JSONDecodeError instead of ValueError (a 5000-digit integer's
     ValueError); _verified_manifest's `isinstance(files, dict)` weakened to `files is None`
     (TypeError: an int has no len())."""

@@ -44,6 +44,7 @@ class Seen:
     authorization: list[str | None] = field(default_factory=list)
     failures_left: int = 0
     info_bytes: int = 0  # /info answers this many bytes when set
+    info_body: bytes = b""  # /info answers this body when set
 
     def open_connections(self) -> int:
         return sum(1 for c in self.connections if c.transport is not None and not c.transport.is_closing())
@@ -83,6 +84,8 @@ def _app(seen: Seen) -> web.Application:
     async def info(_: web.Request) -> web.Response:
         if seen.info_bytes:
             return web.Response(body=b"{" * seen.info_bytes, content_type="application/json")
+        if seen.info_body:
+            return web.Response(body=seen.info_body, content_type="application/json")
         return web.json_response({"rewards": ["busy"]})
 
     app = web.Application(middlewares=[record])
@@ -256,6 +259,49 @@ def test_an_oversized_answer_is_a_sentence_for_rewards_and_teachers(server: tupl
     assert str(mismatch.value) == (
         f"teacher server {url} {too_large} this client reads at /info: is it an `odrl serve-teacher` server?"
     )
+
+
+def _teacher_info(**fields: Any) -> dict[str, Any]:
+    return {"latent_shape": [4, 8], "layout": "L", "convention": "C", "fingerprint": "F", **fields}
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+HOSTILE_INFO = {  # a teacher server's /info -> what the sentence names
+    "nested 100,000 deep": (
+        b'{"teachers": {"policy": ' + NESTED + b"}}",
+        "nests lists and objects more than 32 deep",
+    ),
+    "NaN in the shape": (
+        json.dumps({"teachers": {"policy": _teacher_info(latent_shape=[float("nan")])}}).encode(),
+        "NaN is not a JSON number",
+    ),
+    "not UTF-8": (b'{"teachers": "\xff"}', "is not UTF-8 text"),
+    "a shape of fractions": (
+        json.dumps({"teachers": {"policy": _teacher_info(latent_shape=[1.5, 2])}}).encode(),
+        "latent_shape [1.5, 2] (it must be a list of 1 to 8 whole numbers from 1 to 2147483647)",
+    ),
+    "a layout that is a number": (
+        json.dumps({"teachers": {"policy": _teacher_info(layout=7)}}).encode(),
+        "layout 7 (it must be text of 1 to 4096 characters)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_INFO))
+def test_a_hostile_info_is_a_sentence_for_teachers_and_rewards(server: tuple[str, Seen], case: str) -> None:
+    """What a server's /info holds is read within bounds: deep nesting, NaN, bytes that are not text
+    or fields of the wrong kind are a sentence naming what is wrong, never a RecursionError or a
+    garbled conversion message."""
+    url, seen = server
+    seen.info_body, fragment = HOSTILE_INFO[case]
+    with pytest.raises(TeacherServerMismatch) as mismatch:
+        RemoteTeacher([url], retries=0, token_env="ODRL_TEST_UNSET_TOKEN")
+    assert fragment in str(mismatch.value) and f"teacher server {url}" in str(mismatch.value), mismatch.value
+    if case in ("nested 100,000 deep", "not UTF-8"):  # the same reader under the reward client
+        reward = RemoteReward(url, "", retries=0)
+        with pytest.raises(RewardServerError, match=fragment):
+            reward.info()
+        reward.close()
 
 
 def test_requests_reuse_one_connection_and_close_cleanly(server: tuple[str, Seen]) -> None:

@@ -38,6 +38,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.precision",
         f"{PACKAGE}.teacher",
         f"{PACKAGE}.checkpoint",
+        f"{PACKAGE}.bounded_json",
         f"{PACKAGE}.run_dir",
         f"{PACKAGE}.tracking",
     ],

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..bounded_json import nesting_depth
 from .clip_files import ClipFormat, decode_audio, decode_video
 
 MAX_KEY_CHARS = 16384
@@ -133,18 +134,7 @@ def is_file_key(prompt: str) -> bool:
 
 def parse_json_object(text: str) -> object:
     """JSON of bounded nesting (MAX_NESTING): a deeper text is refused before it is parsed."""
-    depth = deepest = 0
-    quoted = escaped = False
-    for c in text:  # one pass: brackets outside strings
-        if quoted:
-            escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
-        elif c == '"':
-            quoted = True
-        elif c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth -= 1
+    deepest = nesting_depth(text)
     if deepest > MAX_NESTING:
         raise ValueError(f"JSON nested {deepest} deep; a question is a flat object")
     try:

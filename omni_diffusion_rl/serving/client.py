@@ -23,9 +23,10 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ..bounded_json import loads_bounded
 from ..media import MediaBatch
 from ..reward import RewardError, RewardOutput, run_on_background_loop
-from .http_client import AnswerTooLarge, GaveUp, HttpClient, bearer_token, with_retries
+from .http_client import MAX_ANSWER_DEPTH, AnswerTooLarge, GaveUp, HttpClient, bearer_token, with_retries
 from .wire import encode_media, scores_from_json
 
 T = TypeVar("T")
@@ -270,11 +271,9 @@ class _Retryable(Exception):
 
 def _json(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise RewardServerError(
-            f"the reward server answered something that is not JSON: {body[:200]!r}"
-        ) from e
+        data = loads_bounded(body, MAX_ANSWER_DEPTH, "the reward server's answer")
+    except ValueError as e:
+        raise RewardServerError(f"{e}: {body[:200]!r}") from None
     if not isinstance(data, dict):
         raise RewardServerError(f"the reward server answered JSON that is not an object: {str(data)[:200]}")
     return data

@@ -27,6 +27,7 @@ T = TypeVar("T")
 # so a request never goes out on a connection the server is closing at that moment.
 KEEPALIVE_S = 10.0
 MAX_ANSWER_BYTES = 32 << 20  # a JSON answer (scores, /info, an error) is far smaller
+MAX_ANSWER_DEPTH = 32  # lists and objects in a JSON answer: the servers' nest at most 4 deep
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)  # distinct classes before Python 3.11
 TRANSPORT_ERRORS = (aiohttp.ClientError, ConnectionError)  # the server was not reached, or went away
 _SESSIONS: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()

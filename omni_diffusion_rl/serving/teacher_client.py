@@ -18,7 +18,6 @@ TeacherServerError, which `odrl` shows as one sentence."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -27,10 +26,19 @@ from typing import Any
 
 import torch
 
+from ..bounded_json import loads_bounded
 from ..reward import run_on_background_loop
 from ..teacher import TeacherInfo, TeacherMismatch
 from .client import ServerURLError, server_base_url
-from .http_client import TIMEOUTS, TRANSPORT_ERRORS, AnswerTooLarge, HttpClient, backoff, bearer_token
+from .http_client import (
+    MAX_ANSWER_DEPTH,
+    TIMEOUTS,
+    TRANSPORT_ERRORS,
+    AnswerTooLarge,
+    HttpClient,
+    backoff,
+    bearer_token,
+)
 from .teacher_wire import decode_velocity, encode_states
 
 HEALTH_TIMEOUT_S = 2.0
@@ -370,9 +378,11 @@ class RemoteTeacher:
         if status in (401, 403):
             raise _InfoProblem(TeacherRequestRejected, f"refused /info ({status}): {self._token_hint()}")
         try:
-            data = json.loads(body) if status == 200 else None
-        except ValueError:
-            data = None
+            data = loads_bounded(body, MAX_ANSWER_DEPTH, "its /info") if status == 200 else None
+        except ValueError as e:
+            raise _InfoProblem(
+                TeacherServerMismatch, f"answered {e}: is it an `odrl serve-teacher` server?"
+            ) from None
         if not isinstance(data, dict):
             raise _InfoProblem(
                 TeacherServerMismatch,

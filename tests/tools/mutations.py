@@ -73,6 +73,7 @@ STATES_MUTATED = WIRE + "test_decode_states_on_mutated_bodies_decodes_or_raises_
 STATES_BUILT = WIRE + "test_decode_states_on_built_headers_decodes_or_raises_wire_error"
 
 CHECKPOINT_PY = "omni_diffusion_rl/checkpoint.py"
+BOUNDED_JSON_PY = "omni_diffusion_rl/bounded_json.py"
 CONFIG_PY = "omni_diffusion_rl/config.py"
 WIRE_PY = "omni_diffusion_rl/serving/wire.py"
 TEACHER_WIRE_PY = "omni_diffusion_rl/serving/teacher_wire.py"
@@ -97,11 +98,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---------------------------------------------------------------- tests/test_fuzz_checkpoint.py
     Mutation(
         "checkpoint-nesting-never-exceeds",
-        CHECKPOINT_PY,
-        "    depth = 0\n    for match in _JSON_NESTING.finditer(text):\n",
-        "    return False\n    depth = 0\n    for match in _JSON_NESTING.finditer(text):\n",
+        BOUNDED_JSON_PY,
+        "    return nesting_depth(text, stop_above=limit) > limit\n",
+        "    return False\n",
         (MANIFEST,),
-        "json_nesting_exceeds always False: deep JSON reaches json.loads (RecursionError)",
+        "nesting_exceeds always False: deep JSON reaches json.loads (RecursionError)",
     ),
     Mutation(
         "checkpoint-read-json-decode-error-only",
