@@ -1,6 +1,6 @@
 """`odrl train CONFIG --check`: what a run needs that is not in the config, checked without loading
-any weights: the model's files (by family), the reward checkpoints or the reward server, the prompt
-files and the output folder. Each finding says what to download or start."""
+any weights: the model's files (by family), the reward checkpoints or the reward server, the teacher
+servers, the prompt files and the output folder. Each finding says what to download or start."""
 
 from __future__ import annotations
 
@@ -88,22 +88,29 @@ def _check_hub_id(what: str, repo_id: str) -> Finding:
     return Finding(OK, what, f"hub id {repo_id} is in the local cache")
 
 
+def _health_problem(url: str, timeout_s: float) -> str | None:
+    """Why the server at `url` does not answer /health, or None when it does."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as answer:  # noqa: S310
+            answer.read(64 << 10)
+    except (urllib.error.URLError, OSError, ValueError) as e:  # ValueError: not an http(s) url
+        return str(getattr(e, "reason", e))
+    return None
+
+
 def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding]:
     """The reward server answering /health when reward.url is set, else each local reward's
     checkpoint path."""
     reward = cfg.reward
     if reward.url:
         names = " ".join(reward.weights)
-        try:
-            with urllib.request.urlopen(f"{reward.url.rstrip('/')}/health", timeout=timeout_s) as answer:
-                answer.read(64 << 10)
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
+        problem = _health_problem(reward.url, timeout_s)
+        if problem is not None:
             return [
                 Finding(
                     MISSING,
                     "reward.url",
-                    f"{reward.url} does not answer ({reason}): start `odrl serve-reward {names}"
+                    f"{reward.url} does not answer ({problem}): start `odrl serve-reward {names}"
                     " --options ...` with the checkpoints the config's header names",
                 )
             ]
@@ -119,6 +126,28 @@ def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding
             (OK, str(checkpoint)) if exists else (MISSING, f"{checkpoint} does not exist: download it")
         )
         findings.append(Finding(status, f"reward.options.{name}.checkpoint", detail))
+    return findings
+
+
+def check_teachers(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding]:
+    """Each teacher server (teacher.urls, or each route's urls) answering /health, when the
+    algorithm asks a teacher."""
+    from .config import algorithm_type
+
+    if not getattr(algorithm_type(cfg.algorithm.name), "uses_teacher", False):
+        return []
+    pools = {"teacher.urls": (cfg.teacher.name, cfg.teacher.urls)}
+    for route, spec in cfg.teacher.routes.items():
+        pools[f"teacher.routes.{route}.urls"] = (spec.get("name", cfg.teacher.name), spec.get("urls") or [])
+    findings = []
+    for what, (name, urls) in pools.items():
+        for url in urls:
+            problem = _health_problem(url, timeout_s)
+            if problem is None:
+                findings.append(Finding(OK, what, f"{url} answers /health"))
+            else:
+                detail = f"{url} does not answer ({problem}): start `odrl serve-teacher {name}` there"
+                findings.append(Finding(MISSING, what, detail))
     return findings
 
 
@@ -213,6 +242,7 @@ def preflight(cfg: ExperimentConfig) -> list[Finding]:
         check_options(cfg.model.family, cfg.model.options),
         *check_rollout_backend(cfg),
         *check_rewards(cfg),
+        *check_teachers(cfg),
         *check_prompts(cfg),
         check_output(cfg),
     ]

@@ -149,3 +149,32 @@ def test_the_qwen_omni_recipe_names_what_to_download(
         "preprocessor_config.json, tokenizer_config.json there"
     ) in out, out
     assert "question file /data/my_clips/questions.jsonl does not exist" in out, out
+
+
+def test_teacher_servers_that_do_not_answer_are_named_and_a_route_that_answers_is_ready(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, health_server: str
+) -> None:
+    """Distillation asks its teacher servers' /health: a closed port is MISSING with the command to
+    start there (it said ready), each route's pool is asked, and an algorithm without a teacher asks
+    none."""
+    monkeypatch.chdir(REPO)
+    closed = f"http://127.0.0.1:{_free_port()}"
+    recipe = ["train", "recipes/configs/tiny_t2av_distill.yaml", f"train.output_dir={tmp_path / 'run'}"]
+    assert main([*recipe, f"teacher.urls=[{closed}]", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING  teacher.urls" in out and f"{closed} does not answer" in out, out
+    assert "start `odrl serve-teacher policy` there" in out, out
+    routes = (
+        "teacher.routes={video: {parts: [picture, visibility], urls: [" + health_server + "]}, "
+        "audio: {parts: [spectrum, loudness], urls: [" + closed + "]}}"
+    )
+    assert main([*recipe, routes, "--check"]) == 1
+    out = capsys.readouterr().out
+    lines = {" ".join(line.split()[:3]) for line in out.splitlines()}
+    assert {
+        f"ok teacher.routes.video.urls {health_server}",
+        f"MISSING teacher.routes.audio.urls {closed}",
+    } <= lines
+    nft = ["train", "recipes/configs/tiny_t2av_nft.yaml", f"train.output_dir={tmp_path / 'nft'}"]
+    assert main([*nft, f"teacher.urls=[{closed}]", "--check"]) == 0
+    assert "teacher.urls" not in capsys.readouterr().out
