@@ -108,7 +108,7 @@ def check_clip_format(data: DataConfig, family: str, policy: Any) -> None:
     if not _question_files(data):
         return
     ours, theirs = clip_format_of(data), policy.model.clip_format
-    if ours != theirs:
+    if ours.timing() != theirs.timing():
         raise ConfigError(
             f"data.clip_fps={ours.fps:g}, clip_sample_rate={ours.sample_rate}, "
             f"clip_seconds={ours.seconds:g}, clip_channels={ours.channels}: model.family="

@@ -1,10 +1,16 @@
 """Clips on disk: video decoded by PyAV, sound by soundfile, at the clip format a run sets.
 
-A clip format fixes the frame rate, the sample rate, the clip length and the channel count. Decoding
-takes the clip's first `seconds`: for each frame time k / fps the last frame shown at or before it,
-and the first `seconds * sample_rate` samples. Nothing is resampled: a file at another sample rate or
-channel count is refused with what it has and what the run wants (convert it with ffmpeg or sox).
-Every refusal is a `ClipFileError` whose message is the reason a line is skipped.
+A clip format fixes the frame rate, the sample rate, the clip length and the channel count, and
+the frame size a model reads when it has one. Decoding takes the clip's first `seconds`: for each
+frame time k / fps the last frame shown at or before it, and the first `seconds * sample_rate`
+samples. Frames are resized to the format's frame size as they are decoded, one at a time
+(antialiased bilinear; a frame larger than it is resized as bytes, never as a full-size float copy),
+so what a clip holds in memory is bounded by the model's size, whatever the file's. The work is
+bounded too: a stream holding frames faster than MAX_SOURCE_FPS (a frame-count bomb) is refused as
+soon as it is seen, as is a clip taking over MAX_DECODE_S to decode, and a refused file is refused
+again at once for as long as it is unchanged. Nothing is resampled in time: a file at another sample
+rate or channel count is refused with what it has and what the run wants (convert it with ffmpeg or
+sox). Every refusal is a `ClipFileError` whose message is the reason a line is skipped.
 
 Writers (for the example set) use lossless codecs inside the usual containers: H.264 in 4:4:4 at
 constant quality 0 in MP4, and 16-bit PCM in WAV. What remains is the rounding of RGB through YUV and
@@ -14,10 +20,12 @@ of samples to 16 bits (`VIDEO_TOLERANCE`, `AUDIO_TOLERANCE`, tested on the shipp
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +38,10 @@ MAX_CLIP_SECONDS = 600.0
 MAX_FRAME_PIXELS = 4096 * 4096
 MAX_CLIP_BYTES = 256 << 20  # decoded frames of one clip (uint8), and its samples (float32)
 CACHE_BYTES = 512 << 20  # decoded clips kept in memory per process, least recently used dropped first
+MAX_SOURCE_FPS = 240.0  # frames a second a video file may hold (more: a frame-count bomb)
+FRAME_BURST = 8  # frames a stream may hold at once beyond that rate (its first frames may share a time)
+MAX_DECODE_S = 60.0  # seconds of decoding one clip may take
+MAX_REMEMBERED = 4096  # refused files remembered per process
 
 
 class ClipFileError(ValueError):
@@ -45,6 +57,7 @@ class ClipFormat:
     sample_rate: int
     seconds: float
     channels: int = 1
+    frame_size: tuple[int, int] | None = None  # (height, width) frames are decoded to; None: the file's
 
     def __post_init__(self) -> None:
         if not (self.fps > 0 and self.sample_rate > 0 and 0 < self.seconds <= MAX_CLIP_SECONDS):
@@ -54,6 +67,14 @@ class ClipFormat:
             )
         if self.channels < 1:
             raise ValueError(f"clip format channels={self.channels}: at least 1")
+        if self.frame_size is not None and not (
+            len(self.frame_size) == 2 and all(0 < side <= 4096 for side in self.frame_size)
+        ):
+            raise ValueError(f"clip format frame_size={self.frame_size}: (height, width), each 1 to 4096")
+
+    def timing(self) -> tuple[float, int, float, int]:
+        """What a clip's timing is (rates, length, channels), whatever size its frames are read at."""
+        return (self.fps, self.sample_rate, self.seconds, self.channels)
 
     @property
     def frames(self) -> int:
@@ -103,24 +124,78 @@ class _DecodedClips:
 
 
 _CACHE = _DecodedClips(CACHE_BYTES)
+_CHECKED = torch.empty(0, dtype=torch.uint8)  # what a frame is when a file is only checked
+_REFUSED: OrderedDict[tuple, str] = OrderedDict()  # a refused file's key -> why (the newest kept)
+
+
+def _remembered(file: tuple, size: object, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`decode()` through the cache, keyed by `file` (kind, path, identity, timing) and the frame
+    `size` (or "checked"); a file refused before is refused again at once with the same reason, at
+    any size, while it is unchanged (its identity is in the key)."""
+    refused = _REFUSED.get(file)
+    if refused is not None:
+        raise ClipFileError(refused)
+    try:
+        return _CACHE.get((*file, size), decode)
+    except ClipFileError as e:
+        _REFUSED[file] = str(e)
+        while len(_REFUSED) > MAX_REMEMBERED:
+            _REFUSED.popitem(last=False)
+        raise
 
 
 def decode_video(path: str | Path, clip: ClipFormat) -> torch.Tensor:
-    """The clip's frames [F, 3, H, W] in [0, 1] (F = clip.frames) from a video file, via PyAV."""
+    """The clip's frames [F, 3, H, W] in [0, 1] (F = clip.frames; H, W: clip.frame_size when set)
+    from a video file, via PyAV."""
     path = Path(path)
     _checked_file(path)
-    key = ("video", str(path), _identity(path), clip)
-    frames = _CACHE.get(key, lambda: _decode_video(str(path), clip))
-    return frames.float() / 255.0
+    file = ("video", str(path), _identity(path), clip.timing())
+    frames = _remembered(file, clip.frame_size, lambda: _decode_video(str(path), clip))
+    return frames.float() / 255.0 if frames.dtype == torch.uint8 else frames.clone()
 
 
-def _decode_video(path: str, clip: ClipFormat) -> torch.Tensor:
-    """uint8 frames [F, 3, H, W]: for each time k / fps from the stream's first frame, the last frame
-    shown at or before it."""
+def check_video(path: str | Path, clip: ClipFormat) -> None:
+    """Everything `decode_video` checks of a video file at `clip`'s timing (a ClipFileError says
+    why it cannot be used, remembered as decode_video's refusals are), with no frame converted or
+    kept: what checking a file holds is the decoder's own buffers, whatever its frames' size."""
+    path = Path(path)
+    _checked_file(path)
+    file = ("video", str(path), _identity(path), clip.timing())
+    _remembered(file, "checked", lambda: _decode_video(str(path), clip, convert=False))
+
+
+def _resized(image: np.ndarray, size: tuple[int, int] | None) -> torch.Tensor:
+    """One decoded frame [3, H, W] at `size` (antialiased bilinear): uint8 when it is the file's size
+    or smaller (a large frame is resized as bytes, never as a float copy), float32 in [0, 1] when it
+    is enlarged (computed from the small frame, as the models resize)."""
+    frame = torch.from_numpy(image).permute(2, 0, 1)
+    if size is None or tuple(frame.shape[-2:]) == size:
+        return frame.contiguous()
+    shrink = frame.shape[-2] >= size[0] and frame.shape[-1] >= size[1]
+    source = frame[None] if shrink else frame[None].float() / 255.0
+    return torch.nn.functional.interpolate(source, size, mode="bilinear", antialias=True)[0]
+
+
+def _decode_video(path: str, clip: ClipFormat, convert: bool = True) -> torch.Tensor:
+    """Frames [F, 3, H, W] (uint8, or float32 in [0, 1] when enlarged): for each time k / fps from the
+    stream's first frame, the last frame shown at or before it. A frame is converted and resized only
+    when it is the one shown at some wanted time (a source faster than the clip skips the rest), and
+    not at all without `convert` (the file only checked: an empty tensor is returned)."""
     import av
 
     wanted = [k / clip.fps for k in range(clip.frames)]
-    picked: list[np.ndarray | None] = [None] * clip.frames
+    picked: list[torch.Tensor | None] = [None] * clip.frames
+    deadline = time.monotonic() + MAX_DECODE_S
+
+    def settle(frame: Any, shown_from: float, shown_to: float) -> None:
+        """`frame` (shown from `shown_from` until the next one) becomes the picked frame of every
+        wanted time in that span."""
+        slots = [k for k, t in enumerate(wanted) if shown_from <= t + 1e-6 < shown_to]
+        if slots:
+            image = _resized(frame.to_ndarray(format="rgb24"), clip.frame_size) if convert else _CHECKED
+            for k in slots:
+                picked[k] = image
+
     try:
         with av.open(path) as container:
             if not container.streams.video:
@@ -129,24 +204,31 @@ def _decode_video(path: str, clip: ClipFormat) -> torch.Tensor:
             frame_s = 1 / float(stream.average_rate) if stream.average_rate else 1 / clip.fps
             first: float | None = None
             shown_until = -math.inf
+            pending: tuple[Any, float] | None = None
             for index, frame in enumerate(container.decode(stream)):
-                if frame.width * frame.height > MAX_FRAME_PIXELS:
-                    raise ClipFileError(f"{path}: frames of {frame.width}x{frame.height} are too large")
-                if clip.frames * frame.width * frame.height * 3 > MAX_CLIP_BYTES:
-                    raise ClipFileError(
-                        f"{path}: {clip.frames} frames of {frame.width}x{frame.height} are over "
-                        f"{MAX_CLIP_BYTES >> 20} MiB; lower data.clip_fps or clip_seconds, or downscale it"
-                    )
+                _check_frame(path, clip, frame)
                 stamp = float(frame.time) if frame.time is not None else index * frame_s
                 first = stamp if first is None else first
-                time = stamp - first  # a stream may start after the container's time 0
-                shown_until = max(shown_until, time + frame_s)
-                if time > wanted[-1] and picked[-1] is not None:
+                at = stamp - first  # a stream may start after the container's time 0
+                if index + 1 > FRAME_BURST + MAX_SOURCE_FPS * max(at, 0.0):
+                    raise ClipFileError(
+                        f"{path} holds {index + 1} frames in its first {at:.3g} s, more than "
+                        f"{MAX_SOURCE_FPS:g} a second: re-encode it at a usual frame rate"
+                    )
+                if time.monotonic() > deadline:
+                    raise ClipFileError(
+                        f"{path} took over {MAX_DECODE_S:g} s to decode ({index + 1} frames): shorten or "
+                        "downscale it"
+                    )
+                shown_until = max(shown_until, at + frame_s)
+                if pending is not None:
+                    settle(*pending, at)
+                if at > wanted[-1] and picked[-1] is not None:
+                    pending = None
                     break
-                image = frame.to_ndarray(format="rgb24")
-                for k, t in enumerate(wanted):
-                    if time <= t + 1e-6:  # the last frame shown at or before t
-                        picked[k] = image
+                pending = (frame, at)
+            if pending is not None:
+                settle(*pending, math.inf)
     except ClipFileError:
         raise
     except (av.error.FFmpegError, ValueError, OSError) as e:
@@ -159,15 +241,35 @@ def _decode_video(path: str, clip: ClipFormat) -> torch.Tensor:
             f"{path} is too short: {shown} of the {clip.frames} frames of a {clip.seconds:g} s clip at "
             f"{clip.fps:g} fps"
         )
-    return torch.from_numpy(np.stack(picked)).permute(0, 3, 1, 2).contiguous()  # type: ignore[arg-type]
+    frames = [p for p in picked if p is not None]
+    if not convert:
+        return _CHECKED
+    if len({tuple(f.shape) for f in frames}) > 1:
+        raise ClipFileError(f"{path} changes its frame size within the clip; re-encode it at one size")
+    if any(f.dtype != torch.uint8 for f in frames):
+        frames = [f if f.dtype != torch.uint8 else f.float() / 255.0 for f in frames]
+    return torch.stack(frames)
+
+
+def _check_frame(path: str, clip: ClipFormat, frame: Any) -> None:
+    """A decoded frame within the pixel bound, and the clip it makes within the byte bound (at the
+    format's frame size, or the file's when it has none)."""
+    if frame.width * frame.height > MAX_FRAME_PIXELS:
+        raise ClipFileError(f"{path}: frames of {frame.width}x{frame.height} are too large")
+    height, width = clip.frame_size or (frame.height, frame.width)
+    if clip.frames * width * height * 3 > MAX_CLIP_BYTES:
+        raise ClipFileError(
+            f"{path}: {clip.frames} frames of {width}x{height} are over "
+            f"{MAX_CLIP_BYTES >> 20} MiB; lower data.clip_fps or clip_seconds, or downscale it"
+        )
 
 
 def decode_audio(path: str | Path, clip: ClipFormat) -> torch.Tensor:
     """The clip's first `clip.samples` samples [C, S] in [-1, 1] from a sound file, via soundfile."""
     path = Path(path)
     _checked_file(path)
-    key = ("audio", str(path), _identity(path), clip)
-    return _CACHE.get(key, lambda: _decode_audio(str(path), clip)).clone()
+    file = ("audio", str(path), _identity(path), clip.timing())
+    return _remembered(file, None, lambda: _decode_audio(str(path), clip)).clone()
 
 
 def _decode_audio(path: str, clip: ClipFormat) -> torch.Tensor:

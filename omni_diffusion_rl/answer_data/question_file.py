@@ -94,7 +94,7 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
             if line_split != split:
                 report.other_split += 1
                 continue
-            question.asked(clip)  # decodes (and caches) its media: a bad file is found now
+            question.check_media(clip)  # a bad file is found now (its refusal remembered for the run)
         except (ValueError, ClipFileError) as e:
             report.skipped.append((number, str(e)))
             continue

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..bounded_json import nesting_depth
-from .clip_files import ClipFormat, decode_audio, decode_video
+from .clip_files import ClipFormat, check_video, decode_audio, decode_video
 
 MAX_KEY_CHARS = 16384
 MAX_TEXT_CHARS = 2000
@@ -67,6 +67,15 @@ class FileQuestion:
         if len(key) > MAX_KEY_CHARS:
             raise ValueError(f"a question-file key of {len(key)} characters is over {MAX_KEY_CHARS}")
         return cls(**checked_fields(parse_json_object(key), cls.__dataclass_fields__))
+
+    def check_media(self, clip: ClipFormat) -> None:
+        """Decode its media to check them (a ClipFileError says why they cannot be used); video
+        frames are only decoded, never converted or kept, so a file's size never decides what
+        checking it holds."""
+        if self.video is not None:
+            check_video(self.video, clip)
+        if self.audio is not None:
+            decode_audio(self.audio, clip)
 
     def asked(self, clip: ClipFormat) -> AskedQuestion:
         """The question with its clip decoded at `clip`'s format."""

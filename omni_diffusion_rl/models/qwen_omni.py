@@ -260,8 +260,10 @@ class QwenOmniModel(nn.Module):
     # ---- clips --------------------------------------------------------------------------------
     @property
     def clip_format(self) -> ClipFormat:
-        """The clips the model reads: model.options' fps and seconds, the feature extractor's rate, mono."""
-        return ClipFormat(self.fps, int(self.feature_extractor.sampling_rate), self.seconds, 1)
+        """The clips the model reads: model.options' fps, seconds and frame size, the feature
+        extractor's rate, mono."""
+        rate = int(self.feature_extractor.sampling_rate)
+        return ClipFormat(self.fps, rate, self.seconds, 1, (self.frame_size, self.frame_size))
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
         """Video [B, F, 3, S, S] (frames resized to frame_size, antialiased bilinear) and waveforms

@@ -178,8 +178,8 @@ class TinyOmniModel(nn.Module):
 
     @property
     def clip_format(self) -> ClipFormat:
-        """The clips the model reads: the tiny clip's frame rate, sample rate and length, mono."""
-        return ClipFormat(fps=FPS, sample_rate=SAMPLE_RATE, seconds=DURATION_S, channels=1)
+        """The clips the model reads: the tiny clip's frame rate, sample rate, length and frame size, mono."""
+        return ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1, (VIDEO_SIZE, VIDEO_SIZE))
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
         """Video [B, F, 3, H, W] and waveforms [B, 1, S] of asked questions, as `prompt` takes them:
