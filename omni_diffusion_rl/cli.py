@@ -1268,6 +1268,7 @@ def _explained_errors() -> tuple[type[Exception], ...]:
     """The project's error types: each says what was wrong and what to do in one sentence (imported
     when an error happens, so that a plain command does not import the servers' client)."""
     from .checkpoint import CheckpointError
+    from .media import NonFiniteSamples
     from .prompts import PromptFileError
     from .registry import RegistryError
     from .reward import RewardError
@@ -1279,6 +1280,7 @@ def _explained_errors() -> tuple[type[Exception], ...]:
         PromptFileError,
         RegistryError,
         CheckpointError,
+        NonFiniteSamples,
         RewardError,
         TeacherServerError,
         TeacherMismatch,

@@ -25,7 +25,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, ModelConfig, SamplingConfig
 from .experience.rollout import generate
-from .media import MediaBatch
+from .media import MediaBatch, NonFiniteSamples
 from .models import build_nft_policy, build_policy, lora
 from .models.fingerprint import fingerprint_matches
 from .models.policy import FlowPolicy
@@ -112,9 +112,17 @@ def generate_media(
     shift: float = 1.0,
     cfg_scale: float = 1.0,
 ) -> MediaBatch:
-    """One sample per prompt from seeded noise (cfg_scale: classifier-free guidance, 1 is off)."""
+    """One sample per prompt from seeded noise (cfg_scale: classifier-free guidance, 1 is off); a
+    NonFiniteSamples error when a sample's latent is not finite (nothing is decoded or saved)."""
     noise = torch.randn((len(prompts), *policy.latent_shape), generator=torch.Generator().manual_seed(seed))
     rollout = generate(
         policy, prompts, list(range(len(prompts))), noise, steps, shift, solver, cfg_scale=cfg_scale
     )
+    broken = int((~torch.isfinite(rollout.x0.reshape(len(prompts), -1)).all(dim=1)).sum())
+    if broken:
+        raise NonFiniteSamples(
+            f"{broken} of {len(prompts)} samples came out with values that are not finite (NaN or infinity), "
+            "so nothing was saved: the model's weights or adapters are far outside what training makes "
+            "(a checkpoint edited or damaged?)"
+        )
     return policy.decode(rollout.x0)

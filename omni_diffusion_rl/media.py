@@ -18,6 +18,10 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 
+class NonFiniteSamples(RuntimeError):
+    """The model generated samples that are not finite numbers: its weights cannot be sampled."""
+
+
 @dataclass
 class MediaBatch:
     """What a policy decodes to and what rewards score.

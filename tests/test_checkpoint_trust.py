@@ -345,6 +345,19 @@ def test_crafted_model_values_are_refused_by_sample_export_and_eval(
     assert not written(tmp_path / "samples") and not (tmp_path / "out").exists()
 
 
+def test_adapters_that_sample_nothing_finite_are_a_sentence_and_nothing_is_saved(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: adapters scaled by 1e30 sampled black frames (NaN saved as 0) and exit 0."""
+    forge_tensors(
+        ckpt, lambda tensors: tensors.update({k: v * 1e30 for k, v in tensors.items() if "lora" in k})
+    )
+    assert main(list(sample_argv(ckpt, tmp_path))) == 2
+    err = capsys.readouterr().err
+    assert "odrl: NonFiniteSamples: 1 of 1 samples came out with values that are not finite" in err, err
+    assert "Traceback" not in err and not written(tmp_path / "samples")
+
+
 def test_more_sampler_steps_than_can_run_are_refused(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Before: sampling.eval_num_steps=10**12 in a checkpoint tried to allocate terabytes. Now every
     command that reads the checkpoint refuses it with the cap."""

@@ -221,6 +221,35 @@ def test_a_valid_line_holding_a_line_separator_stays_one_line(tmp_path: Path) ->
     assert len(report.keys) == 2 and not report.skipped
 
 
+def test_a_line_that_is_not_utf8_is_skipped_alone(tmp_path: Path) -> None:
+    """One byte that is not UTF-8 costs its line, not the file (it refused the whole file); a
+    byte-order mark is still read."""
+    _clip_files(tmp_path)
+    path = tmp_path / "q.jsonl"
+    good = json.dumps(GOOD).encode()
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good[:-1] + b', "x": "\xff"}\n' + good + b"\n")
+    report = load_question_file(path, "train", TINY)
+    assert len(report.keys) == 2 and [n for n, _ in report.skipped] == [2], report.skipped
+    assert "the line is not UTF-8 text (byte " in report.skipped[0][1], report.skipped
+
+
+def test_a_media_link_retargeted_after_loading_is_not_followed(tmp_path: Path) -> None:
+    """A line's media path is resolved when the file is read: a link inside the folder, retargeted
+    later to a clip outside it, still reads the clip it named then."""
+    (tmp_path / "set").mkdir()
+    inside, outside = example_clips(2, 0)
+    write_mp4(tmp_path / "set" / "inside.mp4", inside.video, FPS)
+    write_mp4(tmp_path / "outside.mp4", outside.video, FPS)
+    (tmp_path / "set" / "clip.mp4").symlink_to(tmp_path / "set" / "inside.mp4")
+    path = _write(tmp_path / "set", GOOD | {"video": "clip.mp4", "audio": None})
+    (key,) = load_prompts(str(path), "train", TINY)
+    (tmp_path / "set" / "clip.mp4").unlink()
+    (tmp_path / "set" / "clip.mp4").symlink_to(tmp_path / "outside.mp4")
+    video = FileQuestion.from_key(key).asked(TINY).video
+    assert video is not None and (video - inside.video).abs().max() <= VIDEO_TOLERANCE
+    assert (video - outside.video).abs().max() > VIDEO_TOLERANCE
+
+
 def test_a_text_prompt_file_cannot_smuggle_a_key_and_a_generator_refuses_question_files(
     tmp_path: Path,
 ) -> None:

@@ -77,20 +77,17 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
         raise QuestionFileError(f"question file {path} does not exist (or is not a regular file)")
     if path.stat().st_size > MAX_FILE_BYTES:
         raise QuestionFileError(f"question file {path} is over {MAX_FILE_BYTES >> 20} MiB; split it")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise QuestionFileError(f"question file {path} is not UTF-8 (byte {e.start}: {e.reason})") from e
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is allowed
     report = QuestionFileReport(path, split)
-    lines = [line.removesuffix("\r") for line in text.split("\n")]  # JSON strings may hold U+2028
+    lines = [line.removesuffix(b"\r") for line in data.split(b"\n")]  # JSON strings may hold U+2028
     shown = tqdm(lines, desc=f"decoding {path.name}", unit="line", disable=len(lines) < PROGRESS_FROM)
     for number, line in enumerate(shown, start=1):
         if number > MAX_LINES:
             raise QuestionFileError(f"question file {path} has over {MAX_LINES} lines; split it")
-        if not line.strip() or line.lstrip().startswith("#"):
+        if not line.strip() or line.lstrip().startswith(b"#"):
             continue
         try:
-            question, line_split = _parse_line(line, path.parent)
+            question, line_split = _parse_line(_utf8(line), path.parent)
             if line_split != split:
                 report.other_split += 1
                 continue
@@ -116,6 +113,14 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
             + ("" if report.skipped or split == "train" else ' (mark held-out lines with "split": "heldout")')
         )
     return report
+
+
+def _utf8(line: bytes) -> str:
+    """A line's text; a line that is not UTF-8 is refused alone (ValueError), not the whole file."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the line is not UTF-8 text (byte {e.start + 1}: {e.reason})") from None
 
 
 def _parse_line(line: str, folder: Path) -> tuple[FileQuestion, str]:
@@ -156,9 +161,9 @@ def _inside(folder: Path, relative: str) -> Path:
         or relative.startswith("~")
         or ":" in posix.parts[0]  # a Windows drive (C:) or a URL scheme
     )
-    if not outside:
-        path = (folder / Path(*posix.parts)).absolute()
-        outside = not path.resolve().is_relative_to(folder.resolve())
+    if not outside:  # the resolved path is what is read: a link retargeted later is never followed
+        path = (folder / Path(*posix.parts)).resolve()
+        outside = not path.is_relative_to(folder.resolve())
     if outside:
         raise ValueError(
             f"media path {relative!r} must be relative to the question file's folder and stay inside it "
