@@ -19,12 +19,21 @@ import torch.distributed as dist
 
 from omni_diffusion_rl.runtime.distributed import GATHER_JSON_MAX_BYTES, PeerDataError, all_gather_json
 from omni_diffusion_rl.runtime.launch import free_port
+from omni_diffusion_rl.runtime.run_secret import RunSecretError, prove_secret
 
 from .helpers import with_a_spawned_peer
 
 pytestmark = pytest.mark.slow  # starts a process
 
 CASES = ("json", "pickle", "huge")
+# (process 0's secret, process 1's, machine 0's address) of each run-secret case
+SECRETS = {
+    "secret: the same": (b"s" * 20, b"s" * 20, "10.0.0.1"),
+    "secret: another on process 1": (b"s" * 20, b"t" * 20, "10.0.0.1"),
+    "secret: none on process 1": (b"s" * 20, None, "10.0.0.1"),
+    "secret: none, machine 0 elsewhere": (None, None, "10.0.0.1"),
+    "secret: none, loopback": (None, None, "127.0.0.1"),
+}
 
 
 class _CreatesAFile:
@@ -51,6 +60,15 @@ def _send_raw(data: bytes, announced: int) -> None:
 
 def _play(rank: int, case: str, folder: Path) -> None:
     """One case on both processes: process 1 sends, process 0 writes `folder`/outcome.json."""
+    if case in SECRETS:
+        *secrets, address = SECRETS[case]
+        try:
+            prove_secret(secrets[rank], address)
+            outcome = {"proved": True}
+        except RunSecretError as e:
+            outcome = {"error": str(e)}
+        (folder / f"outcome_{rank}.json").write_text(json.dumps(outcome))
+        return
     if rank == 1:
         if case == "pickle":
             payload = pickle.dumps(_CreatesAFile(str(folder / "unpickled")))
@@ -73,7 +91,7 @@ def _process(rank: int, port: int, root: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", timeout=timeout, rank=rank, world_size=2
     )
     try:
-        for case in CASES:
+        for case in (*CASES, *SECRETS):
             _play(rank, case, Path(root) / case)
             dist.barrier()  # the next case starts once both processes are done with this one
     finally:
@@ -89,11 +107,17 @@ def _hostile_peer(_index: int, port: int, root: str) -> None:
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, Path]]:
     """Each case's outcome on process 0, and the folder it was played in."""
     root = tmp_path_factory.mktemp("collective_json")
-    for case in CASES:
+    for case in (*CASES, *SECRETS):
         (root / case).mkdir()
     args = (free_port(), str(root))
     with_a_spawned_peer(_hostile_peer, args, lambda: _process(0, *args))
-    return {case: (json.loads((root / case / "outcome.json").read_text()), root / case) for case in CASES}
+    outcomes = {case: (json.loads((root / case / "outcome.json").read_text()), root / case) for case in CASES}
+    for case in SECRETS:  # both processes' outcomes
+        outcomes[case] = (
+            {r: json.loads((root / case / f"outcome_{r}.json").read_text()) for r in (0, 1)},
+            root,
+        )
+    return outcomes
 
 
 def test_peers_values_arrive_as_json_in_rank_order(outcomes: dict[str, tuple[dict, Path]]) -> None:
@@ -112,3 +136,28 @@ def test_a_length_past_the_limit_is_refused_before_anything_is_allocated(
 ) -> None:
     outcome, _ = outcomes["huge"]
     assert f"process 1 of the group announced {1 << 40} bytes" in outcome.get("error", ""), outcome
+
+
+SECRET_OUTCOMES = {  # case -> what both processes say (None: both proved it)
+    "secret: the same": None,
+    "secret: another on process 1": "process(es) OTHER did not prove this machine's secret",
+    "secret: none on process 1": "process(es) 1 of the run hold no secret while others do",
+    "secret: none, machine 0 elsewhere": "machine 0 at --master-addr 10.0.0.1 needs a shared secret",
+    "secret: none, loopback": None,
+}
+
+
+@pytest.mark.parametrize("case", list(SECRETS))
+def test_every_process_proves_the_runs_secret_before_anything_else(
+    outcomes: dict[str, tuple[dict, Path]], case: str
+) -> None:
+    """A peer with another secret, or none, is refused by both processes alike (each names the
+    other); a run without any secret is refused unless machine 0 is a loopback address."""
+    both, _ = outcomes[case]
+    expected = SECRET_OUTCOMES[case]
+    for rank in (0, 1):
+        if expected is None:
+            assert both[rank] == {"proved": True}, both
+        else:
+            said = expected.replace("OTHER", str(1 - rank))
+            assert said in both[rank].get("error", "") and "ODRL_RUN_SECRET" in both[rank]["error"], both

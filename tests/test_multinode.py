@@ -42,7 +42,8 @@ from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 
-HERE_ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}  # the launchers run by this process
+# the launchers run by this process; every machine holds the run's secret, so the runs below prove it
+HERE_ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "ODRL_RUN_SECRET": "the-tests-run-secret"}
 LAUNCH_ENV = {**ENV, **HERE_ENV}
 SAFETY_TIMEOUT_S = 300  # a hang fails the test; no verdict depends on how fast a run is
 CLOCK_KEYS = ("time/", "idle/", "rollout/seconds_per_group", "buffer/depth")  # as test_behaviour_fixture
@@ -292,6 +293,37 @@ def test_a_master_port_in_use_on_machine_0_is_refused_before_launching(
         machine = ["--nnodes", "2", "--node-rank", "0", "--master-port", str(port)]
         assert main(["train", *machine, "eval.metrics=[]"]) == 2
     assert f"--master-port {port} is in use on this machine (machine 0" in capsys.readouterr().err
+
+
+def test_a_run_across_machines_needs_a_shared_secret_before_launching(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Machine 0 at a network address: no secret, or one too short, is refused before anything
+    starts; a secret file is read; machine 0 at a loopback address may go without one."""
+    from omni_diffusion_rl.cli import main
+    from omni_diffusion_rl.runtime import launch
+
+    monkeypatch.setattr(launch, "run_launched", _must_not_launch)
+    for name in ("ODRL_RUN_SECRET", "ODRL_RUN_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    machine = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500"]
+    assert main(["train", *machine, "eval.metrics=[]"]) == 2
+    err = capsys.readouterr().err
+    assert "machine 0 at --master-addr 10.0.0.1 needs a shared secret" in err and "ODRL_RUN_SECRET=" in err, (
+        err
+    )
+    monkeypatch.setenv("ODRL_RUN_SECRET", "short")
+    assert main(["train", *machine, "eval.metrics=[]"]) == 2
+    assert "the secret in ODRL_RUN_SECRET has 5 characters: use 16 to 4096" in capsys.readouterr().err
+    monkeypatch.delenv("ODRL_RUN_SECRET")
+    monkeypatch.setenv("ODRL_RUN_SECRET_FILE", str(tmp_path / "missing"))
+    assert main(["train", *machine, "eval.metrics=[]"]) == 2
+    assert "ODRL_RUN_SECRET_FILE" in capsys.readouterr().err
+    (tmp_path / "secret").write_text("a-secret-of-at-least-16\n")
+    monkeypatch.setenv("ODRL_RUN_SECRET_FILE", str(tmp_path / "secret"))
+    Machines(count=2, rank=1, master_addr="10.0.0.1", master_port=29500).check()  # no error
+    monkeypatch.delenv("ODRL_RUN_SECRET_FILE")
+    Machines(count=2, rank=1, master_addr="127.0.0.1", master_port=29500).check()
 
 
 def _must_not_launch(*_args: object, **_kwargs: object) -> int:

@@ -30,6 +30,7 @@ from typing import IO
 from ..config import ConfigError
 from .launch_check import DECLARED_WORLD_VARIABLE, LAUNCH_DIR_VARIABLE, REFUSED, STARTED, marked
 from .lifeline import parent_death_preexec
+from .run_secret import run_secret, secret_needed_problem
 
 
 def free_port() -> int:
@@ -72,6 +73,9 @@ class Machines:
                 f"--node-rank {self.rank} is not a machine of --nnodes {self.count}: give 0 on the machine "
                 f"at --master-addr and 1 .. {self.count - 1} on the others, each machine its own"
             )
+        problem = secret_needed_problem(self.master_addr, self.count, run_secret())
+        if problem:
+            raise ConfigError(problem)
 
     def check_port_free(self) -> None:
         """On machine 0: a ConfigError when --master-port is taken here (the rendezvous listens on it)."""

@@ -6,9 +6,10 @@ checks in every process of such a run:
 
 - before the process group, `wait_for_every_process`: every process reaches the start within the
   join timeout (one that died before would leave the others in init_process_group for half an hour);
-- right after it, `check_machines_agree`: every process gathers each one's layout (its machine, the
-  processes there, the processes its launcher declared in all, a hash of its config) and all refuse
-  a run whose machines disagree, saying what to make equal.
+- right after it, `check_machines_agree`: every process proves the run's shared secret
+  (`run_secret.py`), then gathers each one's layout (its machine, the processes there, the processes
+  its launcher declared in all, a hash of its config) and all refuse a run whose machines disagree,
+  saying what to make equal.
 
 Files in ODRL_LAUNCH_DIR (set by `odrl train`'s launcher) tell that launcher that its processes
 started (the machines joined), or that one stopped the run with a sentence (`odrl: ...`, exit 2).
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from .run_secret import prove_secret, run_secret
 
 LAUNCH_DIR_VARIABLE = "ODRL_LAUNCH_DIR"  # where launched processes leave their markers
 DECLARED_WORLD_VARIABLE = "ODRL_DECLARED_WORLD"  # the processes in all that `odrl train` launched for
@@ -252,6 +254,7 @@ def check_machines_agree(config: Mapping[str, Any], env: Mapping[str, str] | Non
     env = _env(env)
     if machine_count(env) <= 1 or not (dist.is_available() and dist.is_initialized()):
         return
+    prove_secret(run_secret(env), str(env.get("MASTER_ADDR", "")))  # before anything a peer sends is read
     layouts = _layouts(_gather(asdict(describe_process(config, env))))
     problems = [layout_problem(layouts, dist.get_world_size())]
     if len({layout.config_sha256 for layout in layouts}) > 1:  # the same on every process
