@@ -107,6 +107,78 @@ def asked_pair() -> list[AskedQuestion]:
     ]
 
 
+def _tokenizer_json(edit: object) -> object:
+    def apply(folder: Path) -> None:
+        data = json.loads((folder / "tokenizer.json").read_text())
+        edit(data)  # type: ignore[operator]
+        (folder / "tokenizer.json").write_text(json.dumps(data))
+
+    return apply
+
+
+def _preprocessor(**values: object) -> object:
+    def apply(folder: Path) -> None:
+        data = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").write_text(json.dumps({**data, **values}))
+
+    return apply
+
+
+def _template(text: str) -> object:
+    return lambda folder: (folder / "chat_template.jinja").write_text(text)
+
+
+NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
+CRAFTED_FOLDERS = {  # a crafted model folder -> what the sentence names (each was a traceback or a hang)
+    "looping template": (_template(NESTED_LOOPS), "its chat template cannot be used (DeadlineExceeded"),
+    "template syntax": (_template("{% for %}"), "its chat template cannot be used (TemplateSyntaxError"),
+    "hop_length 0": (_preprocessor(hop_length=0), "hop_length=0 must be a whole number from 1 to 65536"),
+    "n_fft 1e12": (_preprocessor(n_fft=10**12), "n_fft=1000000000000 must be a whole number from 1 to 65536"),
+    "patch_size 0": (_preprocessor(patch_size=0), "patch_size=0 must be a whole number from 1 to 1024"),
+    "merge_size a string": (_preprocessor(merge_size="2"), "merge_size=2 must be a whole number"),
+    "sampling_rate 0": (_preprocessor(sampling_rate=0), "sampling_rate=0 must be a whole number from 1"),
+    "size edge 1e12": (_preprocessor(size={"longest_edge": 10**12}), "size.longest_edge=1000000000000"),
+    "tokenizer regex": (
+        _tokenizer_json(
+            lambda t: t.update(
+                pre_tokenizer={
+                    "type": "Split",
+                    "pattern": {"Regex": "("},
+                    "behavior": "Isolated",
+                    "invert": False,
+                }
+            )
+        ),
+        "its tokenizer cannot be used (Exception: Oniguruma error",
+    ),
+    "tokenizer panic": (  # a Rust panic in the tokenizers library: a BaseException
+        _tokenizer_json(
+            lambda t: t.update(normalizer={"type": "Precompiled", "precompiled_charsmap": "AAAA"})
+        ),
+        "its tokenizer cannot be used (PanicException",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED_FOLDERS))
+def test_a_crafted_model_folder_is_a_sentence(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Each crafted value of a model folder is a ModelLoadError naming the folder and what is wrong
+    (the looping template is stopped: the bound is lowered here, the template never ends)."""
+    from omni_diffusion_rl.models import ModelLoadError, qwen_omni
+
+    monkeypatch.setattr(qwen_omni, "TEMPLATE_RENDER_S", 0.5)
+    craft, fragment = CRAFTED_FOLDERS[case]
+    folder = Path(shutil.copytree(model_dir, tmp_path / "crafted"))
+    craft(folder)  # type: ignore[operator]
+    with pytest.raises(ModelLoadError) as refused:
+        build_policy(model_config(folder))
+    assert fragment in str(refused.value) and f"model.pretrained={folder}" in str(refused.value), (
+        refused.value
+    )
+
+
 def test_the_family_loads_a_folder_and_checks_its_options(model_dir: Path, tmp_path: Path) -> None:
     from omni_diffusion_rl.models.qwen_omni import QwenOmniModel, QwenOmniPolicy
     from omni_diffusion_rl.registry import evaluations, models  # found by pyproject's entry points

@@ -52,10 +52,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -63,7 +64,10 @@ from torch import nn
 
 from ..answer_data.clip_files import ClipFormat
 from ..answer_data.questions import AskedQuestion
+from ..runtime.deadline import call_with_deadline
 from .tiny_omni import vocabulary_fingerprint
+
+T = TypeVar("T")
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -84,6 +88,7 @@ when the model's folder has no template of its own."""
 QUESTION = "\x00question\x00"  # where the question's own tokens go in the rendered template
 PROCESSOR_CONFIG = "preprocessor_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20
+TEMPLATE_RENDER_S = 10.0  # a model folder's chat template renders within this (nested loops hung loading)
 TEMPLATE_FILE = "chat_template.jinja"
 MARKERS = ("audio", "video", "image", "audio_bos", "audio_eos", "vision_bos", "vision_eos")
 """The tokenizer attributes (`<name>_token`) naming its media placeholders and their brackets."""
@@ -231,18 +236,29 @@ class QwenOmniModel(nn.Module):
         return out
 
     def _template_ids(self) -> tuple[list[int], list[int]]:
-        """The chat template's token ids before and after the question, one placeholder each."""
+        """The chat template's token ids before and after the question, one placeholder each. The
+        template is the model folder's (untrusted): rendered within TEMPLATE_RENDER_S seconds and
+        MAX_TEMPLATE_BYTES characters, and whatever fails in it or in the tokenizer is a ValueError."""
         content = [{"type": "video"}, {"type": "audio"}, {"type": "text", "text": QUESTION}]
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}],
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+
+        text = loaded("chat template", lambda: call_with_deadline(render, TEMPLATE_RENDER_S, "rendering it"))
+        if not isinstance(text, str) or len(text) > MAX_TEMPLATE_BYTES:
+            raise ValueError(f"the chat template rendered more than {MAX_TEMPLATE_BYTES} characters")
         if text.count(QUESTION) != 1:
             raise ValueError("the chat template does not place a user turn's text exactly once")
         head, tail = text.split(QUESTION)
-        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in (head, tail)]
+        ids = loaded(
+            "tokenizer",
+            lambda: [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in (head, tail)],
+        )
         video, audio = self._token("video"), self._token("audio")
         if ids[0].count(video) != 1 or ids[0].count(audio) != 1 or video in ids[1] or audio in ids[1]:
             raise ValueError(
@@ -473,9 +489,12 @@ class QwenOmniModel(nn.Module):
         if unknown:
             raise ValueError(f"unknown options {unknown} for {cls.family}; it takes {', '.join(OPTIONS)}")
         source = str(path)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        feature_extractor = WhisperFeatureExtractor.from_pretrained(source)
-        image_processor = Qwen2VLImageProcessorPil.from_pretrained(source)
+        check_preprocessor_config(source)  # before any library reads its numbers
+        tokenizer = loaded("tokenizer", lambda: AutoTokenizer.from_pretrained(source))
+        feature_extractor = loaded(
+            "feature extractor", lambda: WhisperFeatureExtractor.from_pretrained(source)
+        )
+        image_processor = loaded("image processor", lambda: Qwen2VLImageProcessorPil.from_pretrained(source))
         thinker_class = getattr(transformers, cls.thinker_class)
         thinker = thinker_class.from_pretrained(
             source,
@@ -484,6 +503,62 @@ class QwenOmniModel(nn.Module):
         ).eval()
         template = _chat_template(source)
         return cls(thinker, tokenizer, feature_extractor, image_processor, template, **options)
+
+
+def loaded(what: str, load: Callable[[], T]) -> T:
+    """`load()` of a part of an untrusted model folder; whatever it raises (a library's own error, a
+    MemoryError, a Rust panic of the tokenizers library, which is a BaseException) is a ValueError
+    naming the part, which the model loader turns into a sentence naming the folder."""
+    try:
+        return load()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
+        raise ValueError(f"its {what} cannot be used ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+# preprocessor_config.json's numbers, each a whole number in its range, checked before a library
+# computes anything from them (a huge n_fft allocated terabytes, a hop_length of 0 divided by zero)
+PROCESSOR_BOUNDS = {
+    "sampling_rate": (1, 192_000),
+    "hop_length": (1, 1 << 16),
+    "n_fft": (1, 1 << 16),
+    "feature_size": (1, 1024),
+    "chunk_length": (1, 3600),
+    "n_samples": (1, 192_000 * 3600),
+    "nb_max_frames": (1, 1 << 24),
+    "patch_size": (1, 1024),
+    "temporal_patch_size": (1, 64),
+    "merge_size": (1, 64),
+    "min_pixels": (1, 1 << 28),
+    "max_pixels": (1, 1 << 28),
+}
+MAX_PROCESSOR_CONFIG_BYTES = 1 << 20
+
+
+def check_preprocessor_config(source: str) -> None:
+    """A ValueError naming the first of preprocessor_config.json's numbers out of PROCESSOR_BOUNDS
+    (its size's edges included); a folder without the file is left to the loaders' own error."""
+    from ..bounded_json import loads_bounded
+    from ..checkpoint import read_bounded
+
+    path = _template_file(source, PROCESSOR_CONFIG)
+    if path is None:
+        return
+    raw = loads_bounded(read_bounded(path, MAX_PROCESSOR_CONFIG_BYTES), 8, f"{PROCESSOR_CONFIG}")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{PROCESSOR_CONFIG} is not a JSON object")
+    size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+    numbers = {
+        **{k: raw[k] for k in PROCESSOR_BOUNDS if k in raw},
+        **{f"size.{k}": v for k, v in size.items()},
+    }
+    for key, value in numbers.items():
+        low, high = PROCESSOR_BOUNDS.get(key, (1, 1 << 28))
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(
+                f"{PROCESSOR_CONFIG}: {key}={str(value)[:40]} must be a whole number from {low} to {high}"
+            )
 
 
 def _template_file(source: str, name: str) -> Path | None:
