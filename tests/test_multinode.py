@@ -295,6 +295,27 @@ def test_a_master_port_in_use_on_machine_0_is_refused_before_launching(
     assert f"--master-port {port} is in use on this machine (machine 0" in capsys.readouterr().err
 
 
+ACCELERATE_PORT_TAKEN = (  # accelerate 1.15's output when a second --node-rank 0 took the port first
+    b'Traceback (most recent call last):\n  File ".../accelerate/utils/launch.py", line 227, in '
+    b"prepare_multi_gpu_env\n    raise ConnectionError(\nConnectionError: Tried to launch distributed "
+    b"communication on port `29731`, but another process is utilizing it. Please specify a different port\n"
+)
+
+
+def test_a_port_taken_as_the_launcher_starts_is_a_sentence_not_accelerates_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Two launches with --node-rank 0 at once: both pass the port check, and the second one's
+    accelerate stopped with a ConnectionError traceback (seen on this machine); now a sentence."""
+    from omni_diffusion_rl.runtime.launch import _outcome
+
+    machines = Machines(count=2, rank=0, master_addr="127.0.0.1", master_port=29731)
+    assert _outcome(1, ACCELERATE_PORT_TAKEN, str(tmp_path), machines, waited_out=False) == 2
+    err = capsys.readouterr().err
+    assert "odrl: --master-port 29731 is in use on this machine (machine 0: taken by another process" in err
+    assert "start --node-rank 0 on one machine only" in err and "Traceback" not in err, err
+
+
 def test_a_run_across_machines_needs_a_shared_secret_before_launching(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -86,10 +86,15 @@ class Machines:
             try:
                 s.bind(("", self.master_port))
             except OSError as e:
-                raise ConfigError(
-                    f"--master-port {self.master_port} is in use on this machine (machine 0: {e.strerror}): "
-                    "choose a free port, the same in every machine's command"
-                ) from None
+                raise ConfigError(self.port_taken(e.strerror)) from None
+
+    def port_taken(self, why: str) -> str:
+        """The sentence for a --master-port that machine 0 cannot listen on."""
+        return (
+            f"--master-port {self.master_port} is in use on this machine (machine 0: {why}); another run, "
+            "or a second launch with --node-rank 0, holds it: choose a free port, the same in every "
+            "machine's command, and start --node-rank 0 on one machine only"
+        )
 
     def join_failure(self, detail: str) -> str:
         """The sentence for a rendezvous that timed out (`detail`: torch's last line)."""
@@ -172,6 +177,12 @@ def _outcome(code: int, unshown: bytes, channel: str, machines: Machines, waited
     if code and machines.count > 1 and waited_out and not marked(channel, STARTED):
         print(machines.join_failure(_last_line(unshown)), file=sys.stderr, flush=True)
         return 1
+    if code and machines.count > 1 and PORT_TAKEN in unshown and not marked(channel, STARTED):
+        print(
+            f"odrl: {machines.port_taken('taken by another process as the launcher started')}",
+            file=sys.stderr,
+        )
+        return 2
     if code and marked(channel, REFUSED):  # its sentence, without torch's report of the exits
         _write_stderr(b"".join(line for line in unshown.splitlines(True) if line.startswith(b"odrl:")))
         return 2
@@ -276,6 +287,7 @@ class _HeldOutput:
         return held
 
 
+PORT_TAKEN = b"but another process is utilizing it"  # accelerate's ConnectionError for a taken port
 STOP_SIGNALS = ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0))  # (signal, seconds to wait for the exit)
 
 
