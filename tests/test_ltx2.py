@@ -211,6 +211,21 @@ def test_vae_tiling_and_slicing_reach_the_vae_and_slicing_decodes_the_same() -> 
     x = torch.randn(2, *plain.latent_shape, generator=torch.Generator().manual_seed(4))
     # tiles larger than these 32 x 32 frames: tiling leaves them whole, slicing is exact
     torch.testing.assert_close(sliced.decode(x).video, plain.decode(x).video, rtol=0, atol=1e-5)
+    # decoded into one output, post-processed a sample at a time: the pipeline's own batch
+    # post-processing, bit for bit
+    pipe = plain.pipeline
+    video, _ = plain.split(x.float())
+    frames, height, width = plain.video_grid
+    config = plain.transformer.config
+    latents = pipe._unpack_latents(video, frames, height, width, config.patch_size, config.patch_size_t)
+    latents = pipe._denormalize_latents(
+        latents, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
+    )
+    with torch.no_grad():
+        pixels = pipe.vae.decode(latents.to(pipe.vae.dtype), None, return_dict=False)[0]
+    assert torch.equal(
+        plain.decode(x).video, pipe.video_processor.postprocess_video(pixels, output_type="pt").float()
+    )
 
 
 def test_bf16_base_weights_train_with_fp32_adapters_and_sample_without_autocast(

@@ -167,6 +167,31 @@ def test_decoding_gives_frames_and_stereo_audio_and_each_sample_has_its_own_time
         policy.velocity(x[:, :100], torch.tensor([0.5] * 3), cond)
 
 
+def _decoded_whole(policy: MiniMaxH3Policy, x: torch.Tensor) -> torch.Tensor:
+    """The frames as decode computed them before it decoded into one output: one VAE call, then the
+    float post-processing on the whole batch (three full-size float copies)."""
+    video, _ = policy.split(x.float())
+    vae = policy.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        pixels = vae.decode((video * std + mean).to(vae.dtype), return_dict=False)[0].float()
+    imagenet_mean = torch.tensor((0.485, 0.456, 0.406)).view(1, -1, 1, 1, 1)
+    imagenet_std = torch.tensor((0.229, 0.224, 0.225)).view(1, -1, 1, 1, 1)
+    return (pixels * imagenet_std + imagenet_mean).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
+
+def test_frames_decoded_into_one_output_are_the_whole_batch_decodes_exactly() -> None:
+    """In place, one sample at a time, the same pixels as the whole-batch post-processing (bit for
+    bit), and with vae_slicing (one sample per VAE call) the same as the VAE's own slicing."""
+    components = tiny_h3_components()
+    whole = MiniMaxH3Policy(components, **CLIP, vae_tiling=False)
+    x = torch.randn(3, *whole.latent_shape, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(whole.decode(x).video, _decoded_whole(whole, x))
+    sliced = MiniMaxH3Policy(components, **CLIP, vae_tiling=False, vae_slicing=True)
+    assert torch.equal(sliced.decode(x).video, _decoded_whole(sliced, x))  # the VAE slices itself there
+
+
 def test_bad_clip_sizes_and_long_prompts_are_named() -> None:
     components = tiny_h3_components()
     with pytest.raises(ValueError, match=r"num_frames = 17 n \+ 5 .* got 30, the next that fits is 39"):

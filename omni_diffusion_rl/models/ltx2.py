@@ -32,7 +32,7 @@ from torch import nn
 from ..media import MediaBatch
 from ..precision import base_weights_autocast
 from .policy import Condition
-from .vae_memory import configure_vae_memory, stored_dtype
+from .vae_memory import configure_vae_memory, decode_into, stored_dtype
 
 VIDEO_CONTEXT, AUDIO_CONTEXT, CONTEXT_MASK = "video_context", "audio_context", "context_mask"
 MAX_INDEX_BYTES = 64 << 10
@@ -186,8 +186,14 @@ class LTX2Policy:
         latents = pipe._denormalize_latents(
             latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
         )
-        pixels = vae.decode(latents.to(vae.dtype), None, return_dict=False)[0]
-        frames_out = pipe.video_processor.postprocess_video(pixels, output_type="pt").float()
+
+        def post_process(out: torch.Tensor, sample: torch.Tensor) -> None:
+            out.copy_(pipe.video_processor.postprocess_video(sample[None], output_type="pt")[0])
+
+        def decode(part: torch.Tensor) -> torch.Tensor:
+            return vae.decode(part, None, return_dict=False)[0]
+
+        frames_out = decode_into(decode, latents.to(vae.dtype), post_process, vae)
         audio = pipe._denormalize_audio_latents(audio, audio_vae.latents_mean, audio_vae.latents_std)
         audio = pipe._unpack_audio_latents(audio, self.audio_frames, self.audio_mel_bins)
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]

@@ -44,7 +44,7 @@ from ..media import MediaBatch
 from ..precision import base_weights_autocast
 from ..runtime.sharding import compute_device
 from .policy import Condition
-from .vae_memory import configure_vae_memory, stored_dtype
+from .vae_memory import configure_vae_memory, decode_into, stored_dtype
 
 TEXT, TEXT_LENGTH = "h3_text", "h3_text_length"
 FPS = 24.0
@@ -318,21 +318,28 @@ class MiniMaxH3Policy:
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> MediaBatch:
-        """Frames [B, F, 3, H, W] in [0, 1] and the stereo waveform [B, 2, S] in [-1, 1]."""
+        """Frames [B, F, 3, H, W] in [0, 1] and the stereo waveform [B, 2, S] in [-1, 1]. The frames
+        are held once: each decoded sample is written into them and post-processed there in place
+        (with vae_slicing, each sample is decoded alone, as the VAE's own slicing decodes it)."""
         video, audio = self.split(x0.float())
         vae, audio_vae = self.vae, self.audio_vae
         mean = torch.tensor(vae.config.latents_mean, device=video.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std, device=video.device).view(1, -1, 1, 1, 1)
-        pixels = vae.decode((video * std + mean).to(vae.dtype), return_dict=False)[0].float()
-        imagenet_mean = torch.tensor((0.485, 0.456, 0.406), device=pixels.device).view(1, -1, 1, 1, 1)
-        imagenet_std = torch.tensor((0.229, 0.224, 0.225), device=pixels.device).view(1, -1, 1, 1, 1)
-        frames = (pixels * imagenet_std + imagenet_mean).clamp(0, 1).permute(0, 2, 1, 3, 4)
+        latents = (video * std + mean).to(vae.dtype)
+        imagenet_mean = torch.tensor((0.485, 0.456, 0.406), device=video.device).view(1, -1, 1, 1)
+        imagenet_std = torch.tensor((0.229, 0.224, 0.225), device=video.device).view(1, -1, 1, 1)
+
+        def post_process(out: torch.Tensor, sample: torch.Tensor) -> None:
+            out.copy_(sample.transpose(0, 1))  # [3, F, H, W] -> [F, 3, H, W], as float32
+            out.mul_(imagenet_std).add_(imagenet_mean).clamp_(0, 1)
+
+        frames = decode_into(lambda part: vae.decode(part, return_dict=False)[0], latents, post_process, vae)
         audio = audio.reshape(-1, self.audio_channels, self.audio_frames)
         a_mean = torch.tensor(audio_vae.config.latents_mean, device=audio.device).view(1, -1, 1)
         a_std = torch.tensor(audio_vae.config.latents_std, device=audio.device).view(1, -1, 1)
         wave = audio_vae.decode((audio * a_std + a_mean).to(audio_vae.dtype), return_dict=False)[0].float()
         wave = wave.reshape(len(x0), STEREO, -1).clamp(-1, 1)
-        return MediaBatch(video=frames.contiguous(), audio=wave, fps=FPS, sample_rate=self.sample_rate)
+        return MediaBatch(video=frames, audio=wave, fps=FPS, sample_rate=self.sample_rate)
 
     @property
     def sample_rate(self) -> int:
