@@ -38,6 +38,7 @@ MAX_CLIP_SECONDS = 600.0
 MAX_FRAME_PIXELS = 4096 * 4096
 MAX_CLIP_BYTES = 256 << 20  # decoded frames of one clip (uint8), and its samples (float32)
 CACHE_BYTES = 512 << 20  # decoded clips kept in memory per process, least recently used dropped first
+CACHE_ITEMS = 65536  # and at most this many (a checked file's entry holds no pixels)
 MAX_SOURCE_FPS = 240.0  # frames a second a video file may hold (more: a frame-count bomb)
 FRAME_BURST = 8  # frames a stream may hold at once beyond that rate (its first frames may share a time)
 MAX_DECODE_S = 60.0  # seconds of decoding one clip may take
@@ -101,8 +102,8 @@ def _identity(path: Path) -> tuple[int, ...]:
 
 
 class _DecodedClips:
-    """Decoded media by (kind, path, file identity, format), bounded by bytes (least recently used
-    dropped first): a question file's clips are decoded once while they fit."""
+    """Decoded media by (kind, path, file identity, format), bounded by bytes and by entries (least
+    recently used dropped first): a question file's clips are decoded once while they fit."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used = limit, 0
@@ -117,7 +118,7 @@ class _DecodedClips:
         if size <= self.limit:
             self.items[key] = value
             self.used += size
-            while self.used > self.limit:
+            while self.used > self.limit or len(self.items) > CACHE_ITEMS:
                 _, dropped = self.items.popitem(last=False)
                 self.used -= dropped.numel() * dropped.element_size()
         return value
@@ -192,7 +193,10 @@ def _decode_video(path: str, clip: ClipFormat, convert: bool = True) -> torch.Te
         wanted time in that span."""
         slots = [k for k, t in enumerate(wanted) if shown_from <= t + 1e-6 < shown_to]
         if slots:
-            image = _resized(frame.to_ndarray(format="rgb24"), clip.frame_size) if convert else _CHECKED
+            if convert:
+                image = _resized(frame.to_ndarray(format="rgb24"), clip.frame_size)
+            else:  # no pixels: the size alone, so that a size change is found as decoding finds it
+                image = torch.empty((0, *(clip.frame_size or (frame.height, frame.width))), dtype=torch.uint8)
             for k in slots:
                 picked[k] = image
 
@@ -242,10 +246,10 @@ def _decode_video(path: str, clip: ClipFormat, convert: bool = True) -> torch.Te
             f"{clip.fps:g} fps"
         )
     frames = [p for p in picked if p is not None]
+    if len({tuple(f.shape[-2:]) for f in frames}) > 1:
+        raise ClipFileError(f"{path} changes its frame size within the clip; re-encode it at one size")
     if not convert:
         return _CHECKED
-    if len({tuple(f.shape) for f in frames}) > 1:
-        raise ClipFileError(f"{path} changes its frame size within the clip; re-encode it at one size")
     if any(f.dtype != torch.uint8 for f in frames):
         frames = [f if f.dtype != torch.uint8 else f.float() / 255.0 for f in frames]
     return torch.stack(frames)
