@@ -89,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     prepare_run_dir(cfg.train.output_dir, args.resume, cfg.train.overwrite, is_main=_launcher_rank() == 0)
     wait_for_every_process(args.join_timeout)  # several machines: every process started, or an error
     accelerator = _make_accelerator(cfg.tracking.wandb)
-    check_machines_agree(cfg.to_dict())  # several machines: one process layout and one config
+    check_machines_agree(cfg.to_dict(), device=accelerator.device)  # several machines: one layout, one config
     accelerator.wait_for_everyone()  # the main process has cleared the folder (train.overwrite)
 
     def run_mode(cfg, resume, recheck):  # noqa: ANN001, ANN202 - one mode on this process

@@ -219,11 +219,12 @@ def _missing(store: Any, keys: Sequence[str]) -> list[str]:
         return []
 
 
-def _gather(value: Any) -> list[Any]:
-    """Every process's JSON value, as JSON (never pickle: a peer machine is not trusted to run code here)."""
+def _gather(value: Any, device: Any = None) -> list[Any]:
+    """Every process's JSON value, as JSON (never pickle: a peer machine is not trusted to run code here);
+    `device`: this process's (its GPU under nccl, which gathers nothing on the CPU)."""
     from .distributed import all_gather_json
 
-    return all_gather_json(value)
+    return all_gather_json(value, device=device)
 
 
 def _layouts(values: list[Any]) -> list[ProcessLayout]:
@@ -245,7 +246,9 @@ def _layouts(values: list[Any]) -> list[ProcessLayout]:
     return layouts
 
 
-def check_machines_agree(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> None:
+def check_machines_agree(
+    config: Mapping[str, Any], env: Mapping[str, str] | None = None, device: Any = None
+) -> None:
     """Right after the process group is up, on every process of a run on several machines: refuse
     (LaunchError, the same on every process) a run whose machines declared other process counts or
     were given other configs."""
@@ -254,11 +257,11 @@ def check_machines_agree(config: Mapping[str, Any], env: Mapping[str, str] | Non
     env = _env(env)
     if machine_count(env) <= 1 or not (dist.is_available() and dist.is_initialized()):
         return
-    prove_secret(run_secret(env), str(env.get("MASTER_ADDR", "")))  # before anything a peer sends is read
-    layouts = _layouts(_gather(asdict(describe_process(config, env))))
+    prove_secret(run_secret(env), str(env.get("MASTER_ADDR", "")), device=device)  # before anything else
+    layouts = _layouts(_gather(asdict(describe_process(config, env)), device))
     problems = [layout_problem(layouts, dist.get_world_size())]
     if len({layout.config_sha256 for layout in layouts}) > 1:  # the same on every process
-        flat = _gather(flatten(config))
+        flat = _gather(flatten(config), device)
         problems.append(
             config_problem([(layout.machine, c) for layout, c in zip(layouts, flat, strict=True)])
         )

@@ -91,21 +91,28 @@ def _proof(secret: bytes, nonces: bytes, rank: int) -> bytes:
     ).digest()
 
 
-def prove_secret(secret: bytes | None, master_addr: str, group: Any = None) -> None:
+def prove_secret(secret: bytes | None, master_addr: str, group: Any = None, device: Any = None) -> None:
     """On every process of the group, right after it is up: each proves it holds `secret`, each
     checks every other's proof; a RunSecretError (the same on every process) when one does not, when
-    some hold a secret and others none, or when none does and machine 0 is not at a loopback address."""
+    some hold a secret and others none, or when none does and machine 0 is not at a loopback address.
+    `device`: this process's (its GPU under nccl, which gathers nothing on the CPU)."""
     import torch
     import torch.distributed as dist
 
+    from .distributed import collective_device
+
+    on = collective_device(device, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nonce = torch.frombuffer(bytearray(os.urandom(NONCE_BYTES)), dtype=torch.uint8)
-    nonces = [torch.empty_like(nonce) for _ in range(world)]
-    dist.all_gather(nonces, nonce, group=group)
-    transcript = b"".join(n.numpy().tobytes() for n in nonces)
-    mine = bytes([secret is not None]) + _proof(secret or b"", transcript, rank)
-    proofs = [torch.empty(len(mine), dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(proofs, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group=group)
+
+    def gathered(data: bytes) -> list[bytes]:
+        """Every process's `data` (the same length on each), in rank order."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(on)
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+        return [part.cpu().numpy().tobytes() for part in parts]
+
+    transcript = b"".join(gathered(os.urandom(NONCE_BYTES)))
+    proofs = gathered(bytes([secret is not None]) + _proof(secret or b"", transcript, rank))
     held = [bool(p[0]) for p in proofs]
     if not any(held):
         problem = secret_needed_problem(master_addr, 2, None)
@@ -122,7 +129,7 @@ def prove_secret(secret: bytes | None, master_addr: str, group: Any = None) -> N
     wrong = [
         str(r)
         for r, p in enumerate(proofs)
-        if r != rank and not hmac.compare_digest(p[1:].numpy().tobytes(), _proof(secret, transcript, r))
+        if r != rank and not hmac.compare_digest(p[1:], _proof(secret, transcript, r))
     ]
     if wrong:
         raise RunSecretError(
