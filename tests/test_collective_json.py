@@ -63,7 +63,7 @@ def _play(rank: int, case: str, folder: Path) -> None:
     if case in SECRETS:
         *secrets, address = SECRETS[case]
         try:
-            prove_secret(secrets[rank], address)
+            prove_secret(secrets[rank], address, machines=2)
             outcome = {"proved": True}
         except RunSecretError as e:
             outcome = {"error": str(e)}

@@ -255,9 +255,11 @@ def check_machines_agree(
     import torch.distributed as dist
 
     env = _env(env)
-    if machine_count(env) <= 1 or not (dist.is_available() and dist.is_initialized()):
+    machines = machine_count(env)
+    if machines <= 1 or not (dist.is_available() and dist.is_initialized()):
         return
-    prove_secret(run_secret(env), str(env.get("MASTER_ADDR", "")), device=device)  # before anything else
+    address = str(env.get("MASTER_ADDR", ""))
+    prove_secret(run_secret(env), address, machines, device=device)  # before anything a peer sends is read
     layouts = _layouts(_gather(asdict(describe_process(config, env)), device))
     problems = [layout_problem(layouts, dist.get_world_size())]
     if len({layout.config_sha256 for layout in layouts}) > 1:  # the same on every process

@@ -91,7 +91,9 @@ def _proof(secret: bytes, nonces: bytes, rank: int) -> bytes:
     ).digest()
 
 
-def prove_secret(secret: bytes | None, master_addr: str, group: Any = None, device: Any = None) -> None:
+def prove_secret(
+    secret: bytes | None, master_addr: str, machines: int, group: Any = None, device: Any = None
+) -> None:
     """On every process of the group, right after it is up: each proves it holds `secret`, each
     checks every other's proof; a RunSecretError (the same on every process) when one does not, when
     some hold a secret and others none, or when none does and machine 0 is not at a loopback address.
@@ -115,7 +117,7 @@ def prove_secret(secret: bytes | None, master_addr: str, group: Any = None, devi
     proofs = gathered(bytes([secret is not None]) + _proof(secret or b"", transcript, rank))
     held = [bool(p[0]) for p in proofs]
     if not any(held):
-        problem = secret_needed_problem(master_addr, 2, None)
+        problem = secret_needed_problem(master_addr, machines, None)
         if problem:
             raise RunSecretError(problem)
         return
@@ -124,8 +126,7 @@ def prove_secret(secret: bytes | None, master_addr: str, group: Any = None, devi
         raise RunSecretError(
             f"process(es) {without} of the run hold no secret while others do: {SECRET_HELP}"
         )
-    if secret is None:  # unreachable: this process's own flag is in `held`
-        return
+    assert secret is not None  # this process's own flag is in `held`
     wrong = [
         str(r)
         for r, p in enumerate(proofs)
