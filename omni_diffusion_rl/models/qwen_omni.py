@@ -542,7 +542,7 @@ def check_preprocessor_config(source: str) -> None:
     from ..bounded_json import loads_bounded
     from ..checkpoint import read_bounded
 
-    path = _template_file(source, PROCESSOR_CONFIG)
+    path = _folder_file(source, PROCESSOR_CONFIG)
     if path is None:
         return
     raw = loads_bounded(read_bounded(path, MAX_PROCESSOR_CONFIG_BYTES), 8, f"{PROCESSOR_CONFIG}")
@@ -561,7 +561,7 @@ def check_preprocessor_config(source: str) -> None:
             )
 
 
-def _template_file(source: str, name: str) -> Path | None:
+def _folder_file(source: str, name: str) -> Path | None:
     """`name` in a model folder, or in a hub id's files (the local cache when offline); None if absent."""
     if Path(source).exists():
         return Path(source) / name if (Path(source) / name).is_file() else None
@@ -579,10 +579,10 @@ def _chat_template(source: str) -> str | None:
     size bound, from a folder or a hub id; None when it has none (DEFAULT_CHAT_TEMPLATE is used)."""
     from ..checkpoint import read_bounded
 
-    jinja = _template_file(source, TEMPLATE_FILE)
+    jinja = _folder_file(source, TEMPLATE_FILE)
     if jinja is not None:
         return read_bounded(jinja, MAX_TEMPLATE_BYTES).decode("utf-8")
-    packed = _template_file(source, "chat_template.json")
+    packed = _folder_file(source, "chat_template.json")
     if packed is None:
         return None
     raw = json.loads(read_bounded(packed, MAX_TEMPLATE_BYTES))
