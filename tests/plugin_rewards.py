@@ -64,6 +64,16 @@ class DiesAfter:
         return torch.ones(len(prompts))
 
 
+@rewards.register("test_dies_on_rank", overwrite=True)
+class DiesOnRank:
+    """Ends its process (exit 17, as a crash would) on the process whose RANK is ODRL_TEST_DIE_RANK."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        if os.environ.get("RANK") == os.environ.get("ODRL_TEST_DIE_RANK"):
+            os._exit(17)
+        return torch.ones(len(prompts))
+
+
 @rewards.register("test_error_on_rank", overwrite=True)
 class ErrorOnRank:
     """Stops the run (RewardError) on the process whose RANK is ODRL_TEST_ERROR_RANK; 1.0 elsewhere."""

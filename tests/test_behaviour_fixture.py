@@ -29,11 +29,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from omni_diffusion_rl.runtime.launch import launcher_command
 from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
 from .helpers import ENV, REPO, odrl
@@ -197,11 +197,9 @@ def test_the_tolerances_catch_a_changed_step_and_let_one_flipped_sample_pass() -
 @pytest.mark.slow
 def test_deterministic_separate_logs_the_recorded_values(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--main_process_port", "29613", str(REPO / "recipes" / "train_nft.py")]
     overrides = ["execution.mode=separate", "execution.max_staleness=0", "execution.on_stale=wait"]
     done = run_process_tree(
-        [*launch, str(REPO / "recipes" / "configs" / "tiny_t2av_nft.yaml"), *SMALL]
+        launcher_command(2, ["train", str(REPO / "recipes" / "configs" / "tiny_t2av_nft.yaml"), *SMALL])
         + [f"train.output_dir={run}", *overrides],
         timeout_s=300,
         env={**RUN_ENV, "ACCELERATE_USE_CPU": "true"},

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from omni_diffusion_rl.runtime import lifeline
+from omni_diffusion_rl.runtime.launch import launcher_command
 
 from .helpers import ENV, REPO, fast_overrides, tiny_model_dir
 
@@ -53,6 +54,7 @@ open(sys.argv[1] + ".survived", "w").write(f"{parent} {os.getppid()}")
 LATE_WORKER = """
 import os, sys, time
 from omni_diffusion_rl.runtime import lifeline
+from omni_diffusion_rl.runtime.launch import launcher_command
 open(sys.argv[1], "w").write(str(os.getpid()))
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.05)
@@ -247,16 +249,27 @@ def test_a_reward_server_started_by_server_process_dies_with_its_owner(tmp_path:
             _kill(pid)
 
 
-def test_killing_accelerate_launch_takes_its_training_processes_down(tmp_path: Path) -> None:
-    """SIGKILL of `accelerate launch` (torch's elastic agent runs in it, the workers' parent) while
-    2 CPU processes train: both exit within seconds instead of training on unsupervised."""
+@pytest.mark.parametrize("launcher", ["accelerate", "forking"])
+def test_killing_the_launcher_takes_its_training_processes_down(tmp_path: Path, launcher: str) -> None:
+    """SIGKILL of the launcher (the workers' parent: torch's elastic agent in `accelerate launch`, or
+    the forking launcher of `odrl train --nproc`) while 2 CPU processes train: both exit within
+    seconds instead of training on unsupervised."""
     run = tmp_path / "run"
     overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), run, 100000)
     overrides += ["train.eval_at_start_and_end=false", "train.checkpoint_every=0", "tracking.wandb=false"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_port", "29577", str(REPO / "recipes" / "train_nft.py")]
-    command += [str(REPO / "recipes" / "configs" / "tiny_t2av_nft.yaml"), *overrides]
+    config = str(REPO / "recipes" / "configs" / "tiny_t2av_nft.yaml")
+    if launcher == "accelerate":
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+        command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        command += [
+            "--main_process_port",
+            "29577",
+            str(REPO / "recipes" / "train_nft.py"),
+            config,
+            *overrides,
+        ]
+    else:
+        command = launcher_command(2, ["train", config, *overrides])
     env = {**PLAIN_ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     metrics = run / "metrics.jsonl"
     log = tmp_path / "launch.log"
@@ -319,7 +332,7 @@ def test_sigterm_of_a_benchmark_stops_its_launcher_and_training_processes(tmp_pa
     "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "sigkill"]
 )
 def test_odrl_train_nproc_stops_every_process_it_started(tmp_path: Path, sig: signal.Signals) -> None:
-    """`odrl train --nproc 2` starts accelerate itself; Ctrl-C, SIGTERM or SIGKILL of it stops the
+    """`odrl train --nproc 2` starts its launcher itself; Ctrl-C, SIGTERM or SIGKILL of it stops the
     launcher and both training processes."""
     run = tmp_path / "run"
     overrides = fast_overrides(tiny_model_dir(tmp_path / "model"), run, 100000)

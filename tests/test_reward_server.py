@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import sys
 import threading
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import WeightedReward
 from omni_diffusion_rl.reward_factory import reward_from_config
+from omni_diffusion_rl.runtime.launch import launcher_command
 from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 from omni_diffusion_rl.serving.client import RemoteReward, RewardServerError
 from omni_diffusion_rl.serving.process import ServerProcess
@@ -418,11 +418,8 @@ def test_two_processes_with_a_process_left_without_samples_match_one(
     single = tmp_path / "single"
     Trainer(load_config(None, fast_overrides(model_dir, single, 2) + extra)).fit()
     double = tmp_path / "double"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launch += ["--main_process_port", "29531", str(REPO / "recipes" / "train_nft.py")]
     proc = run_process_tree(
-        [*launch, *fast_overrides(model_dir, double, 2), *extra],
+        launcher_command(2, ["train", *fast_overrides(model_dir, double, 2), *extra]),
         timeout_s=300,
         env={**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"},
         cwd=REPO,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..runtime.launch import accelerate_command, free_port
+from ..runtime.launch import launcher_command
 from ..runtime.subprocesses import run_process_tree
 from ..runtime.threads import thread_share
 
@@ -39,23 +39,23 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def launch_command(config: str | None, overrides: list[str], port: int) -> list[str]:
-    """`accelerate launch` of 2 processes, each running `odrl train` as a module of the installed
-    package (`python -m omni_diffusion_rl.cli train ...`). `cmd_train` arms the lifeline first
-    thing, so the training processes die with the launcher."""
-    return accelerate_command(2, ["train", *([config] if config else []), *overrides], port)
+def launch_command(config: str | None, overrides: list[str], port: int = 0) -> list[str]:
+    """The launcher of 2 processes on this machine, each running `odrl train` as a module of the
+    installed package (`python -m omni_diffusion_rl.cli train ...`). `cmd_train` arms the lifeline
+    first thing, so the training processes die with the launcher."""
+    return launcher_command(2, ["train", *([config] if config else []), *overrides], port)
 
 
 def launch_training(config: str | None, overrides: list[str], port: int | None = None) -> dict[str, Any]:
     """One 2-process training run (on CPU unless ACCELERATE_USE_CPU says otherwise); its JSON summary.
-    The processes meet on `port`, by default one free when asked (two benchmarks at once rarely
-    meet, where fixed ports always did).
+    The processes meet on `port`, by default one the launcher binds itself (two benchmarks at once
+    never meet, where fixed ports always did).
 
     The launcher runs through `run_process_tree`: it dies with this process, and whatever it leaves
     behind is killed when it ends or times out."""
     env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "true")}
     env.setdefault("OMP_NUM_THREADS", str(thread_share(2)))
-    command = launch_command(config, overrides, free_port() if port is None else port)
+    command = launch_command(config, overrides, port or 0)
     done = run_process_tree(command, timeout_s=LAUNCH_TIMEOUT_S, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark run failed ({' '.join(overrides[-3:])}):\n{done.stderr[-3000:]}")

@@ -1,9 +1,10 @@
 """One launcher for several training processes: `odrl train --nproc N` and the benchmarks.
 
-Builds the `accelerate launch` command line once (module entry point of the installed package, so no
-recipes folder is needed; on a machine without CUDA the processes run on CPU over gloo) and runs
-it in a session of its own that dies with the caller; Ctrl-C or SIGTERM of the caller stops the
-launcher and every process it started.
+On one machine it is the forking launcher (forking_launcher.py: one import for all processes, its
+store on 127.0.0.1 only); on several, `accelerate launch` (torch's elastic agent). Both run the
+module entry point of the installed package (no recipes folder needed; on a machine without CUDA
+the processes run on CPU over gloo), in a session of their own that dies with the caller; Ctrl-C or
+SIGTERM of the caller stops the launcher and every process it started.
 
 A run on several machines (`odrl train --nnodes M --node-rank R --master-addr A --master-port P`)
 starts one such launcher per machine; they meet in torch elastic's static rendezvous on machine 0,
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ..config import ConfigError
+from .forking_launcher import agent_command
 from .launch_check import DECLARED_WORLD_VARIABLE, LAUNCH_DIR_VARIABLE, REFUSED, STARTED, marked
 from .lifeline import parent_death_preexec
 from .run_secret import run_secret, secret_needed_problem
@@ -133,6 +135,18 @@ def accelerate_command(
     return [*command, *args]
 
 
+def launcher_command(
+    nproc: int, args: Sequence[str], port: int | None = None, machines: Machines | None = None
+) -> list[str]:
+    """The launcher of `nproc` processes (on this machine, of `machines`), each running `odrl ARGS`:
+    the forking launcher on one machine (on `port`, or a free one it binds itself), `accelerate
+    launch` on several."""
+    machines = machines or Machines()
+    if machines.count == 1:
+        return agent_command(nproc, args, port or 0)
+    return accelerate_command(nproc, args, port, machines)
+
+
 def launch_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for launched processes: CPU (gloo) unless a CUDA device is visible or the
     caller chose (ACCELERATE_USE_CPU)."""
@@ -157,7 +171,7 @@ def run_launched(
         env[LAUNCH_DIR_VARIABLE] = channel
         started = time.monotonic()
         proc = subprocess.Popen(
-            accelerate_command(nproc, args, port, machines),
+            launcher_command(nproc, args, port, machines),
             env=env,
             start_new_session=True,
             preexec_fn=parent_death_preexec(),
