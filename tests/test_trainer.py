@@ -143,13 +143,13 @@ def test_resume_after_kill_replays_the_uninterrupted_run(model_dir: Path, tmp_pa
 
 
 @pytest.mark.slow  # starts training or launcher processes
-def test_two_processes_under_accelerate_match_one_process(model_dir: Path, tmp_path: Path) -> None:
+def test_two_processes_match_one_process(model_dir: Path, tmp_path: Path) -> None:
     """Prompt groups spread over 2 ranks: same rewards, advantages and updates as 1 process."""
     single = tmp_path / "single"
     _train(model_dir, single, 2)
     double = tmp_path / "double"
     env = {**ENV, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    proc = run_process_tree(  # `odrl train --nproc 2` starts accelerate itself
+    proc = run_process_tree(  # `odrl train --nproc 2` starts its processes itself
         odrl("train", "--nproc", "2", *fast_overrides(model_dir, double, 2)), timeout_s=300, env=env, cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -27,7 +28,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-# What a training process imports before its first step; imported once here, on CPU machines.
+# What each process runs, as `python -m ENTRY_MODULE ARGS` (accelerate launch runs the same), and
+# what it imports before its first step (imported once here, on CPU machines).
+ENTRY_MODULE = "omni_diffusion_rl.cli"
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -128,7 +131,7 @@ def _listen(address: str, port: int) -> socket.socket:
 
 
 def _fork_process(rank: int, nproc: int, port: int, args: Sequence[str], listener: socket.socket) -> int:
-    """Fork process `rank`; the child runs `odrl ARGS` and never returns (see _run_process)."""
+    """Fork process `rank`; the child runs the entry point and never returns (see _run_process)."""
     sys.stdout.flush()
     sys.stderr.flush()
     # Signals wait until the child has its own handlers (the agent's would stop its siblings).
@@ -141,8 +144,9 @@ def _fork_process(rank: int, nproc: int, port: int, args: Sequence[str], listene
 
 
 def _run_process(rank: int, nproc: int, port: int, args: Sequence[str], listener: socket.socket) -> NoReturn:
-    """In a forked child: become process `rank` and run `odrl ARGS`. It ends as an interpreter ends
-    (SystemExit: atexit handlers, non-daemon threads, flushed output), never back in the agent."""
+    """In a forked child: become process `rank` and run `python -m ENTRY_MODULE ARGS`. It ends as an
+    interpreter ends (SystemExit: atexit handlers, non-daemon threads, flushed output), never back in
+    the agent."""
     listener.close()  # the store is the agent's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -152,10 +156,9 @@ def _run_process(rank: int, nproc: int, port: int, args: Sequence[str], listener
     threads = os.environ["OMP_NUM_THREADS"]
     if "torch" in sys.modules and threads.isdigit():  # torch read the agent's value at import
         sys.modules["torch"].set_num_threads(max(1, int(threads)))
-    sys.argv = ["odrl", *args]
-    from omni_diffusion_rl.cli import main
-
-    raise SystemExit(main(list(args)))
+    sys.argv = [ENTRY_MODULE, *args]
+    runpy.run_module(ENTRY_MODULE, run_name="__main__", alter_sys=True)  # as `python -m` runs it
+    raise SystemExit(0)  # the module ended without sys.exit
 
 
 _AGENT_ENV: dict[str, str] = {}
@@ -218,8 +221,9 @@ def _wait(pids: dict[int, int], nproc: int) -> int:
 
 
 def run(nproc: int, args: Sequence[str], port: int = 0, address: str = "127.0.0.1") -> int:
-    """Start `odrl ARGS` in `nproc` processes meeting at address:port (0: a free port, bound here
-    before the processes start, so no other process can take it in between); the run's exit code."""
+    """Start `python -m ENTRY_MODULE ARGS` in `nproc` processes meeting at address:port (0: a free
+    port, bound here before the processes start, so no other process can take it in between); the
+    run's exit code."""
     global _AGENT_ENV
     _AGENT_ENV = dict(os.environ)
     listener = _listen(address, port)
