@@ -4,9 +4,8 @@ crashes is named and stops the others."""
 
 from __future__ import annotations
 
+import os
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from omni_diffusion_rl.runtime.forking_launcher import agent_command, process_environment
 from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
+from . import listening
 from .helpers import ENV, REPO, fast_overrides, tiny_model_dir
 
 # What torch's elastic agent and `accelerate launch --multi_gpu` set in each process on one machine
@@ -60,71 +60,17 @@ def test_each_process_gets_the_elastic_agents_variables() -> None:
         agent_command(0, ["train"])
 
 
-def _listening(pids: set[int]) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN that one of `pids` holds (IPv4 and IPv6)."""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = fd.readlink().as_posix() if fd.is_symlink() else ""
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:  # gone meanwhile
-            continue
-    found = set()
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                address, port = fields[1].split(":")
-                found.add((_address(address, width), int(port, 16)))
-    return found
-
-
-def _address(hex_address: str, width: int) -> str:
-    raw = bytes.fromhex(hex_address)
-    if width == 8:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-    return socket.inet_ntop(socket.AF_INET6, words)
-
-
-def _tree(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, frontier = {root}, [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier and pid not in tree]
-        tree.update(children)
-        frontier = children
-    return tree
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket tables")
+@pytest.mark.skipif(not listening.READABLE, reason="reads Linux's socket tables")
 def test_a_run_listens_on_the_loopback_address_only(tmp_path: Path) -> None:
     """Every socket a 2-process run listens on (the store, gloo's pairs) is bound to 127.0.0.1: none
     is reachable from another machine (torch's own store listens on every interface)."""
     run = tmp_path / "run"
     args = ["train", *fast_overrides(tiny_model_dir(tmp_path / "model"), run, 3)]
-    seen: set[tuple[str, int]] = set()
-
-    def watch(proc) -> None:  # noqa: ANN001 - the launcher's Popen
-        while proc.poll() is None:
-            seen.update(_listening(_tree(proc.pid)))
-            time.sleep(0.05)
-
-    def started(proc) -> None:  # noqa: ANN001
-        threading.Thread(target=watch, args=(proc,), daemon=True).start()
-
     env = {**ENV, "ACCELERATE_USE_CPU": "true"}
     env.pop("GLOO_SOCKET_IFNAME", None)
-    done = run_process_tree(agent_command(2, args), timeout_s=300, env=env, cwd=REPO, started=started)
+    with listening.watched(os.getpid()) as seen:
+        done = run_process_tree(agent_command(2, args), timeout_s=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(seen) >= 2, f"the store and gloo's listeners were seen: {seen}"
     assert {address for address, _ in seen} == {"127.0.0.1"}, seen

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from omni_diffusion_rl.runtime.launch import Machines, accelerate_command, free_port
+from omni_diffusion_rl.runtime.launch import Machines, accelerate_command, free_port, launcher_command
 from omni_diffusion_rl.runtime.launch_check import (
     LaunchError,
     ProcessLayout,
@@ -38,8 +38,10 @@ from omni_diffusion_rl.runtime.launch_check import (
     layout_problem,
     wait_for_every_process,
 )
+from omni_diffusion_rl.runtime.machine_zero import torchrun_arguments
 from omni_diffusion_rl.runtime.subprocesses import run_process_tree
 
+from . import listening
 from .helpers import ENV, REPO, fast_overrides, last_json_line, odrl, step_records, tiny_model_dir
 
 # the launchers run by this process; every machine holds the run's secret, so the runs below prove it
@@ -241,6 +243,33 @@ def test_accelerate_gets_the_total_and_this_machines_place() -> None:
     assert "--machine_rank" not in single and "--rdzv_conf" not in single
 
 
+def test_machine_0_runs_torchs_agent_as_accelerate_would_with_its_store_bound() -> None:
+    """Machine 0's launcher: torch's static rendezvous at --master-addr:--master-port (so that the
+    other machines may use accelerate launch), this machine's processes, the join timeout."""
+    from torch.distributed.run import get_args_parser
+
+    machines = Machines(count=2, rank=0, master_addr="10.0.0.1", master_port=29500, join_timeout_s=12.5)
+    command = launcher_command(4, ["train", "cfg.yaml"], machines=machines)
+    assert command[1:3] == ["-m", "omni_diffusion_rl.runtime.machine_zero"]
+    pairs = dict(zip(command, command[1:], strict=False))
+    assert (pairs["--nproc"], pairs["--nnodes"], pairs["--join-timeout"]) == ("4", "2", "13")
+    assert (pairs["--master-addr"], pairs["--master-port"]) == ("10.0.0.1", "29500")
+    assert command[-3:] == ["--", "train", "cfg.yaml"]
+    agent = get_args_parser().parse_args(
+        torchrun_arguments(4, 2, "10.0.0.1", 29500, 13, ["train", "cfg.yaml"])
+    )
+    assert (agent.nnodes, agent.node_rank, agent.nproc_per_node) == ("2", 0, "4")
+    assert (agent.rdzv_backend, agent.rdzv_endpoint, agent.rdzv_conf) == (
+        "static",
+        "10.0.0.1:29500",
+        "timeout=13",
+    )
+    assert agent.module and agent.training_script == "omni_diffusion_rl.cli"
+    assert agent.training_script_args == ["train", "cfg.yaml"] and agent.max_restarts == 0
+    other = launcher_command(4, ["train"], machines=Machines(2, 1, "10.0.0.1", 29500))
+    assert other[1:3] == ["-m", "accelerate.commands.launch"], "the other machines: accelerate launch"
+
+
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
@@ -429,13 +458,17 @@ def test_a_store_nobody_serves_is_a_sentence() -> None:
 @pytest.mark.slow  # starts launchers and training processes
 def test_two_machines_of_one_process_match_one_machine_of_two(model_dir: Path, tmp_path: Path) -> None:
     """The two machines also shard the model between them (train.sharding=fsdp): one weight split
-    over two machines trains what one machine's two unsharded processes do."""
+    over two machines trains what one machine's two unsharded processes do. Machine 0's store
+    listens on --master-addr (127.0.0.1) only."""
     one = tmp_path / "one_machine"
     reference = _one_machine(2, fast_overrides(model_dir, one, 2))
     two = tmp_path / "two_machines"
     args, port = [*fast_overrides(model_dir, two, 2), "train.sharding=fsdp"], free_port()
-    first, second = _run_machines(_machine_args(0, port, args), _machine(1, port, args))
+    with listening.watched(os.getpid()) as seen:
+        first, second = _run_machines(_machine_args(0, port, args), _machine(1, port, args))
     assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
+    if listening.READABLE:  # machine 0's store: bound to --master-addr, not to every interface
+        assert {address for address, listened in seen if listened == port} == {"127.0.0.1"}, seen
     assert "sharding: FSDP2 over 2 training processes" in first.stderr
     rows_1, rows_2 = step_records(one), step_records(two)
     assert [r["step"] for r in rows_2] == [1, 2]

@@ -1,7 +1,8 @@
 """One launcher for several training processes: `odrl train --nproc N` and the benchmarks.
 
 On one machine it is the forking launcher (forking_launcher.py: one import for all processes, its
-store on 127.0.0.1 only); on several, `accelerate launch` (torch's elastic agent). Both run the
+store on 127.0.0.1 only); on several, torch's elastic agent: on machine 0 in a launcher that binds
+its store to --master-addr (machine_zero.py), on the others through `accelerate launch`. Both run the
 module entry point of the installed package (no recipes folder needed; on a machine without CUDA
 the processes run on CPU over gloo), in a session of their own that dies with the caller; Ctrl-C or
 SIGTERM of the caller stops the launcher and every process it started.
@@ -32,6 +33,7 @@ from ..config import ConfigError
 from .forking_launcher import agent_command
 from .launch_check import DECLARED_WORLD_VARIABLE, LAUNCH_DIR_VARIABLE, REFUSED, STARTED, marked
 from .lifeline import parent_death_preexec
+from .machine_zero import BIND_FAILED, machine_zero_command
 from .run_secret import run_secret, secret_needed_problem
 
 
@@ -139,11 +141,16 @@ def launcher_command(
     nproc: int, args: Sequence[str], port: int | None = None, machines: Machines | None = None
 ) -> list[str]:
     """The launcher of `nproc` processes (on this machine, of `machines`), each running `odrl ARGS`:
-    the forking launcher on one machine (on `port`, or a free one it binds itself), `accelerate
-    launch` on several."""
+    the forking launcher on one machine (on `port`, or a free one it binds itself); on several,
+    torch's elastic agent, with its store bound to --master-addr on machine 0 (machine_zero.py) and
+    through `accelerate launch` on the others."""
     machines = machines or Machines()
     if machines.count == 1:
         return agent_command(nproc, args, port or 0)
+    if machines.rank == 0 and machines.master_port is not None:
+        return machine_zero_command(
+            nproc, machines.count, machines.master_addr, machines.master_port, machines.join_timeout_s, args
+        )
     return accelerate_command(nproc, args, port, machines)
 
 
@@ -191,7 +198,8 @@ def _outcome(code: int, unshown: bytes, channel: str, machines: Machines, waited
     if code and machines.count > 1 and waited_out and not marked(channel, STARTED):
         print(machines.join_failure(_last_line(unshown)), file=sys.stderr, flush=True)
         return 1
-    if code and machines.count > 1 and PORT_TAKEN in unshown and not marked(channel, STARTED):
+    taken = PORT_TAKEN in unshown or BIND_FAILED in unshown
+    if code and machines.count > 1 and taken and not marked(channel, STARTED):
         print(
             f"odrl: {machines.port_taken('taken by another process as the launcher started')}",
             file=sys.stderr,
