@@ -88,3 +88,28 @@ def test_a_crashed_process_is_named_and_the_others_are_stopped(tmp_path: Path) -
     done = run_process_tree(agent_command(2, args), timeout_s=300, env=env, cwd=REPO)
     assert done.returncode == 17, done.stderr[-3000:]
     assert "odrl: training process 1 of 2 ended with exit code 17; stopping the others" in done.stderr
+
+
+@pytest.mark.parametrize("launcher", ["one machine", "machine 0 of several"])
+def test_the_store_refuses_a_connect_to_another_loopback_address(launcher: str) -> None:
+    """The store answers at 127.0.0.1 (the address given) and refuses 127.0.0.2, which a store bound
+    to every interface (torch's own) would accept."""
+    from omni_diffusion_rl.runtime import forking_launcher, machine_zero
+
+    if launcher == "one machine":
+        listener = forking_launcher._listen("127.0.0.1", 0)
+        port = listener.getsockname()[1]
+        store = forking_launcher._host_store(listener, "127.0.0.1", port)
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        store = machine_zero.bind_store("127.0.0.1", port, 30)
+    try:
+        store.set("key", "value")
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    finally:
+        del store
