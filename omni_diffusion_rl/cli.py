@@ -816,8 +816,8 @@ def _add_train(sub: Subcommands) -> None:
         "--nproc",
         type=_positive_int,
         default=1,
-        help="processes to train with (on each machine, with --nnodes): starts `accelerate launch` itself "
-        "(GPUs if CUDA is visible, else CPU)",
+        help="processes to train with (on each machine, with --nnodes): starts them itself, through torch's "
+        "elastic agent with --nnodes (GPUs if CUDA is visible, else CPU)",
     )
     _add_machine_options(train)
     train.set_defaults(func=cmd_train)
