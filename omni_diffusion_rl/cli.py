@@ -406,6 +406,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from .benchmarks.memory_measured import run_memory_measurement
 
             run_memory_measurement(output.with_name(output.stem + "_measured.json"))
+        if args.trace:
+            from .benchmarks.memory_trace import run_trace
+
+            run_trace(output.with_name(output.stem + "_trace.json"))
         return 0
     if args.name == "sharding":
         from .benchmarks.sharding import run_sharding_bench
@@ -1169,6 +1173,12 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="memory: also measure tiny_av, LTX-2 and H3 (tiny random-init) at 1, 2 and 4 processes, "
         "sharded and not (a few minutes; writes <output>_measured.json)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="memory: also trace one H3 training micro-step at the recipe's size per rank of 8, on fake "
+        "tensors (about 40 s, no GPU; writes <output>_trace.json)",
     )
     parser.add_argument(
         "--config",
