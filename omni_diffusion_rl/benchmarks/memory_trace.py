@@ -29,6 +29,8 @@ import torch
 
 GIB = 2**30
 SEED_RANKS = 8
+# The released VAE's layout: frames in chunks of 17 keeping 5 latent frames each, 16x spatially.
+VAE_CHUNK_FRAMES, VAE_CHUNK_KEPT, VAE_SPATIAL = 17, 5, 16
 TINY_TRANSFORMER = {  # a small H3 that really runs on a CPU (the trace is checked against it)
     "num_attention_heads": 2,
     "attention_head_dim": 32,
@@ -111,7 +113,11 @@ def _layout(case: TraceCase, config: Any) -> tuple[dict[str, torch.Tensor], int,
     )
 
     patch = tuple(int(p) for p in config.patch_size)
-    grid = (video_latent_num_frames(case.frames, 17, 5), case.height // 16, case.width // 16)
+    grid = (
+        video_latent_num_frames(case.frames, VAE_CHUNK_FRAMES, VAE_CHUNK_KEPT),
+        case.height // VAE_SPATIAL,
+        case.width // VAE_SPATIAL,
+    )
     audio_frames = audio_latent_num_frames(case.frames)
     positions, tags, video_rows, audio_rows, text_rows, _, _ = (
         MiniMaxH3PrepareLayoutStep.build_packed_sequence(
@@ -181,6 +187,7 @@ def trace_update(case: TraceCase, fake: bool = True) -> dict[str, Any]:
             "case": asdict(case),
             "fake_tensors": fake,
             "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,  # whole (DTensor numel)
+            "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
             "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
         }
     finally:
