@@ -331,15 +331,21 @@ ACCELERATE_PORT_TAKEN = (  # accelerate 1.15's output when a second --node-rank 
 )
 
 
+@pytest.mark.parametrize("launcher", ["accelerate", "machine_zero"])
 def test_a_port_taken_as_the_launcher_starts_is_a_sentence_not_accelerates_traceback(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, launcher: str
 ) -> None:
     """Two launches with --node-rank 0 at once: both pass the port check, and the second one's
-    accelerate stopped with a ConnectionError traceback (seen on this machine); now a sentence."""
+    launcher cannot listen: accelerate stopped with a ConnectionError traceback (seen on this
+    machine), machine 0's own launcher with its line; either is now one sentence."""
     from omni_diffusion_rl.runtime.launch import _outcome
+    from omni_diffusion_rl.runtime.machine_zero import BIND_FAILED
 
     machines = Machines(count=2, rank=0, master_addr="127.0.0.1", master_port=29731)
-    assert _outcome(1, ACCELERATE_PORT_TAKEN, str(tmp_path), machines, waited_out=False) == 2
+    said = ACCELERATE_PORT_TAKEN if launcher == "accelerate" else BIND_FAILED + b" 127.0.0.1:29731: in use\n"
+    assert (
+        _outcome(1 if launcher == "accelerate" else 2, said, str(tmp_path), machines, waited_out=False) == 2
+    )
     err = capsys.readouterr().err
     assert "odrl: --master-port 29731 is in use on this machine (machine 0: taken by another process" in err
     assert "start --node-rank 0 on one machine only" in err and "Traceback" not in err, err
