@@ -94,12 +94,12 @@ def test_a_crashed_process_is_named_and_the_others_are_stopped(tmp_path: Path) -
 def test_the_store_refuses_a_connect_to_another_loopback_address(launcher: str) -> None:
     """The store answers at 127.0.0.1 (the address given) and refuses 127.0.0.2, which a store bound
     to every interface (torch's own) would accept."""
-    from omni_diffusion_rl.runtime import forking_launcher, machine_zero
+    from omni_diffusion_rl.runtime import forking_launcher, launch_parts, machine_zero
 
     if launcher == "one machine":
         listener = forking_launcher._listen("127.0.0.1", 0)
         port = listener.getsockname()[1]
-        store = forking_launcher._host_store(listener, "127.0.0.1", port)
+        store = launch_parts.store_on(listener, "127.0.0.1", port, 30)
     else:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))

@@ -28,9 +28,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-# What each process runs, as `python -m ENTRY_MODULE ARGS` (accelerate launch runs the same), and
-# what it imports before its first step (imported once here, on CPU machines).
-ENTRY_MODULE = "omni_diffusion_rl.cli"
+from .launch_parts import ACCELERATE_VARIABLES, ENTRY_MODULE, REFUSED_CODE, after_dashes, listen, store_on
+
+# What each process imports before its first step (imported once here, on CPU machines).
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -41,7 +41,6 @@ PRELOAD = (
 )
 STOP_GRACE_S = 15.0  # after SIGTERM, before SIGKILL
 STORE_TIMEOUT_S = 1800.0  # how long the store waits on a request (torch's default)
-REFUSED_CODE = 2  # odrl's exit code after its one-sentence refusal
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # stop every process, then the agent
 LOOPBACK_INTERFACE = "lo"  # Linux's name; elsewhere gloo keeps its own choice
 
@@ -77,13 +76,9 @@ def process_environment(
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID="odrl-local",  # also tells lifeline.exit_with_parent that a launcher started it
-        ACCELERATE_MIXED_PRECISION="no",
-        ACCELERATE_DYNAMO_BACKEND="NO",
-        ACCELERATE_DYNAMO_MODE="default",
-        ACCELERATE_DYNAMO_USE_FULLGRAPH="False",
-        ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="False",
         TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
     )
+    env.update(ACCELERATE_VARIABLES)
     env.setdefault("OMP_NUM_THREADS", "1")  # as the elastic agent: one thread each unless the user chose
     if "GLOO_SOCKET_IFNAME" not in env and _has_interface(LOOPBACK_INTERFACE):
         env["GLOO_SOCKET_IFNAME"] = LOOPBACK_INTERFACE
@@ -115,53 +110,46 @@ def _raise_stop(signum: int, _frame: object) -> None:
 
 
 def _listen(address: str, port: int) -> socket.socket:
-    """The store's socket, bound to `address` only (torch's own store would listen on every interface)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """The store's socket, bound to `address` only; a sentence when the port is taken."""
     try:
-        listener.bind((address, port))
+        return listen(address, port)
     except OSError as e:
-        listener.close()
         raise SystemExit(
             f"odrl: cannot listen on {address}:{port} ({e.strerror}): choose another port, or stop the "
             "process that holds it"
         ) from None
-    listener.listen(128)
-    return listener
 
 
-def _fork_process(rank: int, nproc: int, port: int, args: Sequence[str], listener: socket.socket) -> int:
-    """Fork process `rank`; the child runs the entry point and never returns (see _run_process)."""
+def _fork_process(env: Mapping[str, str], args: Sequence[str], listener: socket.socket) -> int:
+    """Fork a process with environment `env` (process_environment's); the child runs the entry
+    point and never returns (see _run_process)."""
     sys.stdout.flush()
     sys.stderr.flush()
     # Signals wait until the child has its own handlers (the agent's would stop its siblings).
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     pid = os.fork()
     if pid == 0:
-        _run_process(rank, nproc, port, args, listener)
+        _run_process(env, args, listener)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     return pid
 
 
-def _run_process(rank: int, nproc: int, port: int, args: Sequence[str], listener: socket.socket) -> NoReturn:
-    """In a forked child: become process `rank` and run `python -m ENTRY_MODULE ARGS`. It ends as an
-    interpreter ends (SystemExit: atexit handlers, non-daemon threads, flushed output), never back in
-    the agent."""
+def _run_process(env: Mapping[str, str], args: Sequence[str], listener: socket.socket) -> NoReturn:
+    """In a forked child: take `env` and run `python -m ENTRY_MODULE ARGS`. It ends as an
+    interpreter ends (SystemExit: atexit handlers, non-daemon threads, flushed output), never back
+    in the agent."""
     listener.close()  # the store is the agent's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     os.environ.clear()
-    os.environ.update(process_environment(_AGENT_ENV, rank, nproc, port))
+    os.environ.update(env)
     threads = os.environ["OMP_NUM_THREADS"]
     if "torch" in sys.modules and threads.isdigit():  # torch read the agent's value at import
         sys.modules["torch"].set_num_threads(max(1, int(threads)))
     sys.argv = [ENTRY_MODULE, *args]
     runpy.run_module(ENTRY_MODULE, run_name="__main__", alter_sys=True)  # as `python -m` runs it
     raise SystemExit(0)  # the module ended without sys.exit
-
-
-_AGENT_ENV: dict[str, str] = {}
 
 
 def _exit_code(status: int) -> int:
@@ -224,11 +212,10 @@ def run(nproc: int, args: Sequence[str], port: int = 0, address: str = "127.0.0.
     """Start `python -m ENTRY_MODULE ARGS` in `nproc` processes meeting at address:port (0: a free
     port, bound here before the processes start, so no other process can take it in between); the
     run's exit code."""
-    global _AGENT_ENV
-    _AGENT_ENV = dict(os.environ)
+    base_env = dict(os.environ)
     listener = _listen(address, port)
     port = int(listener.getsockname()[1])
-    if not _uses_cuda(_AGENT_ENV):  # CPU: import once, every process shares it
+    if not _uses_cuda(base_env):  # CPU: import once, every process shares it
         import importlib
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # read by torch at import
@@ -238,15 +225,16 @@ def run(nproc: int, args: Sequence[str], port: int = 0, address: str = "127.0.0.
     previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
     try:
         for rank in range(nproc):
-            pids[_fork_process(rank, nproc, port, args, listener)] = rank
-        store = _host_store(listener, address, port)
+            env = process_environment(base_env, rank, nproc, port)
+            pids[_fork_process(env, args, listener)] = rank
+        store = store_on(listener, address, port, STORE_TIMEOUT_S)  # after the forks: its threads stay here
         try:
             return _wait(pids, nproc)
         finally:
             del store
     except _Stop as stop:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:  # stopping already
+            signal.signal(sig, signal.SIG_IGN)
         _stop(pids)
         return 128 + stop.signum
     finally:
@@ -255,33 +243,15 @@ def run(nproc: int, args: Sequence[str], port: int = 0, address: str = "127.0.0.
         listener.close()
 
 
-def _host_store(listener: socket.socket, address: str, port: int):  # noqa: ANN202 - torch's TCPStore
-    """The run's store on the socket bound above (after the forks: the store's threads stay here)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        address,
-        port,
-        None,
-        True,
-        timedelta(seconds=STORE_TIMEOUT_S),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),  # the store owns the socket from here (and closes it)
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_diffusion_rl.runtime.forking_launcher")
     parser.add_argument("--nproc", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--port", type=int, default=0, help="the store's port on 127.0.0.1 (0: a free one)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the odrl command line")
     ns = parser.parse_args(argv)
-    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
     if ns.nproc < 1:
         parser.error(f"--nproc {ns.nproc}: give at least 1")
-    return run(ns.nproc, args, ns.port)
+    return run(ns.nproc, after_dashes(ns.args), ns.port)
 
 
 if __name__ == "__main__":

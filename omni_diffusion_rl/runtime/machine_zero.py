@@ -18,22 +18,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 
-ENTRY_MODULE = "omni_diffusion_rl.cli"
-PORT_TAKEN_CODE = 2  # as odrl's refusals
+from .launch_parts import ACCELERATE_VARIABLES, ENTRY_MODULE, REFUSED_CODE, after_dashes, listen, store_on
+
 BIND_FAILED = b"odrl: machine 0 cannot listen on"  # its line when --master-port is taken
-# What accelerate launch sets for the processes of a run without mixed precision or dynamo.
-ACCELERATE_VARIABLES = {
-    "ACCELERATE_MIXED_PRECISION": "no",
-    "ACCELERATE_DYNAMO_BACKEND": "NO",
-    "ACCELERATE_DYNAMO_MODE": "default",
-    "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
-    "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
-}
 
 
 def machine_zero_command(
@@ -73,21 +63,9 @@ def torchrun_arguments(
 
 
 def bind_store(address: str, port: int, timeout_s: float):  # noqa: ANN201 - torch's TCPStore
-    """The run's store on `address`:`port` only (OSError when the port is taken there)."""
-    import torch.distributed as dist
-
-    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
-    listener = socket.create_server((address, port), family=family)
-    return dist.TCPStore(
-        address,
-        port,
-        None,
-        True,
-        timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        multi_tenant=True,  # the elastic agent's store, multi-tenant too, is served by this one
-        master_listen_fd=listener.detach(),
-    )
+    """The run's store on `address`:`port` only (OSError when the port is taken there); the elastic
+    agent's store, multi-tenant too, is served by this one."""
+    return store_on(listen(address, port), address, port, timeout_s, multi_tenant=True)
 
 
 def run(nproc: int, machines: int, address: str, port: int, join_timeout_s: int, args: Sequence[str]) -> int:
@@ -96,7 +74,7 @@ def run(nproc: int, machines: int, address: str, port: int, join_timeout_s: int,
         store = bind_store(address, port, join_timeout_s)
     except OSError as e:  # launch.py turns this line into its sentence
         print(f"{BIND_FAILED.decode()} {address}:{port}: {e.strerror}", file=sys.stderr, flush=True)
-        return PORT_TAKEN_CODE
+        return REFUSED_CODE
     from accelerate.utils import check_cuda_p2p_ib_support
 
     if not check_cuda_p2p_ib_support():  # as accelerate launch does on cards without P2P
@@ -134,8 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--join-timeout", type=int, required=True)
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
-    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-    return run(ns.nproc, ns.nnodes, ns.master_addr, ns.master_port, ns.join_timeout, args)
+    return run(ns.nproc, ns.nnodes, ns.master_addr, ns.master_port, ns.join_timeout, after_dashes(ns.args))
 
 
 if __name__ == "__main__":
