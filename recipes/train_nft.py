@@ -10,6 +10,6 @@ from omni_diffusion_rl.runtime.lifeline import exit_with_parent  # first: it rec
 
 if __name__ == "__main__":
     exit_with_parent()  # a killed launcher takes this process down (a run started from a shell: never)
-    from omni_diffusion_rl.cli import main
+    from omni_diffusion_rl.cli import entry
 
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(entry(["train", *sys.argv[1:]]))

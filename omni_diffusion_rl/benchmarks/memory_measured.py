@@ -326,6 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overrides and not args.worker:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.worker:
+        if __name__ == "__main__":  # a launched process (startup.py: its entry point only)
+            from ..runtime.startup import TRAINING_STACK, import_frozen
+
+            import_frozen(TRAINING_STACK)
         run_worker(args.config, overrides, args.out)
     else:
         run_memory_measurement(args.output, args.processes, args.families)

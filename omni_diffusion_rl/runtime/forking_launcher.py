@@ -29,16 +29,11 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from .launch_parts import ACCELERATE_VARIABLES, ENTRY_MODULE, REFUSED_CODE, after_dashes, listen, store_on
+from .startup import TRAINING_STACK, import_frozen
 
-# What each process imports before its first step (imported once here, on CPU machines).
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "accelerate",
-    "diffusers",
-    "peft",
-    "omni_diffusion_rl.trainers.trainer",
-)
+# What each process imports before its first step (imported once here on CPU machines, with the
+# garbage collector paused and then frozen: startup.py).
+PRELOAD = (*TRAINING_STACK, "omni_diffusion_rl.trainers.trainer")
 STOP_GRACE_S = 15.0  # after SIGTERM, before SIGKILL
 STORE_TIMEOUT_S = 1800.0  # how long the store waits on a request (torch's default)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # stop every process, then the agent
@@ -216,11 +211,8 @@ def run(nproc: int, args: Sequence[str], port: int = 0, address: str = "127.0.0.
     listener = _listen(address, port)
     port = int(listener.getsockname()[1])
     if not _uses_cuda(base_env):  # CPU: import once, every process shares it
-        import importlib
-
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # read by torch at import
-        for module in PRELOAD:
-            importlib.import_module(module)
+        import_frozen(PRELOAD)
     pids: dict[int, int] = {}
     previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
     try:
