@@ -1175,8 +1175,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="memory: also trace one H3 training micro-step at the recipe's size per rank of 8, on fake "
-        "tensors (about 40 s, no GPU; writes <output>_trace.json)",
+        help="memory: also trace one H3 training micro-step at the recipe's size per rank of 8 and one "
+        "rank's rollout decode, on fake tensors (about 12 min, no GPU; writes <output>_trace.json)",
     )
     parser.add_argument(
         "--config",

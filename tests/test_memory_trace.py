@@ -1,11 +1,21 @@
-"""The memory trace of one H3 training micro-step (benchmarks/memory_trace.py): on fake tensors it
-counts what the same code holds on real tensors, and at the recipe's sample size it runs and shards."""
+"""The memory traces of H3 (benchmarks/memory_trace.py), one training micro-step and the rollout's
+decode: on fake tensors each counts what the same code holds on real tensors, and at the recipe's
+sizes they run (the micro-step sharded eight ways)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from omni_diffusion_rl.benchmarks.memory_trace import TINY_CASE, TraceCase, trace_update
+from omni_diffusion_rl.benchmarks.memory_trace import (
+    TINY_CASE,
+    TINY_DECODE,
+    DecodeCase,
+    TraceCase,
+    trace_decode,
+    trace_update,
+)
 
 GIB = 2**30
 
@@ -35,3 +45,36 @@ def test_the_recipes_sample_at_full_width_is_sharded_eight_ways() -> None:
     assert peak["Sharded Param"] == pytest.approx((base * 2 + adapters * 4) * 1e9 / GIB / 8, rel=0.02)
     assert peak["Activation"] > 5, "37,838 rows x 5,376 wide at 4 blocks"
     assert peak["Total"] > peak["Sharded Param"] + peak["Activation"]
+
+
+def test_the_decode_trace_counts_what_the_same_decode_holds_on_real_tensors() -> None:
+    """MiniMaxH3Policy.decode of 3 clips through the tiny VAEs: MemTracker's peak per category with
+    fake tensors against the same decode on real CPU tensors (measured: equal)."""
+    traced = trace_decode(TINY_DECODE, fake=True)
+    real = trace_decode(TINY_DECODE, fake=False)
+    assert traced["peak_gib"] == pytest.approx(real["peak_gib"], rel=1e-6, abs=1e-12)
+    assert traced["frames_gib"] == real["frames_gib"] == 3 * 22 * 3 * 32 * 32 * 4 / GIB
+    assert real["peak_gib"]["Activation"] > real["frames_gib"], "the frames are among what the decode makes"
+
+
+def test_each_further_clip_adds_what_the_second_added() -> None:
+    """With vae_slicing each clip is decoded alone into frames made once for all: the third clip
+    adds what the second did (within 0.1%, on real tensors), which lets the benchmark trace two
+    clips at full size and state the recipe's sixteen."""
+    totals = [
+        trace_decode(replace(TINY_DECODE, samples=n), fake=False)["peak_gib"]["Total"] for n in (1, 2, 3)
+    ]
+    second, third = totals[1] - totals[0], totals[2] - totals[1]
+    assert second > 0 and third == pytest.approx(second, rel=1e-3)
+
+
+@pytest.mark.slow  # the released 2.6B-parameter VAE over 28 tiles of one chunk (about 6 s)
+def test_the_released_vaes_hold_their_weights_in_the_recipes_dtypes() -> None:
+    """One clip of one VAE chunk (22 frames) at 256x256 through the released VAEs' configs: the
+    weights are the video VAE in bf16 and the audio VAE in fp32, and the decode's own tensors come
+    on top of them."""
+    result = trace_decode(DecodeCase(samples=1, frames=22, height=256, width=256))
+    vae_bytes = result["vae_parameters_b"] * 1e9 * 2
+    assert result["vae_parameters_b"] == pytest.approx(2.604, rel=1e-3)
+    assert result["peak_gib"]["Parameter"] * GIB == pytest.approx(vae_bytes + 0.1513e9 * 4, rel=1e-3)
+    assert result["peak_gib"]["Activation"] > result["frames_gib"] > 0

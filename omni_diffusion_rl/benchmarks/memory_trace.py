@@ -1,4 +1,5 @@
-"""One training micro-step of MiniMax-H3 at the recipe's size, traced per rank without a GPU.
+"""MiniMax-H3 at the recipe's size, traced per rank without a GPU: one training micro-step, and the
+rollout's decode of one rank's clips.
 
 The real diffusers transformer is built from its config on the meta device, given the project's
 LoRA adapters (`add_nft_adapters`) and gradient checkpointing, and sharded with the project's FSDP2
@@ -10,9 +11,14 @@ recipe's packed sequence (the modular pipeline's own layout: video, stereo audio
 The same code runs on real tensors (`fake=False`) at small sizes, so the trace can be checked
 against bytes that really exist; a test does so.
 
-What it does not trace yet (issue 43): the rollout, decode, the text encoder, the rewards and the
-checkpoint. The loss is a stand-in (the mean square of both velocities): NFT's own loss adds two
-forwards without gradients (old adapter, reference), which hold no activations for the backward.
+The decode runs MiniMaxH3Policy.decode through the released VAEs (built from their diffusers
+configs, the video VAE in bf16 with its own tiling, vae_slicing as the recipe sets it) under
+MemTracker, on fake tensors too; a test checks it against real tensors at a small size.
+
+What it does not trace yet (issue 43): the rollout's transformer calls, the text encoder, the
+rewards and the checkpoint. The loss is a stand-in (the mean square of both velocities): NFT's own
+loss adds two forwards without gradients (old adapter, reference), which hold no activations for
+the backward.
 GPU kernels may keep other temporaries than the CPU kernels whose shapes are traced here.
 """
 
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 GIB = 2**30
 SEED_RANKS = 8
@@ -194,6 +201,94 @@ def trace_update(case: TraceCase, fake: bool = True) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class DecodeCase:
+    """One rank's rollout decode: `samples` clips (the recipe's group, one per rank) through H3's
+    VAEs as MiniMaxH3Policy.decode runs them; `tiny`: the tiny random-init VAEs that really run here."""
+
+    name: str = "h3_av_nft decode (one rank)"
+    samples: int = 16
+    frames: int = 124
+    height: int = 768
+    width: int = 1344
+    vae_slicing: bool = True  # the recipe's model.options
+    tiny: bool = False
+
+
+TINY_DECODE = DecodeCase(name="tiny H3 decode", samples=3, frames=22, height=32, width=32, tiny=True)
+
+
+def _decode_components(case: DecodeCase) -> dict[str, Any]:
+    """H3's components for a decode: the released VAEs on the meta device (the video VAE in bf16,
+    the recipe's base_dtype; the audio VAE fp32, as MiniMaxH3Policy keeps it), beside a one-block
+    transformer on meta and the tiny conditioner, neither of which a decode touches; or the tiny
+    random-init components."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
+
+    from .tiny_families import tiny_h3_components, tiny_h3_conditioner
+
+    if case.tiny:
+        return tiny_h3_components()
+    previous = torch.get_default_dtype()
+    with torch.device("meta"):
+        transformer = MiniMaxH3Transformer3DModel(num_layers=1)  # its config only: the decode never runs it
+        audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            vae = AutoencoderKLMiniMaxH3(latents_mean=[0.0] * 24, latents_std=[1.0] * 24)
+        finally:
+            torch.set_default_dtype(previous)
+    return {"transformer": transformer, "vae": vae, "audio_vae": audio_vae, **tiny_h3_conditioner()}
+
+
+class WholeCallTracker(MemTracker):
+    """torch's MemTracker without its statistics per module, which refuse a module called twice in
+    one pass (the VAE's decoder runs once per tile); every tensor is counted as before (the weights
+    through track_external, everything the decode makes as activations)."""
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        pass
+
+    def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        pass
+
+
+def trace_decode(case: DecodeCase, fake: bool = True) -> dict[str, Any]:
+    """Peak bytes of one rank over MiniMaxH3Policy.decode of `case.samples` clips (GiB, MemTracker's
+    categories): the VAEs' weights, the float32 frames it returns and every temporary on the way."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..models.minimax_h3 import MiniMaxH3Policy
+
+    clip = {"height": case.height, "width": case.width, "num_frames": case.frames}
+    policy = MiniMaxH3Policy(
+        _decode_components(case),
+        **clip,
+        text_encoder_layer=2,
+        max_sequence_length=96,
+        vae_slicing=case.vae_slicing,
+    )
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        if fake:
+            policy.vae.to_empty(device="cpu")
+            policy.audio_vae.to_empty(device="cpu")
+        latents = torch.randn(case.samples, *policy.latent_shape)
+        tracker = WholeCallTracker()
+        tracker.track_external(policy.vae, policy.audio_vae, latents)
+        with tracker:
+            media = policy.decode(latents)
+        peak = tracker.get_tracker_snapshot("peak")
+    return {
+        "case": asdict(case),
+        "fake_tensors": fake,
+        "vae_parameters_b": sum(p.numel() for p in policy.vae.parameters()) / 1e9,
+        "frames_gib": media.video.numel() * media.video.element_size() / GIB,
+        "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
+    }
+
+
 def _cpu_peak(peak: dict[Any, dict[Any, int]]) -> dict[Any, int]:
     """The tracker's peak snapshot for the CPU device (the one the fake ranks compute on)."""
     for device, categories in peak.items():
@@ -214,13 +309,34 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join([head, *rows])
 
 
+def decode_per_rank(case: DecodeCase = DecodeCase()) -> dict[str, Any]:
+    """The decode of `case` on one rank from traces of 2 and 3 clips at its size. With vae_slicing
+    each clip is decoded alone into frames made once for all (after the first clip's decode, so the
+    first clip's peak differs), and from the second on every clip adds the same: its float32 frames
+    and its share of the batch's audio decode (a test checks it on real tensors). At full size one
+    clip takes about 2 minutes to trace, all 16 about half an hour."""
+    from dataclasses import replace
+
+    two, three = (trace_decode(replace(case, samples=n)) for n in (2, 3))
+    step = three["peak_gib"]["Total"] - two["peak_gib"]["Total"]
+    return {
+        "case": asdict(case),
+        "traced": [two, three],
+        "per_further_clip_gib": step,
+        "frames_per_clip_gib": two["frames_gib"] / 2,
+        "peak_gib": three["peak_gib"]["Total"] + (case.samples - 3) * step,
+        "vae_weights_gib": two["peak_gib"]["Parameter"],
+    }
+
+
 def run_trace(output: Path) -> list[dict[str, Any]]:
-    """Trace the recipe's micro-step, print the table beside the on-paper estimate, write JSON."""
+    """Trace the recipe's micro-step and its rollout decode, print both beside the on-paper
+    estimate, write JSON."""
     from .memory import Layout, estimate_h3
 
     results = [trace_update(TraceCase())]
     print("One H3 training micro-step per rank, traced on fake tensors (GiB, FSDPMemTracker's peak;")
-    print("the transformer's forward, backward and AdamW step: no rollout, decode, encoder or reward):")
+    print("the transformer's forward, backward and AdamW step: no rollout, encoder or reward):")
     print(table(results))
     paper = estimate_h3(layout=Layout(sharding="fsdp"))
     on_paper = paper.transformer_gib + paper.gathered_gib + paper.lora_gib + paper.activations_gib
@@ -230,8 +346,18 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         f"{on_paper:.2f} GiB; "
         f"traced {traced:.2f} GiB ({traced - on_paper:+.2f})"
     )
+    decode = decode_per_rank()
+    two = decode["traced"][0]["peak_gib"]["Total"]
+    print(
+        f"the rollout's decode on one rank ({decode['case']['samples']} clips of {decode['case']['frames']} "
+        f"frames at {decode['case']['height']}x{decode['case']['width']}, vae_slicing): 2 clips traced "
+        f"{two:.2f} GiB (VAE weights {decode['vae_weights_gib']:.2f}), each further clip "
+        f"+{decode['per_further_clip_gib']:.2f} (its float32 frames {decode['frames_per_clip_gib']:.2f}): "
+        f"{decode['peak_gib']:.2f} GiB, beside what stays resident from training"
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"unit": "GiB", "on_paper_gib": on_paper, "results": results}, indent=2))
+    report = {"unit": "GiB", "on_paper_gib": on_paper, "results": results, "decode": decode}
+    output.write_text(json.dumps(report, indent=2))
     return results
 
 

@@ -242,6 +242,14 @@ def tiny_h3_components(seed: int = 0, width: int = H3_WIDTH) -> dict[str, Any]:
     }
 
 
+def tiny_h3_conditioner(seed: int = 0) -> dict[str, Any]:
+    """The tiny Qwen3-VL conditioner and its tokenizer alone, by folder name (a stand-in where the
+    conditioner takes no part, such as a trace of the decode)."""
+    tokenizer = _h3_tokenizer()
+    torch.manual_seed(seed)
+    return {"text_encoder": _h3_text_encoder(len(tokenizer)), "tokenizer": tokenizer}
+
+
 def save_tiny_h3(path: Path, seed: int = 0, width: int = H3_WIDTH) -> Path:
     """The tiny components as component folders under `path`; returns `path`."""
     for name, component in tiny_h3_components(seed, width).items():
