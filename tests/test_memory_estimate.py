@@ -155,3 +155,20 @@ def test_a_config_outside_the_estimate_is_refused() -> None:
     cfg = load_config(ROOT / RECIPES[1], ["train.micro_batch_size=2"])
     with pytest.raises(ValueError, match="micro_batch_size=1"):
         estimate_config(cfg)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_check_says_what_a_rollout_process_of_the_async_modes_holds(recipe: str) -> None:
+    """`odrl train --check` in separate or hybrid mode: a note that each rollout process holds whole
+    copies, with the whole weights on paper (none in colocated mode, where every process shards)."""
+    from omni_diffusion_rl.preflight import NOTE, check_rollout_memory
+
+    whole = estimate_config(load_config(ROOT / recipe, ["train.sharding=none"]), processes=1)
+    weights = (
+        whole.transformer_gib + whole.text_encoder_gib + whole.vaes_gib + whole.lora_gib + whole.overhead_gib
+    )
+    for mode in ("separate", "hybrid"):
+        (note,) = check_rollout_memory(load_config(ROOT / recipe, [f"execution.mode={mode}"]))
+        assert note.status == NOTE and f"{mode}: each rollout process holds whole copies" in note.detail
+        assert f"{weights:.0f} GiB of weights on paper" in note.detail and weights > 60
+    assert check_rollout_memory(load_config(ROOT / recipe)) == []
