@@ -20,11 +20,13 @@ from omni_diffusion_rl.benchmarks.memory_trace import (
 GIB = 2**30
 
 
-def test_the_trace_counts_what_the_same_step_holds_on_real_tensors() -> None:
+@pytest.mark.parametrize("train", [True, False], ids=["micro-step", "forward without gradients"])
+def test_the_trace_counts_what_the_same_step_holds_on_real_tensors(train: bool) -> None:
     """A small H3 over 2 fake ranks: FSDPMemTracker's peak per category with fake tensors (no storage)
-    against the same micro-step on real CPU tensors, within 10% (measured: equal)."""
-    traced = trace_update(TINY_CASE, fake=True)["peak_gib"]
-    real = trace_update(TINY_CASE, fake=False)["peak_gib"]
+    against the same micro-step (or rollout forward) on real CPU tensors, within 10% (measured: equal
+    but for 4 bytes of activations without gradients)."""
+    traced = trace_update(TINY_CASE, fake=True, train=train)["peak_gib"]
+    real = trace_update(TINY_CASE, fake=False, train=train)["peak_gib"]
     assert traced.keys() == real.keys()
     for category, value in real.items():
         assert traced[category] == pytest.approx(value, rel=0.1, abs=1e-9), category

@@ -15,11 +15,12 @@ The decode runs MiniMaxH3Policy.decode through the released VAEs (built from the
 configs, the video VAE in bf16 with its own tiling, vae_slicing as the recipe sets it) under
 MemTracker, on fake tensors too; a test checks it against real tensors at a small size.
 
-What it does not trace yet (issue 43): the rollout's transformer calls, the text encoder, the
-rewards and the checkpoint. The loss is a stand-in (the mean square of both velocities): NFT's own
-loss adds two forwards without gradients (old adapter, reference), which hold no activations for
-the backward.
-GPU kernels may keep other temporaries than the CPU kernels whose shapes are traced here.
+A rollout's transformer call is the same forward without gradients (`train=False`).
+
+What it does not trace yet (issue 43): the text encoder, the rewards and the checkpoint. The
+micro-step's loss is a stand-in (the mean square of both velocities): NFT's own loss adds two
+forwards without gradients (old adapter, reference), each one such forward, whose outputs alone
+outlive it. GPU kernels may keep other temporaries than the CPU kernels whose shapes are traced here.
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def _latents(case: TraceCase, config: Any, video_rows: int, audio_rows: int) -> 
     }
 
 
-def trace_update(case: TraceCase, fake: bool = True) -> dict[str, Any]:
-    """Peak bytes of rank 0 over one micro-step of `case`, by FSDPMemTracker's categories (GiB).
-    Runs in a process group of its own (fake, `case.ranks` ranks), destroyed afterwards."""
+def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict[str, Any]:
+    """Peak bytes of rank 0 over one micro-step of `case`, by FSDPMemTracker's categories (GiB);
+    `train=False`: one forward without gradients instead (a rollout's call, or NFT's old-adapter and
+    reference forwards). Runs in a process group of its own (fake, `case.ranks` ranks), destroyed
+    afterwards."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -181,18 +184,20 @@ def trace_update(case: TraceCase, fake: bool = True) -> dict[str, Any]:
         with mode if mode is not None else torch.device("cpu"):
             model.to_empty(device="cpu")
             latents = _latents(case, model.config, video_rows, audio_rows)
-            optimizer = torch.optim.AdamW(params, lr=1e-4)
+            optimizer = torch.optim.AdamW(params, lr=1e-4) if train else None
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(latents.values()))
-            with tracker:
+            with tracker, torch.set_grad_enabled(train):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     video, audio = model(**latents, **layout, return_dict=False)
-                (video.float().square().mean() + audio.float().square().mean()).backward()
-                optimizer.step()
+                if optimizer is not None:
+                    (video.float().square().mean() + audio.float().square().mean()).backward()
+                    optimizer.step()
             peak = tracker.get_tracker_snapshot("peak")
         return {
             "case": asdict(case),
             "fake_tensors": fake,
+            "train": train,
             "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,  # whole (DTensor numel)
             "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
             "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
@@ -346,6 +351,12 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         f"{on_paper:.2f} GiB; "
         f"traced {traced:.2f} GiB ({traced - on_paper:+.2f})"
     )
+    forward = trace_update(TraceCase(), train=False)
+    print(
+        f"one rollout forward without gradients (a sample per call, as sharded rollouts run; also NFT's "
+        f"old-adapter and reference forwards): {forward['peak_gib']['Total']:.2f} GiB "
+        f"(activations {forward['peak_gib']['Activation']:.2f})"
+    )
     decode = decode_per_rank()
     two = decode["traced"][0]["peak_gib"]["Total"]
     print(
@@ -356,7 +367,13 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         f"{decode['peak_gib']:.2f} GiB, beside what stays resident from training"
     )
     output.parent.mkdir(parents=True, exist_ok=True)
-    report = {"unit": "GiB", "on_paper_gib": on_paper, "results": results, "decode": decode}
+    report = {
+        "unit": "GiB",
+        "on_paper_gib": on_paper,
+        "results": results,
+        "rollout_forward": forward,
+        "decode": decode,
+    }
     output.write_text(json.dumps(report, indent=2))
     return results
 
