@@ -411,7 +411,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_memory(output: Path, measure: bool, trace: bool) -> None:
     """`odrl bench memory`: on paper; with --measure, real runs of tiny models; with --trace, H3's
-    micro-step at full size on fake tensors (each its own report next to `output`)."""
+    micro-step, rollout forward and decode at full size on fake tensors (each its own report next
+    to `output`)."""
     from .benchmarks.memory import run_memory_bench
 
     run_memory_bench(output)
@@ -1175,8 +1176,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="memory: also trace one H3 training micro-step at the recipe's size per rank of 8 and one "
-        "rank's rollout decode, on fake tensors (about 12 min, no GPU; writes <output>_trace.json)",
+        help="memory: also trace H3 at the recipe's size per rank of 8 (a training micro-step, a rollout "
+        "forward and one rank's decode) on fake tensors (about 12 min, no GPU; writes <output>_trace.json)",
     )
     parser.add_argument(
         "--config",
