@@ -1177,7 +1177,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--trace",
         action="store_true",
         help="memory: also trace H3 at the recipe's size per rank of 8 (a training micro-step, a rollout "
-        "forward and one rank's decode) on fake tensors (about 12 min, no GPU; writes <output>_trace.json)",
+        "forward and one rank's decode) and LTX-2's micro-step and forward, on fake tensors (about 15 min, "
+        "no GPU; writes <output>_trace.json)",
     )
     parser.add_argument(
         "--config",

@@ -11,9 +11,12 @@ import pytest
 from omni_diffusion_rl.benchmarks.memory_trace import (
     TINY_CASE,
     TINY_DECODE,
+    TINY_LTX2,
     DecodeCase,
+    Ltx2Case,
     TraceCase,
     trace_decode,
+    trace_ltx2_update,
     trace_update,
 )
 
@@ -80,3 +83,26 @@ def test_the_released_vaes_hold_their_weights_in_the_recipes_dtypes() -> None:
     assert result["vae_parameters_b"] == pytest.approx(2.604, rel=1e-3)
     assert result["peak_gib"]["Parameter"] * GIB == pytest.approx(vae_bytes + 0.1513e9 * 4, rel=1e-3)
     assert result["peak_gib"]["Activation"] > result["frames_gib"] > 0
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["micro-step", "forward without gradients"])
+def test_the_ltx2_trace_counts_what_the_same_step_holds_on_real_tensors(train: bool) -> None:
+    """The tiny LTX-2 through LTX2Policy.velocity over 2 fake ranks: fake tensors against real ones,
+    category by category (measured: equal)."""
+    traced = trace_ltx2_update(TINY_LTX2, fake=True, train=train)["peak_gib"]
+    real = trace_ltx2_update(TINY_LTX2, fake=False, train=train)["peak_gib"]
+    assert traced == pytest.approx(real, rel=1e-6, abs=1e-12)
+    assert real["Activation"] > 0 and real["Sharded Param"] > 0 and real["All Gather"] > 0
+
+
+@pytest.mark.slow  # 4 released blocks of 18.9B parameters' width (about 8 s)
+def test_ltx2s_sample_at_full_width_is_sharded_eight_ways() -> None:
+    """The recipe's sample (121 frames at 512x768) through 4 of LTX-2's released blocks (the whole
+    model is `odrl bench memory --trace`), LoRA r64 on every attention's q/k/v/out, over 8 ranks:
+    each rank holds an eighth of the bf16 base and fp32 adapters."""
+    result = trace_ltx2_update(Ltx2Case(name="4 released blocks", transformer={"num_layers": 4}))
+    peak = result["peak_gib"]
+    base, adapters = result["parameters_b"] - result["adapter_parameters_b"], result["adapter_parameters_b"]
+    assert 0 < adapters < 0.1 * base
+    assert peak["Sharded Param"] == pytest.approx((base * 2 + adapters * 4) * 1e9 / GIB / 8, rel=0.02)
+    assert peak["Activation"] > 0 and peak["Total"] > peak["Sharded Param"] + peak["Activation"]

@@ -1,5 +1,6 @@
-"""MiniMax-H3 at the recipe's size, traced per rank without a GPU: one training micro-step, and the
-rollout's decode of one rank's clips.
+"""MiniMax-H3 at the recipe's size, traced per rank without a GPU: one training micro-step, a rollout
+forward and the rollout's decode of one rank's clips; and LTX-2's micro-step and forward, through
+the project's LTX2Policy.velocity.
 
 The real diffusers transformer is built from its config on the meta device, given the project's
 LoRA adapters (`add_nft_adapters`) and gradient checkpointing, and sharded with the project's FSDP2
@@ -207,6 +208,145 @@ def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict
 
 
 @dataclass(frozen=True)
+class Ltx2Case:
+    """LTX-2's clip size, adapter and layout (the ltx2_av_nft recipe); `tiny`: the tiny random-init
+    pipeline that really runs here, at its own clip size."""
+
+    name: str = "ltx2_av_nft (seed layout)"
+    ranks: int = SEED_RANKS
+    frames: int = 121
+    height: int = 512
+    width: int = 768
+    frame_rate: float = 24.0
+    text_tokens: int = 1024  # the recipe's max_sequence_length
+    lora_rank: int = 64
+    gradient_checkpointing: bool = True
+    tiny: bool = False
+    transformer: dict[str, Any] = field(default_factory=dict)  # overrides of the released config
+
+
+TINY_LTX2 = Ltx2Case(
+    name="tiny LTX-2",
+    ranks=2,
+    frames=9,
+    height=32,
+    width=32,
+    frame_rate=25.0,
+    text_tokens=16,
+    lora_rank=4,
+    tiny=True,
+)
+
+
+def _ltx2_policy(case: Ltx2Case) -> Any:
+    """LTX2Policy at `case`'s clip size over the released transformer (meta device, bf16), VAEs,
+    connectors and vocoder (their configs only: the trace runs the transformer), beside the tiny
+    Gemma text encoder and tokenizer, which it never runs; or over the tiny pipeline."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+
+    from ..models.ltx2 import LTX2Policy
+    from .tiny_families import tiny_ltx2_pipeline
+
+    tiny = tiny_ltx2_pipeline()
+    clip = {
+        "height": case.height,
+        "width": case.width,
+        "num_frames": case.frames,
+        "frame_rate": case.frame_rate,
+    }
+    if case.tiny:
+        return LTX2Policy(tiny, **clip, max_sequence_length=case.text_tokens)
+    previous = torch.get_default_dtype()
+    with torch.device("meta"):
+        torch.set_default_dtype(torch.bfloat16)  # the recipe's base_dtype
+        try:
+            transformer = LTX2VideoTransformer3DModel(**case.transformer)
+        finally:
+            torch.set_default_dtype(previous)
+        released = {
+            "vae": AutoencoderKLLTX2Video(),
+            "audio_vae": AutoencoderKLLTX2Audio(),
+            "connectors": LTX2TextConnectors(),
+            "vocoder": LTX2Vocoder(),
+        }
+    pipeline = LTX2Pipeline(
+        scheduler=tiny.scheduler,
+        text_encoder=tiny.text_encoder,
+        tokenizer=tiny.tokenizer,
+        transformer=transformer,
+        **released,
+    )
+    return LTX2Policy(pipeline, **clip, max_sequence_length=case.text_tokens)
+
+
+def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> dict[str, Any]:
+    """Peak bytes of rank 0 over one LTX-2 micro-step (or, `train=False`, one forward without
+    gradients) of one sample through LTX2Policy.velocity, sharded over `case.ranks` fake ranks
+    (FSDPMemTracker's categories, GiB)."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from ..models.lora import add_nft_adapters, trainable_parameters
+    from ..models.ltx2 import AUDIO_CONTEXT, CONTEXT_MASK, VIDEO_CONTEXT
+    from ..runtime.sharding import process_group_mesh, shard_module, shard_units
+
+    if dist.is_initialized():
+        raise RuntimeError("trace_ltx2_update runs its own (fake) process group: call it outside a run")
+    dist.init_process_group("fake", rank=0, world_size=case.ranks, store=FakeStore())
+    try:
+        policy = _ltx2_policy(case)
+        model = policy.transformer.requires_grad_(False)
+        with torch.device("meta") if not case.tiny else contextlib.nullcontext():
+            add_nft_adapters(model, case.lora_rank, 2 * case.lora_rank, list(policy.lora_target_modules))
+        if case.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        shard_module(
+            model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False
+        )
+        model.to("meta")  # the tiny one's storage too: placed below, as the released one's
+        config = model.config
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
+            model.to_empty(device="cpu")  # the values do not matter to the bytes held
+            params = trainable_parameters(model)
+            x_t = torch.randn(1, *policy.latent_shape)
+            width = int(config.caption_channels)  # both prompt streams, as the transformer projects them
+            cond = {
+                VIDEO_CONTEXT: torch.randn(1, case.text_tokens, width, dtype=policy.base_dtype),
+                AUDIO_CONTEXT: torch.randn(1, case.text_tokens, width, dtype=policy.base_dtype),
+                CONTEXT_MASK: torch.ones(1, case.text_tokens, dtype=torch.long),
+            }
+            optimizer = torch.optim.AdamW(params, lr=1e-4) if train else None
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((x_t, *cond.values()))
+            with tracker, torch.set_grad_enabled(train):
+                velocity = policy.velocity(x_t, torch.full((1,), 0.5), cond)
+                if optimizer is not None:
+                    velocity.float().square().mean().backward()
+                    optimizer.step()
+            peak = tracker.get_tracker_snapshot("peak")
+        return {
+            "case": asdict(case),
+            "fake_tensors": fake,
+            "train": train,
+            "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
+            "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
+            "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
 class DecodeCase:
     """One rank's rollout decode: `samples` clips (the recipe's group, one per rank) through H3's
     VAEs as MiniMaxH3Policy.decode runs them; `tiny`: the tiny random-init VAEs that really run here."""
@@ -357,6 +497,12 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         f"old-adapter and reference forwards): {forward['peak_gib']['Total']:.2f} GiB "
         f"(activations {forward['peak_gib']['Activation']:.2f})"
     )
+    ltx2 = [trace_ltx2_update(Ltx2Case(), train=train) for train in (True, False)]
+    print(
+        f"LTX-2 per rank of 8 (121 frames at 512x768, LoRA r64): a training micro-step "
+        f"{ltx2[0]['peak_gib']['Total']:.2f} GiB (activations {ltx2[0]['peak_gib']['Activation']:.2f}), "
+        f"a forward without gradients {ltx2[1]['peak_gib']['Total']:.2f}"
+    )
     decode = decode_per_rank()
     two = decode["traced"][0]["peak_gib"]["Total"]
     print(
@@ -373,6 +519,7 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         "results": results,
         "rollout_forward": forward,
         "decode": decode,
+        "ltx2": ltx2,
     }
     output.write_text(json.dumps(report, indent=2))
     return results
