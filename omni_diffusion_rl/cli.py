@@ -158,9 +158,10 @@ def _check_process_layout(cfg, processes: int) -> None:  # noqa: ANN001 - Experi
 
 def _preflight(source: str | None, cfg) -> int:  # noqa: ANN001 - ExperimentConfig
     """Print what the run needs and whether it is there; 1 when something is missing."""
+    from .benchmarks.memory import check_rollout_memory
     from .preflight import FAILING, preflight, report
 
-    findings = preflight(cfg)
+    findings = [*preflight(cfg), *check_rollout_memory(cfg)]
     missing = [f for f in findings if f.status in FAILING]
     print(
         f"{source or 'the default config'}: valid ({cfg.model.family}, {cfg.algorithm.name}, "

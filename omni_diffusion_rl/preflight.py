@@ -190,33 +190,6 @@ def check_output(cfg: ExperimentConfig) -> Finding:
     return Finding(OK, "train.output_dir", str(folder))
 
 
-def check_rollout_memory(cfg: ExperimentConfig) -> list[Finding]:
-    """For LTX-2 and H3 in separate or hybrid mode: the rollout processes hold whole copies
-    (train.sharding shards the trainers only), so say how much on paper (odrl bench memory)."""
-    if cfg.model.family not in ("ltx2", "minimax_h3") or cfg.execution.mode not in ("separate", "hybrid"):
-        return []
-    from dataclasses import replace
-
-    from .benchmarks.memory import estimate_config
-
-    whole = replace(cfg, train=replace(cfg.train, sharding="none", cpu_offload=False))
-    try:
-        e = estimate_config(whole, processes=1)
-    except ValueError as error:
-        return [Finding(NOTE, "execution.mode", f"no memory estimate for its rollout processes: {error}")]
-    weights = e.transformer_gib + e.text_encoder_gib + e.vaes_gib + e.lora_gib + e.overhead_gib
-    return [
-        Finding(
-            NOTE,
-            "execution.mode",
-            f"{cfg.execution.mode}: each rollout process holds whole copies (train.sharding shards the "
-            f"trainers only): {weights:.0f} GiB of weights on paper (odrl bench memory), plus its sampling "
-            "and the decode of its clips (traced for H3: docs/real-models.md, Memory per GPU); colocated "
-            "mode shards every process",
-        )
-    ]
-
-
 def check_options(family: str, options: dict) -> Finding:
     from .config import ConfigError
     from .models.families import check_family_options
@@ -271,7 +244,6 @@ def preflight(cfg: ExperimentConfig) -> list[Finding]:
         *check_rewards(cfg),
         *check_teachers(cfg),
         *check_prompts(cfg),
-        *check_rollout_memory(cfg),
         check_output(cfg),
     ]
 

@@ -161,7 +161,8 @@ def test_a_config_outside_the_estimate_is_refused() -> None:
 def test_check_says_what_a_rollout_process_of_the_async_modes_holds(recipe: str) -> None:
     """`odrl train --check` in separate or hybrid mode: a note that each rollout process holds whole
     copies, with the whole weights on paper (none in colocated mode, where every process shards)."""
-    from omni_diffusion_rl.preflight import NOTE, check_rollout_memory
+    from omni_diffusion_rl.benchmarks.memory import check_rollout_memory
+    from omni_diffusion_rl.preflight import NOTE
 
     whole = estimate_config(load_config(ROOT / recipe, ["train.sharding=none"]), processes=1)
     weights = (
@@ -172,3 +173,13 @@ def test_check_says_what_a_rollout_process_of_the_async_modes_holds(recipe: str)
         assert note.status == NOTE and f"{mode}: each rollout process holds whole copies" in note.detail
         assert f"{weights:.0f} GiB of weights on paper" in note.detail and weights > 60
     assert check_rollout_memory(load_config(ROOT / recipe)) == []
+
+
+@pytest.mark.slow  # the estimate builds LTX-2 and Gemma 3 12B on the meta device (about 15 s)
+def test_odrl_train_check_prints_the_rollout_processes_note(capsys: pytest.CaptureFixture[str]) -> None:
+    from .helpers import odrl_main
+
+    recipe = str(ROOT / RECIPES[1])
+    code, out, _ = odrl_main(capsys, "train", recipe, "--check", "execution.mode=hybrid")
+    assert code == 1, out  # the weights are not downloaded here
+    assert "note     execution.mode" in out and "hybrid: each rollout process holds whole copies" in out

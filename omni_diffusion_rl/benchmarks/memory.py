@@ -46,7 +46,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from ..config import ExperimentConfig
+from ..preflight import NOTE, Finding
 
 GIB = 1 << 30
 LORA_BYTES = 4 + 4 + 8 + 4
@@ -323,6 +324,29 @@ def estimate_config(cfg: ExperimentConfig, processes: int = SEED_PROCESSES) -> E
         offload = bool(model.options.get("offload_text_encoder", False))
         return estimate_h3(model.lora_rank, offload_text_encoder=offload, layout=layout, **clip)
     raise ValueError(f"no memory estimate for model.family={model.family} (ltx2 and minimax_h3 only)")
+
+
+def check_rollout_memory(cfg: ExperimentConfig) -> list[Finding]:
+    """For LTX-2 and H3 in separate or hybrid mode: the rollout processes hold whole copies
+    (train.sharding shards the trainers only), so say how much on paper (odrl bench memory)."""
+    if cfg.model.family not in ("ltx2", "minimax_h3") or cfg.execution.mode not in ("separate", "hybrid"):
+        return []
+    whole = replace(cfg, train=replace(cfg.train, sharding="none", cpu_offload=False))
+    try:
+        e = estimate_config(whole, processes=1)
+    except ValueError as error:
+        return [Finding(NOTE, "execution.mode", f"no memory estimate for its rollout processes: {error}")]
+    weights = e.transformer_gib + e.text_encoder_gib + e.vaes_gib + e.lora_gib + e.overhead_gib
+    return [
+        Finding(
+            NOTE,
+            "execution.mode",
+            f"{cfg.execution.mode}: each rollout process holds whole copies (train.sharding shards the "
+            f"trainers only): {weights:.0f} GiB of weights on paper (odrl bench memory), plus its sampling "
+            "and the decode of its clips (traced for H3: docs/real-models.md, Memory per GPU); colocated "
+            "mode shards every process",
+        )
+    ]
 
 
 def _card(e: Estimate) -> str:
