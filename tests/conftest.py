@@ -113,27 +113,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _log_cpu(item.nodeid, before, _cpu_now())
 
 
-# The longest files (wall seconds on a fresh clone, from ODRL_TEST_CPU_LOG: 265, 228, 182, 164, 159,
-# 126, 81, 66) run first. pytest-xdist hands whole files to its workers in collection order
-# (--dist loadfile), so a long file collected late would run alone at the end of the suite.
-LONGEST_FIRST = (
-    "test_separate.py",
-    "test_bench.py",
-    "test_sharding_runs.py",
-    "test_docs_commands.py",
-    "test_readme_commands.py",
-    "test_multinode.py",
-    "test_behaviour_fixture.py",
-    "test_parent_death.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """LONGEST_FIRST's files first, the rest after them in their own order (a stable sort)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 # Where the suite's CPU goes, per test: with ODRL_TEST_CPU_LOG=FILE each test appends a JSON line of
 # its wall seconds, this process's CPU seconds and its children's (every process it started and
 # reaped, with their own reaped children; a server killed by a signal counts once reaped). Setup and
