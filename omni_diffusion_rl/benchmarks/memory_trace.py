@@ -27,8 +27,9 @@ outlive it. GPU kernels may keep other temporaries than the CPU kernels whose sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,11 +83,11 @@ TINY_CASE = TraceCase(
 )
 
 
-def _build(case: TraceCase) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+def _build(case: TraceCase) -> torch.nn.Module:
     """The transformer on the meta device: bf16 base, fp32 LoRA, sharded over every rank."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from ..models.lora import add_nft_adapters, trainable_parameters
+    from ..models.lora import add_nft_adapters
     from ..models.minimax_h3 import LORA_MODULES
     from ..runtime.sharding import process_group_mesh, shard_module, shard_units
 
@@ -103,7 +104,7 @@ def _build(case: TraceCase) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
     if case.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     shard_module(model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False)
-    return model, trainable_parameters(model)
+    return model
 
 
 def _layout(case: TraceCase, config: Any) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -165,46 +166,78 @@ def _latents(case: TraceCase, config: Any, video_rows: int, audio_rows: int) -> 
     }
 
 
+@contextlib.contextmanager
+def _fake_process_group(ranks: int, who: str) -> Iterator[None]:
+    """A fake process group of `ranks` ranks (this process is rank 0) for the block, destroyed after."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError(f"{who} runs its own (fake) process group: call it outside a run")
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _traced_step(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    forward: Callable[[], Sequence[torch.Tensor]],
+    train: bool,
+) -> dict[Any, int]:
+    """FSDPMemTracker's peak (CPU bytes by category) over `forward()` and, with `train`, the backward
+    of a stand-in loss (the mean square of every output) and an AdamW step on the trainable
+    parameters; run where `model` is placed (under a FakeTensorMode for a trace)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from ..models.lora import trainable_parameters
+
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4) if train else None
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs(tuple(inputs))
+    with tracker, torch.set_grad_enabled(train):
+        outputs = forward()
+        if optimizer is not None:
+            sum(out.float().square().mean() for out in outputs).backward()
+            optimizer.step()
+    return _cpu_peak(tracker.get_tracker_snapshot("peak"))
+
+
+def _step_report(
+    case: Any, fake: bool, train: bool, model: torch.nn.Module, peak: dict[Any, int]
+) -> dict[str, Any]:
+    return {
+        "case": asdict(case),
+        "fake_tensors": fake,
+        "train": train,
+        "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,  # whole (DTensor numel)
+        "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
+        "peak_gib": {str(k): v / GIB for k, v in peak.items()},
+    }
+
+
 def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict[str, Any]:
     """Peak bytes of rank 0 over one micro-step of `case`, by FSDPMemTracker's categories (GiB);
     `train=False`: one forward without gradients instead (a rollout's call, or NFT's old-adapter and
     reference forwards). Runs in a process group of its own (fake, `case.ranks` ranks), destroyed
     afterwards."""
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    if dist.is_initialized():
-        raise RuntimeError("trace_update runs its own (fake) process group: call it outside a run")
-    dist.init_process_group("fake", rank=0, world_size=case.ranks, store=FakeStore())
-    try:
-        model, params = _build(case)
+    with _fake_process_group(case.ranks, "trace_update"):
+        model = _build(case)
         layout, video_rows, audio_rows = _layout(case, model.config)
-        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-        with mode if mode is not None else torch.device("cpu"):
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
             model.to_empty(device="cpu")
             latents = _latents(case, model.config, video_rows, audio_rows)
-            optimizer = torch.optim.AdamW(params, lr=1e-4) if train else None
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs(tuple(latents.values()))
-            with tracker, torch.set_grad_enabled(train):
+
+            def forward() -> Sequence[torch.Tensor]:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    video, audio = model(**latents, **layout, return_dict=False)
-                if optimizer is not None:
-                    (video.float().square().mean() + audio.float().square().mean()).backward()
-                    optimizer.step()
-            peak = tracker.get_tracker_snapshot("peak")
-        return {
-            "case": asdict(case),
-            "fake_tensors": fake,
-            "train": train,
-            "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,  # whole (DTensor numel)
-            "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
-            "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
-        }
-    finally:
-        dist.destroy_process_group()
+                    return model(**latents, **layout, return_dict=False)
+
+            peak = _traced_step(model, list(latents.values()), forward, train)
+        return _step_report(case, fake, train, model, peak)
 
 
 @dataclass(frozen=True)
@@ -289,21 +322,13 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
     """Peak bytes of rank 0 over one LTX-2 micro-step (or, `train=False`, one forward without
     gradients) of one sample through LTX2Policy.velocity, sharded over `case.ranks` fake ranks
     (FSDPMemTracker's categories, GiB)."""
-    import contextlib
-
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from ..models.lora import add_nft_adapters, trainable_parameters
+    from ..models.lora import add_nft_adapters
     from ..models.ltx2 import AUDIO_CONTEXT, CONTEXT_MASK, VIDEO_CONTEXT
     from ..runtime.sharding import process_group_mesh, shard_module, shard_units
 
-    if dist.is_initialized():
-        raise RuntimeError("trace_ltx2_update runs its own (fake) process group: call it outside a run")
-    dist.init_process_group("fake", rank=0, world_size=case.ranks, store=FakeStore())
-    try:
+    with _fake_process_group(case.ranks, "trace_ltx2_update"):
         policy = _ltx2_policy(case)
         model = policy.transformer.requires_grad_(False)
         with torch.device("meta") if not case.tiny else contextlib.nullcontext():
@@ -314,36 +339,23 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
             model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False
         )
         model.to("meta")  # the tiny one's storage too: placed below, as the released one's
-        config = model.config
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
             model.to_empty(device="cpu")  # the values do not matter to the bytes held
-            params = trainable_parameters(model)
             x_t = torch.randn(1, *policy.latent_shape)
-            width = int(config.caption_channels)  # both prompt streams, as the transformer projects them
+            width = int(
+                model.config.caption_channels
+            )  # both prompt streams, as the transformer projects them
             cond = {
                 VIDEO_CONTEXT: torch.randn(1, case.text_tokens, width, dtype=policy.base_dtype),
                 AUDIO_CONTEXT: torch.randn(1, case.text_tokens, width, dtype=policy.base_dtype),
                 CONTEXT_MASK: torch.ones(1, case.text_tokens, dtype=torch.long),
             }
-            optimizer = torch.optim.AdamW(params, lr=1e-4) if train else None
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((x_t, *cond.values()))
-            with tracker, torch.set_grad_enabled(train):
-                velocity = policy.velocity(x_t, torch.full((1,), 0.5), cond)
-                if optimizer is not None:
-                    velocity.float().square().mean().backward()
-                    optimizer.step()
-            peak = tracker.get_tracker_snapshot("peak")
-        return {
-            "case": asdict(case),
-            "fake_tensors": fake,
-            "train": train,
-            "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
-            "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
-            "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
-        }
-    finally:
-        dist.destroy_process_group()
+
+            def forward() -> Sequence[torch.Tensor]:
+                return (policy.velocity(x_t, torch.full((1,), 0.5), cond),)
+
+            peak = _traced_step(model, [x_t, *cond.values()], forward, train)
+        return _step_report(case, fake, train, model, peak)
 
 
 @dataclass(frozen=True)
@@ -401,8 +413,6 @@ class WholeCallTracker(MemTracker):
 def trace_decode(case: DecodeCase, fake: bool = True) -> dict[str, Any]:
     """Peak bytes of one rank over MiniMaxH3Policy.decode of `case.samples` clips (GiB, MemTracker's
     categories): the VAEs' weights, the float32 frames it returns and every temporary on the way."""
-    import contextlib
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..models.minimax_h3 import MiniMaxH3Policy
