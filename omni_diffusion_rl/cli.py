@@ -26,6 +26,7 @@ from .runtime.launch_check import (
     wait_for_every_process,
 )
 from .runtime.lifeline import exit_with_parent
+from .runtime.startup import TRAINING_STACK, import_frozen
 
 if TYPE_CHECKING:
     from .serving.server import ServeSettings
@@ -1333,11 +1334,14 @@ def _launcher_rank() -> int:
         return 0
 
 
-# The commands whose process imports the training stack, and what they import first (startup.py).
-STARTUP_IMPORTS = dict.fromkeys(
-    ("train", "sample", "eval", "probe-rewards", "pretrain", "serve-teacher", "export", "bench"), "stack"
-)
-STARTUP_IMPORTS["serve-reward"] = "torch"
+# The commands whose process imports the training stack (or torch alone), and what they import first.
+STARTUP_IMPORTS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("train", "sample", "eval", "probe-rewards", "pretrain", "serve-teacher", "export", "bench"),
+        TRAINING_STACK,
+    ),
+    "serve-reward": ("torch",),
+}
 
 
 def entry(argv: list[str] | None = None) -> int:
@@ -1345,12 +1349,10 @@ def entry(argv: list[str] | None = None) -> int:
     the command's start-up imports are made with the garbage collector paused and frozen
     (runtime/startup.py, about 1.3 CPU-s less per process). Only a process's own entry point calls
     this; main() never freezes."""
-    from .runtime.startup import TRAINING_STACK, import_frozen
-
     argv = sys.argv[1:] if argv is None else argv
-    wanted = STARTUP_IMPORTS.get(argv[0] if argv else "")
-    if wanted:
-        import_frozen(TRAINING_STACK if wanted == "stack" else (wanted,))
+    modules = STARTUP_IMPORTS.get(argv[0] if argv else "")
+    if modules:
+        import_frozen(modules)
     return main(argv)
 
 
