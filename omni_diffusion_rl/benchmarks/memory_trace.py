@@ -167,14 +167,14 @@ def _latents(case: TraceCase, config: Any, video_rows: int, audio_rows: int) -> 
 
 
 @contextlib.contextmanager
-def _fake_process_group(ranks: int, who: str) -> Iterator[None]:
-    """A fake process group of `ranks` ranks (this process is rank 0) for the block, destroyed after."""
+def fake_process_group(ranks: int, who: str, rank: int = 0) -> Iterator[None]:
+    """A fake process group of `ranks` ranks (this process is `rank`) for the block, destroyed after."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
         raise RuntimeError(f"{who} runs its own (fake) process group: call it outside a run")
-    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
     try:
         yield
     finally:
@@ -225,7 +225,7 @@ def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict
     afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with _fake_process_group(case.ranks, "trace_update"):
+    with fake_process_group(case.ranks, "trace_update"):
         model = _build(case)
         layout, video_rows, audio_rows = _layout(case, model.config)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
@@ -328,7 +328,7 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
     from ..models.ltx2 import AUDIO_CONTEXT, CONTEXT_MASK, VIDEO_CONTEXT
     from ..runtime.sharding import process_group_mesh, shard_module, shard_units
 
-    with _fake_process_group(case.ranks, "trace_ltx2_update"):
+    with fake_process_group(case.ranks, "trace_ltx2_update"):
         policy = _ltx2_policy(case)
         model = policy.transformer.requires_grad_(False)
         with torch.device("meta") if not case.tiny else contextlib.nullcontext():

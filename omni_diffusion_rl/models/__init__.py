@@ -52,12 +52,16 @@ def build_nft_policy(
 ) -> FlowPolicy:
     """The policy on `device`, base frozen, with the `default` and `old` LoRA adapters added. With
     `shard` (runtime/sharding.py), the transformer stays in host memory until `shard` places each process's
-    part of it (a whole copy never goes to the device); the other components move to `device`."""
+    part of it (a whole copy never goes to the device); the other components move to `device`. A
+    family that can (models/shard_loading.py) then builds its transformer as a skeleton, and each
+    process reads only its own part of the weights once sharding has placed it."""
     import torch
 
     from . import lora
+    from .shard_loading import deferred_weights, has_deferred_weights, load_deferred_weights
 
-    policy, default_targets = build_policy(cfg)
+    with contextlib.nullcontext() if shard is None else deferred_weights():
+        policy, default_targets = build_policy(cfg)  # sharded: each process reads its part below
     if cfg.base_dtype != "fp32" and not any(
         p.dtype != torch.float32 for p in policy.transformer.parameters()
     ):
@@ -91,6 +95,8 @@ def build_nft_policy(
             ) from e
     if shard is not None:
         shard(policy.transformer)
+        if has_deferred_weights(policy.transformer):
+            load_deferred_weights(policy.transformer)
         told = getattr(policy, "use_sharded_transformer", None)
         if callable(told):  # a policy whose transformer calls depend on the data makes them fixed
             told()

@@ -215,10 +215,13 @@ class LTX2Policy:
         """From a saved LTX2Pipeline directory or a hub id (in the local cache when offline). A local
         directory must hold every component folder its model_index.json lists (a ValueError names the
         missing ones)."""
-        from diffusers import LTX2Pipeline
+        from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+        from .shard_loading import load_transformer
 
         check_pipeline_dir(Path(source))
-        return cls(LTX2Pipeline.from_pretrained(source, torch_dtype=dtype), **clip)
+        transformer = load_transformer(LTX2VideoTransformer3DModel, source, "transformer", dtype)
+        return cls(LTX2Pipeline.from_pretrained(source, torch_dtype=dtype, transformer=transformer), **clip)
 
 
 def check_pipeline_dir(path: Path) -> None:

@@ -370,6 +370,8 @@ class MiniMaxH3Policy:
         )
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
+        from .shard_loading import load_transformer
+
         root = Path(source)
         if root.is_dir():
             missing = [name for name in COMPONENTS if not (root / name).is_dir()]
@@ -379,9 +381,7 @@ class MiniMaxH3Policy:
                     f"(it needs {', '.join(COMPONENTS)}; scheduler is optional)"
                 )
         loaded: dict[str, Any] = {
-            "transformer": MiniMaxH3Transformer3DModel.from_pretrained(
-                source, subfolder="transformer", torch_dtype=dtype
-            ),
+            "transformer": load_transformer(MiniMaxH3Transformer3DModel, source, "transformer", dtype),
             "vae": AutoencoderKLMiniMaxH3.from_pretrained(source, subfolder="vae", torch_dtype=dtype),
             "audio_vae": AutoencoderKLMiniMaxH3Audio.from_pretrained(source, subfolder="audio_vae"),
             "text_encoder": Qwen3VLForConditionalGeneration.from_pretrained(
