@@ -13,7 +13,10 @@ own storage (sharding.local_bytes: a shard's local part, its padding included):
 - optimizer: AdamW's state tensors (moments and step counts);
 - other frozen: the parameters outside the transformer (VAEs, text encoders, vocoder), whole on
   every process;
-- peak RSS: the process's resident-set high-water mark (getrusage), imports included.
+- start-up RSS: the process's resident-set high-water mark (getrusage, imports included) once its
+  Trainer is built, before any step: the host memory loading takes (a sharded LTX-2 or H3 reads
+  only its own part of the transformer's weights, models/shard_loading.py);
+- peak RSS: the same high-water mark after the step.
 
 A row's figure is the largest over its processes. The processes are started by torch's own launcher
 (`python -m torch.distributed.run`, the elastic agent `accelerate launch` runs too), not by
@@ -50,7 +53,7 @@ SCALING_TOLERANCE = 0.10
 """Sharded, the base per process must be within 10% of 1/N of the 1-process figure."""
 MIB = float(1 << 20)
 WORKER_MODULE = "omni_diffusion_rl.benchmarks.memory_measured"  # this module, also when run as __main__
-FIGURES = ("base", "adapters", "grads", "optimizer", "other_frozen", "peak_rss")
+FIGURES = ("base", "adapters", "grads", "optimizer", "other_frozen", "startup_rss", "peak_rss")
 # Small steps: the memory held does not depend on how long the step samples.
 STEP = ["sampling.num_steps=2", "data.prompts_per_step=4", "data.group_size=2", "train.steps=1"]
 
@@ -93,11 +96,12 @@ def run_worker(config: str | None, overrides: list[str], out: Path) -> None:
     Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(cpu=True)
     trainer = Trainer(cfg, accelerator)
+    startup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     try:
         trainer.source.start()
         trainer.train_step()
         trainer.source.finish()
-        figures = held_bytes(trainer)
+        figures = held_bytes(trainer, startup_rss)
     finally:
         trainer.close_scorers()
     record = {"rank": trainer.rank, "pid": os.getpid(), "sharded": trainer.sharded, **figures}
@@ -107,7 +111,7 @@ def run_worker(config: str | None, overrides: list[str], out: Path) -> None:
     accelerator.end_training()  # the process group closed by every process, not left to exit
 
 
-def held_bytes(trainer: Any) -> dict[str, int]:
+def held_bytes(trainer: Any, startup_rss: int) -> dict[str, int]:
     """Bytes this process stores for each of FIGURES (peak RSS: the high-water mark so far)."""
     import torch
 
@@ -121,6 +125,7 @@ def held_bytes(trainer: Any) -> dict[str, int]:
         "grads": local_bytes([p.grad for p in trainer.params if p.grad is not None]),
         "optimizer": local_bytes([t for s in states for t in s.values() if isinstance(t, torch.Tensor)]),
         "other_frozen": local_bytes(frozen_outside_transformer(trainer.policy)),
+        "startup_rss": startup_rss,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
     }
 
@@ -143,15 +148,18 @@ def frozen_outside_transformer(policy: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------- the runs
-def family_run(family: str, folder: Path, tiny_config: str | Path) -> tuple[str | None, list[str]]:
-    """The config file and overrides that train `family` (its model saved under `folder`)."""
+def family_run(
+    family: str, folder: Path, tiny_config: str | Path, widths: dict[str, int] = WIDTHS
+) -> tuple[str | None, list[str]]:
+    """The config file and overrides that train `family` (its model saved under `folder`, its
+    transformer `widths[family]` wide)."""
     from .tiny_families import H3_CLIP, LTX2_CLIP, save_tiny_h3, save_tiny_ltx2, write_av_level_plugin
 
     if family == "tiny_av":
         return str(Path(tiny_config).resolve()), ["model.pretrained=builtin", *QUIET, *STEP]
     savers = {"ltx2": (save_tiny_ltx2, LTX2_CLIP), "minimax_h3": (save_tiny_h3, H3_CLIP)}
     save, clip = savers[family]  # check_choice: one of them
-    model = save(folder / "model", width=WIDTHS[family])
+    model = save(folder / "model", width=widths[family])
     plugin = write_av_level_plugin(folder)
     options = "{" + ", ".join(f"{k}: {v}" for k, v in clip.items()) + "}"
     overrides = [f"model.family={family}", f"model.pretrained={model}", f"model.options={options}"]
@@ -244,13 +252,13 @@ def scaling_verdicts(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the rows (MiB per process)."""
     head = ["family", "processes", "sharding", "base MiB/process", "base / 1-process", "adapters MiB"]
-    head += ["grads MiB", "optimizer MiB", "other frozen MiB", "peak RSS MiB"]
+    head += ["grads MiB", "optimizer MiB", "other frozen MiB", "start-up RSS MiB", "peak RSS MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         fraction = "" if r["base_fraction"] is None else f"{r['base_fraction']:.3f}"
         cells = [r["family"], str(r["processes"]), r["sharding"], f"{r['base_bytes'] / MIB:.3f}", fraction]
-        cells += [f"{r[f'{k}_bytes'] / MIB:.3f}" for k in FIGURES[1:-1]]
-        cells.append(f"{r['peak_rss_bytes'] / MIB:.0f}")
+        cells += [f"{r[f'{k}_bytes'] / MIB:.3f}" for k in FIGURES[1:-2]]
+        cells += [f"{r['startup_rss_bytes'] / MIB:.0f}", f"{r['peak_rss_bytes'] / MIB:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -288,17 +296,20 @@ def run_memory_measurement(
     *,
     tiny_config: str | Path = DEFAULT_CONFIG,
     timeout_s: float = LAUNCH_TIMEOUT_S,
+    width: int | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every case (measured_cases), print the table and write the JSON to `output` (and a
     plot next to it); the rows. `tiny_config`: the tiny built-in model's recipe (the demo's);
-    `timeout_s`: the most one launch may take (then it is stopped, with all its processes)."""
+    `timeout_s`: the most one launch may take (then it is stopped, with all its processes); `width`:
+    the LTX-2 and H3 transformers' width (default WIDTHS; wider shows the weights' host memory)."""
     check_choice(processes, families)
+    widths = WIDTHS if width is None else dict.fromkeys(WIDTHS, width)
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="odrl-memory-") as tmp:
         for family in dict.fromkeys(families):
             folder = Path(tmp) / family
-            config, overrides = family_run(family, folder, tiny_config)
+            config, overrides = family_run(family, folder, tiny_config, widths)
             for case in measured_cases([family], processes):
                 rows.append(measure_case(case, config, overrides, folder, timeout_s))
     add_base_fractions(rows)
@@ -306,7 +317,7 @@ def run_memory_measurement(
         "rows": rows,
         "memory_scales": scaling_verdicts(rows),
         "tolerance": SCALING_TOLERANCE,
-        "widths": WIDTHS,
+        "widths": widths,
         "seconds": round(time.perf_counter() - started, 1),
         "machine": machine_info(),
     }
@@ -322,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=Path("runs/bench/memory_measured.json"))
     parser.add_argument("--processes", type=int, nargs="+", default=list(PROCESSES))
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--width", type=int, help="the LTX-2 and H3 transformers' width (default: WIDTHS)")
     args, overrides = parser.parse_known_args(argv)
     if overrides and not args.worker:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
@@ -332,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             import_frozen(TRAINING_STACK)
         run_worker(args.config, overrides, args.out)
     else:
-        run_memory_measurement(args.output, args.processes, args.families)
+        run_memory_measurement(args.output, args.processes, args.families, width=args.width)
     return 0
 
 
