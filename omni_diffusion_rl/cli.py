@@ -413,8 +413,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_memory(output: Path, measure: bool, trace: bool) -> None:
     """`odrl bench memory`: on paper; with --measure, real runs of tiny models; with --trace, H3's
-    micro-step, rollout forward and decode at full size on fake tensors (each its own report next
-    to `output`)."""
+    micro-step, rollout forward and decode, LTX-2's micro-step and Qwen2.5-Omni-7B's GSPO micro-step
+    at full size on fake tensors (each its own report next to `output`)."""
     from .benchmarks.memory import run_memory_bench
 
     run_memory_bench(output)
@@ -424,8 +424,10 @@ def _bench_memory(output: Path, measure: bool, trace: bool) -> None:
         run_memory_measurement(output.with_name(output.stem + "_measured.json"))
     if trace:
         from .benchmarks.memory_trace import run_trace
+        from .benchmarks.memory_trace_qwen import run_qwen_trace
 
         run_trace(output.with_name(output.stem + "_trace.json"))
+        run_qwen_trace(output.with_name(output.stem + "_trace_qwen.json"))
 
 
 def _json_options(text: str | None, example: str) -> object:
@@ -1179,8 +1181,9 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--trace",
         action="store_true",
         help="memory: also trace H3 at the recipe's size per rank of 8 (a training micro-step, a rollout "
-        "forward and one rank's decode) and LTX-2's micro-step and forward, on fake tensors (about 15 min, "
-        "no GPU; writes <output>_trace.json)",
+        "forward and one rank's decode), LTX-2's micro-step and forward and Qwen2.5-Omni-7B's GSPO "
+        "micro-step and forward, on fake tensors (about 18 min, no GPU; writes <output>_trace.json and "
+        "<output>_trace_qwen.json)",
     )
     parser.add_argument(
         "--config",

@@ -18,7 +18,8 @@ MemTracker, on fake tensors too; a test checks it against real tensors at a smal
 
 A rollout's transformer call is the same forward without gradients (`train=False`).
 
-What it does not trace yet (issue 43): the text encoder, the rewards and the checkpoint. The
+Qwen2.5-Omni-7B's GSPO micro-step is traced in memory_trace_qwen.py. What it does not trace yet
+(issue 43): the text encoder, the rewards and the checkpoint. The
 micro-step's loss is a stand-in (the mean square of both velocities): NFT's own loss adds two
 forwards without gradients (old adapter, reference), each one such forward, whose outputs alone
 outlive it. GPU kernels may keep other temporaries than the CPU kernels whose shapes are traced here.
@@ -202,7 +203,7 @@ def _traced_step(
         if optimizer is not None:
             sum(out.float().square().mean() for out in outputs).backward()
             optimizer.step()
-    return _cpu_peak(tracker.get_tracker_snapshot("peak"))
+    return cpu_peak(tracker.get_tracker_snapshot("peak"))
 
 
 def _step_report(
@@ -440,11 +441,11 @@ def trace_decode(case: DecodeCase, fake: bool = True) -> dict[str, Any]:
         "fake_tensors": fake,
         "vae_parameters_b": sum(p.numel() for p in policy.vae.parameters()) / 1e9,
         "frames_gib": media.video.numel() * media.video.element_size() / GIB,
-        "peak_gib": {str(k): v / GIB for k, v in _cpu_peak(peak).items()},
+        "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
     }
 
 
-def _cpu_peak(peak: dict[Any, dict[Any, int]]) -> dict[Any, int]:
+def cpu_peak(peak: dict[Any, dict[Any, int]]) -> dict[Any, int]:
     """The tracker's peak snapshot for the CPU device (the one the fake ranks compute on)."""
     for device, categories in peak.items():
         if torch.device(device).type == "cpu":
