@@ -235,11 +235,59 @@ def check_rollout_backend(cfg: ExperimentConfig) -> list[Finding]:
     return [Finding(OK, "algorithm.rollout_backend", "vLLM is importable")]
 
 
+STORED_DTYPE_FAMILIES = ("ltx2", "minimax_h3")
+"""Families whose text encoder stays in host memory or loads per process (transformers keeps it a
+view of its files, shared by a machine's processes, only when stored in the dtype it loads in)."""
+
+
+def check_stored_dtypes(cfg: ExperimentConfig) -> list[Finding]:
+    """Notes on how a local LTX-2 or H3 folder's files load (headers read, no weights): a text
+    encoder stored in another dtype than model.base_dtype is copied into every process's memory
+    (else one copy per machine), and a sharded transformer without safetensors files is read whole
+    by every process (else each reads its own rows)."""
+    from .models.shard_loading import WeightLoadError, weight_files
+    from .precision import BASE_DTYPES
+
+    root = Path(os.path.expanduser(cfg.model.pretrained))
+    if cfg.model.family not in STORED_DTYPE_FAMILIES or not root.is_dir():
+        return []
+    try:
+        encoder = weight_files(root / "text_encoder", "model.safetensors")
+        transformer = weight_files(root / "transformer")
+    except WeightLoadError as e:
+        return [Finding(WRONG, f"model.pretrained ({cfg.model.family})", str(e))]
+    findings = []
+    wanted = BASE_DTYPES[cfg.model.base_dtype]
+    stored = {t.dtype for t in (encoder.file_of.values() if encoder else ()) if t.dtype.is_floating_point}
+    if stored - {wanted}:
+        kinds = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
+        findings.append(
+            Finding(
+                NOTE,
+                "model.base_dtype (text encoder)",
+                f"{root / 'text_encoder'} stores {kinds} and the run loads it in {cfg.model.base_dtype}: "
+                f"every process makes a copy of its own in memory; saved in {cfg.model.base_dtype}, the "
+                "processes of a machine share one",
+            )
+        )
+    if cfg.train.sharding == "fsdp" and transformer is None:
+        findings.append(
+            Finding(
+                NOTE,
+                "train.sharding (transformer)",
+                f"{root / 'transformer'} has no safetensors files: every process reads the whole "
+                "transformer before keeping its shard (with them, each reads its own rows)",
+            )
+        )
+    return findings
+
+
 def preflight(cfg: ExperimentConfig) -> list[Finding]:
     """Every finding for `cfg`, model first."""
     return [
         check_model(cfg.model.family, cfg.model.pretrained),
         check_options(cfg.model.family, cfg.model.options),
+        *check_stored_dtypes(cfg),
         *check_rollout_backend(cfg),
         *check_rewards(cfg),
         *check_teachers(cfg),

@@ -178,3 +178,21 @@ def test_teacher_servers_that_do_not_answer_are_named_and_a_route_that_answers_i
     nft = ["train", "recipes/configs/tiny_t2av_nft.yaml", f"train.output_dir={tmp_path / 'nft'}"]
     assert main([*nft, f"teacher.urls=[{closed}]", "--check"]) == 0
     assert "teacher.urls" not in capsys.readouterr().out
+
+
+def test_how_an_h3_folder_loads_is_noted_from_its_headers(tmp_path: Path) -> None:
+    """The tiny H3's files are fp32: loaded in bf16 its conditioner is copied into every process (a
+    note; in fp32 none); a sharded transformer without safetensors files is read whole (a note)."""
+    from omni_diffusion_rl.preflight import NOTE, check_stored_dtypes
+
+    folder = save_tiny_h3(tmp_path / "h3")
+    base = ["model.family=minimax_h3", f"model.pretrained={folder}", "train.sharding=fsdp", "eval.metrics=[]"]
+    assert check_stored_dtypes(load_config(None, [*base, "model.base_dtype=fp32"])) == []
+    notes = check_stored_dtypes(load_config(None, [*base, "model.base_dtype=bf16"]))
+    assert [(f.status, f.what) for f in notes] == [(NOTE, "model.base_dtype (text encoder)")]
+    assert "stores float32" in notes[0].detail and "every process makes a copy" in notes[0].detail
+    for weights in (folder / "transformer").glob("*.safetensors"):
+        weights.rename(weights.with_suffix(".moved"))
+    notes = check_stored_dtypes(load_config(None, [*base, "model.base_dtype=fp32"]))
+    assert [f.what for f in notes] == ["train.sharding (transformer)"]
+    assert all(f in preflight(load_config(None, [*base, "model.base_dtype=fp32"])) for f in notes)

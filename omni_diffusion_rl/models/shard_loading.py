@@ -175,9 +175,10 @@ def _local_folder(source: str, subfolder: str) -> Path | None:
         return None
 
 
-def weight_files(folder: Path) -> WeightFiles | None:
-    """The folder's safetensors weights (one file, or an index naming several), None without."""
-    index = folder / INDEX_NAME
+def weight_files(folder: Path, weights_name: str = WEIGHTS_NAME) -> WeightFiles | None:
+    """The folder's safetensors weights (`weights_name`, or its index naming several files; diffusers'
+    names by default, transformers' are `model.safetensors`), None without."""
+    index = folder / f"{weights_name}.index.json"
     if index.is_file():
         with open(index, "rb") as f:
             data = f.read(MAX_INDEX_BYTES + 1)
@@ -192,8 +193,8 @@ def weight_files(folder: Path) -> WeightFiles | None:
             if path.parent != folder.resolve():
                 raise WeightLoadError(f"{index} names {file!r}, which is not a file of {folder}")
             paths.add(path)
-    elif (folder / WEIGHTS_NAME).is_file():
-        paths = {folder / WEIGHTS_NAME}
+    elif (folder / weights_name).is_file():
+        paths = {folder / weights_name}
     else:
         return None
     stored: dict[str, StoredTensor] = {}
