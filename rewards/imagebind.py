@@ -346,11 +346,11 @@ class ImageBindReward:
                 )
             if tensor.shape[-1] == 0 or (name == "video" and tensor.shape[1] == 0):
                 raise ValueError(f"reward 'imagebind': the {name} is empty, shape {tuple(tensor.shape)}")
-            bad = ~torch.isfinite(tensor.detach()).flatten(1).all(dim=1)
-            if bad.any():
+            # a sample at a time: a mask of the whole batch would be as many bytes as its frames
+            bad = [i for i, sample in enumerate(tensor.detach()) if not bool(torch.isfinite(sample).all())]
+            if bad:
                 raise ValueError(
-                    f"reward 'imagebind': {name} has non-finite values (NaN/inf) in samples "
-                    f"{bad.nonzero().flatten().tolist()}"
+                    f"reward 'imagebind': {name} has non-finite values (NaN/inf) in samples {bad}"
                 )
 
     def inputs(self, media: MediaBatch, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -363,11 +363,12 @@ class ImageBindReward:
         inputs = {}
         if video:
             inputs["vision"] = prep.vision_inputs(
-                media.video.to(self.device),  # type: ignore[union-attr]
+                media.video,  # type: ignore[arg-type]
                 media.fps,
                 self.video_clips,
                 self.frames_per_clip,
                 self.spatial_crops,
+                device=self.device,  # only the frames ImageBind reads go there
             )
         if audio:
             features = prep.audio_features(media.audio, int(media.sample_rate), self.audio_clips)  # type: ignore[arg-type]

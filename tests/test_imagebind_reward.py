@@ -363,3 +363,34 @@ def test_errors(tiny_model: torch.nn.Module) -> None:
             mode="all",
             weights=dict.fromkeys(("audio_video", "text_audio", "text_video"), 0.0),
         )
+
+
+@needs_imagebind
+def test_only_the_frames_imagebind_reads_go_to_its_device() -> None:
+    """A request's frames stay where they came (a server's host memory): the 2 frames of each of
+    ImageBind's 5 clips are picked there and only they are copied to the reward's device (here the
+    meta device, so that the copies can be told apart), not the whole clip."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopiesToMeta(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.elements: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("meta"):
+                self.elements.append(args[0].numel())
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    reward = ImageBindReward(model=build_model(TINY_ARCHITECTURE), device="meta")
+    media = _media(batch=2, seconds=3.0)
+    media = MediaBatch(video=torch.rand(2, 48, 3, 20, 16), audio=media.audio, fps=4.0, sample_rate=8000)
+    with CopiesToMeta() as copies:
+        inputs = reward.inputs(media, PROMPTS[:2])
+    assert inputs["vision"].device.type == "meta"
+    frame = 3 * 20 * 16
+    picked = 2 * reward.video_clips * reward.frames_per_clip * frame
+    assert picked in copies.elements, copies.elements
+    assert media.video.numel() not in copies.elements, "the whole clip went to the device"
