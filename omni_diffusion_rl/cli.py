@@ -425,9 +425,11 @@ def _bench_memory(output: Path, measure: bool, trace: bool) -> None:
     if trace:
         from .benchmarks.memory_trace import run_trace
         from .benchmarks.memory_trace_qwen import run_qwen_trace
+        from .benchmarks.memory_trace_rewards import run_reward_trace
 
         run_trace(output.with_name(output.stem + "_trace.json"))
         run_qwen_trace(output.with_name(output.stem + "_trace_qwen.json"))
+        run_reward_trace(output.with_name(output.stem + "_trace_rewards.json"))
 
 
 def _json_options(text: str | None, example: str) -> object:
@@ -1182,8 +1184,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="memory: also trace H3 at the recipe's size per rank of 8 (a training micro-step, a rollout "
         "forward and one rank's decode), LTX-2's micro-step and forward and Qwen2.5-Omni-7B's GSPO "
-        "micro-step and forward, on fake tensors (about 18 min, no GPU; writes <output>_trace.json and "
-        "<output>_trace_qwen.json)",
+        "micro-step and forward, and the ImageBind reward's request, on fake tensors (about 18 min, no GPU; "
+        "writes <output>_trace.json, <output>_trace_qwen.json and <output>_trace_rewards.json)",
     )
     parser.add_argument(
         "--config",

@@ -121,3 +121,17 @@ def test_the_qwen_trace_counts_what_the_same_gspo_pass_holds_on_real_tensors(tra
     assert traced["peak_gib"]["Total"] == pytest.approx(real["peak_gib"]["Total"], rel=0.1)
     assert traced["peak_gib"]["Parameter"] == real["peak_gib"]["Parameter"] > 0
     assert real["peak_gib"]["Activation"] > 0
+
+
+def test_the_reward_trace_counts_what_the_same_request_holds_on_real_tensors() -> None:
+    """ImageBind (the tests' tiny architecture) on a small request: the frames it reads and its
+    forward, fake tensors against real ones (measured: equal); the frames read are a small part of
+    the request's."""
+    from omni_diffusion_rl.benchmarks.memory_trace_rewards import RewardCase, trace_imagebind
+
+    case = RewardCase(samples=2, frames=24, height=256, width=320, tiny=True)
+    traced, real = (trace_imagebind(case, fake=fake) for fake in (True, False))
+    assert traced["preprocess_gib"] == pytest.approx(real["preprocess_gib"], rel=1e-6)
+    assert traced["forward_gib"] == pytest.approx(real["forward_gib"], rel=1e-6, abs=1e-12)
+    assert 0 < real["preprocess_gib"] < real["request_frames_gib"]
+    assert real["forward_gib"]["Parameter"] > 0 and real["forward_gib"]["Activation"] > 0

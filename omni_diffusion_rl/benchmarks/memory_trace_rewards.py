@@ -1,0 +1,112 @@
+"""The H3 recipe's ImageBind reward on its device, traced without a GPU: one request of a rank's 16
+clips (124 frames at 768 x 1344, 24 fps, stereo 48 kHz audio) in ImageBind's audio-video mode.
+
+The recipe serves CLAP and ImageBind on `cuda:0`, the GPU of training rank 0. Two parts are traced,
+each under torch's MemTracker on fake tensors:
+
+- the vision preprocessing (`rewards.imagebind_preprocess.vision_inputs`): the frames ImageBind
+  reads (5 two-frame clips a sample) picked where the request's frames are (the server's host
+  memory) and moved to the device, resized and cropped there; the request's own frames are not
+  counted (they stay in host memory);
+- the model's forward (`imagebind_huge`, built by the project's `build_model`, fp32 weights as the
+  reward loads them) on inputs of the shapes `ImageBindReward.inputs` makes.
+
+The audio features are computed in host memory and are small (3 clips of 128 x 204 a sample). CLAP's
+weights are counted from its configuration (`laion/clap-htsat-unfused`'s, transformers' defaults).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .memory_trace import GIB, WholeCallTracker, cpu_peak
+
+
+@dataclass(frozen=True)
+class RewardCase:
+    """One scoring request: a rank's samples at the recipe's clip size; `tiny`: the tests' model."""
+
+    samples: int = 16
+    frames: int = 124
+    height: int = 768
+    width: int = 1344
+    fps: float = 24.0
+    video_clips: int = 5  # ImageBind's (the reward's default)
+    audio_clips: int = 3
+    tiny: bool = False
+
+
+def _model(case: RewardCase) -> torch.nn.Module:
+    from accelerate import init_empty_weights
+
+    from rewards.imagebind import TINY_ARCHITECTURE, build_model
+
+    if case.tiny:
+        torch.manual_seed(0)
+        return build_model(TINY_ARCHITECTURE)
+    with init_empty_weights():  # its constructor reads tensors' values: parameters only on meta
+        return build_model("huge")
+
+
+def trace_imagebind(case: RewardCase, fake: bool = True) -> dict[str, Any]:
+    """Peak bytes (GiB, MemTracker's categories) of the vision preprocessing and of the forward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import rewards.imagebind_preprocess as prep
+
+    model = _model(case)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
+        if not case.tiny:
+            model.to_empty(device="cpu")
+        video = torch.rand(case.samples, case.frames, 3, case.height, case.width)
+        frames_gib = video.numel() * video.element_size() / GIB
+        preprocess = WholeCallTracker()
+        with preprocess, torch.no_grad():
+            vision = prep.vision_inputs(video, case.fps, case.video_clips, 2, 1)
+        audio = torch.randn(case.samples, case.audio_clips, 1, prep.NUM_MEL_BINS, prep.TARGET_FRAMES)
+        forward = WholeCallTracker()
+        forward.track_external(model)
+        with forward, torch.no_grad():
+            model({"vision": vision, "audio": audio})
+        pre, fwd = (cpu_peak(t.get_tracker_snapshot("peak")) for t in (preprocess, forward))
+    return {
+        "case": asdict(case),
+        "fake_tensors": fake,
+        "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "request_frames_gib": frames_gib,
+        # the tracker counts the request's frames the first time an op reads them: taken out
+        "preprocess_gib": (pre["Total"] - video.numel() * video.element_size()) / GIB,
+        "forward_gib": {str(k): v / GIB for k, v in fwd.items()},
+    }
+
+
+def clap_parameters_b() -> float:
+    """CLAP (HTSAT audio tower, RoBERTa text tower) as transformers' default ClapConfig builds it."""
+    from transformers import ClapConfig, ClapModel
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in ClapModel(ClapConfig()).parameters()) / 1e9
+
+
+def run_reward_trace(output: Path) -> dict[str, Any]:
+    """Trace the recipe's request, print what its device holds, write JSON."""
+    result = trace_imagebind(RewardCase())
+    forward = result["forward_gib"]
+    clap_gib = clap_parameters_b() * 1e9 * 4 / GIB
+    peak = forward["Parameter"] + max(result["preprocess_gib"], forward["Total"] - forward["Parameter"])
+    result |= {"clap_weights_gib": clap_gib, "device_peak_gib": peak + clap_gib}
+    print(
+        f"the reward device (cuda:0 in the H3 recipe) per request of {result['case']['samples']} clips: "
+        f"ImageBind's weights {forward['Parameter']:.2f} GiB, its forward {forward['Total']:.2f}, the "
+        f"frames it reads {result['preprocess_gib']:.2f} (of the request's "
+        f"{result['request_frames_gib']:.2f}, kept in host memory), CLAP's weights {clap_gib:.2f}: about "
+        f"{result['device_peak_gib']:.1f} GiB"
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    return result
