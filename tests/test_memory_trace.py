@@ -135,3 +135,21 @@ def test_the_reward_trace_counts_what_the_same_request_holds_on_real_tensors() -
     assert traced["forward_gib"] == pytest.approx(real["forward_gib"], rel=1e-6, abs=1e-12)
     assert 0 < real["preprocess_gib"] < real["request_frames_gib"]
     assert real["forward_gib"]["Parameter"] > 0 and real["forward_gib"]["Activation"] > 0
+
+
+def test_the_ltx2_decode_trace_counts_what_the_same_decode_holds_on_real_tensors() -> None:
+    """LTX2Policy.decode of 3 clips of the tiny LTX-2: fake tensors against real ones (measured: equal)."""
+    from omni_diffusion_rl.benchmarks.memory_trace import trace_ltx2_decode
+
+    traced, real = (trace_ltx2_decode(TINY_LTX2, 3, fake=fake)["peak_gib"] for fake in (True, False))
+    assert traced == pytest.approx(real, rel=1e-6, abs=1e-12)
+    assert real["Parameter"] > 0 and real["Activation"] > 0
+
+
+def test_the_released_ltx2_decodes_the_recipes_clip_size() -> None:
+    """The trace's released VAEs decode the recipe's latents to 121 frames of 512 x 768 (the class's
+    default config alone reports 64x and 16x compression and decodes 57 frames of 256 x 384)."""
+    from omni_diffusion_rl.benchmarks.memory_trace import trace_ltx2_decode
+
+    result = trace_ltx2_decode(Ltx2Case(), 1)
+    assert result["frames_gib"] * GIB == 121 * 3 * 512 * 768 * 4

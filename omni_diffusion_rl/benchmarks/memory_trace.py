@@ -1,6 +1,6 @@
 """MiniMax-H3 at the recipe's size, traced per rank without a GPU: one training micro-step, a rollout
 forward and the rollout's decode of one rank's clips; and LTX-2's micro-step and forward, through
-the project's LTX2Policy.velocity.
+the project's LTX2Policy.velocity, and its decode of a rank's clips (LTX2Policy.decode).
 
 The real diffusers transformer is built from its config on the meta device, given the project's
 LoRA adapters (`add_nft_adapters`) and gradient checkpointing, and sharded with the project's FSDP2
@@ -257,7 +257,11 @@ class Ltx2Case:
     gradient_checkpointing: bool = True
     tiny: bool = False
     transformer: dict[str, Any] = field(default_factory=dict)  # overrides of the released config
+    vae_slicing: bool = True  # the recipe's model.options: decode a clip at a time
 
+
+LTX2_RANK_CLIPS = 16
+"""The clips one rank of the ltx2_av_nft recipe decodes a step (a group of 16, one group per rank)."""
 
 TINY_LTX2 = Ltx2Case(
     name="tiny LTX-2",
@@ -294,21 +298,23 @@ def _ltx2_policy(case: Ltx2Case) -> Any:
         "num_frames": case.frames,
         "frame_rate": case.frame_rate,
     }
+    clip["vae_slicing"] = case.vae_slicing
     if case.tiny:
         return LTX2Policy(tiny, **clip, max_sequence_length=case.text_tokens)
     previous = torch.get_default_dtype()
     with torch.device("meta"):
-        torch.set_default_dtype(torch.bfloat16)  # the recipe's base_dtype
+        torch.set_default_dtype(torch.bfloat16)  # the recipe's base_dtype, every component's
         try:
             transformer = LTX2VideoTransformer3DModel(**case.transformer)
+            released = {  # the released video VAE compresses 32x in space and 8x in time (its config
+                # says so; the class's defaults would report 64x and 16x): docs/research/ltx2_pipeline.md
+                "vae": AutoencoderKLLTX2Video(spatial_compression_ratio=32, temporal_compression_ratio=8),
+                "audio_vae": AutoencoderKLLTX2Audio(),
+                "connectors": LTX2TextConnectors(),
+                "vocoder": LTX2Vocoder(),
+            }
         finally:
             torch.set_default_dtype(previous)
-        released = {
-            "vae": AutoencoderKLLTX2Video(),
-            "audio_vae": AutoencoderKLLTX2Audio(),
-            "connectors": LTX2TextConnectors(),
-            "vocoder": LTX2Vocoder(),
-        }
     pipeline = LTX2Pipeline(
         scheduler=tiny.scheduler,
         text_encoder=tiny.text_encoder,
@@ -357,6 +363,36 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
 
             peak = _traced_step(model, [x_t, *cond.values()], forward, train)
         return _step_report(case, fake, train, model, peak)
+
+
+def trace_ltx2_decode(case: Ltx2Case, samples: int, fake: bool = True) -> dict[str, Any]:
+    """Peak bytes of one rank over LTX2Policy.decode of `samples` clips at `case`'s size (GiB,
+    MemTracker's categories): the released video and audio VAEs and vocoder in bf16 (`_ltx2_policy`:
+    the recipe's base_dtype loads every component so), the float32 frames and waveforms, every
+    temporary."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policy = _ltx2_policy(case)
+    pipe = policy.pipeline
+    decoders = (pipe.vae, pipe.audio_vae, pipe.vocoder)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        if not case.tiny:
+            for module in decoders:
+                module.to_empty(device="cpu")
+        latents = torch.randn(samples, *policy.latent_shape)
+        tracker = WholeCallTracker()
+        tracker.track_external(*decoders, latents)
+        with tracker:
+            media = policy.decode(latents)
+        peak = tracker.get_tracker_snapshot("peak")
+    return {
+        "case": asdict(case),
+        "samples": samples,
+        "fake_tensors": fake,
+        "vae_parameters_b": sum(p.numel() for p in pipe.vae.parameters()) / 1e9,
+        "frames_gib": media.video.numel() * media.video.element_size() / GIB,
+        "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
+    }
 
 
 @dataclass(frozen=True)
@@ -509,10 +545,13 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         f"(activations {forward['peak_gib']['Activation']:.2f})"
     )
     ltx2 = [trace_ltx2_update(Ltx2Case(), train=train) for train in (True, False)]
+    ltx2_decode = trace_ltx2_decode(Ltx2Case(), LTX2_RANK_CLIPS)
     print(
         f"LTX-2 per rank of 8 (121 frames at 512x768, LoRA r64): a training micro-step "
         f"{ltx2[0]['peak_gib']['Total']:.2f} GiB (activations {ltx2[0]['peak_gib']['Activation']:.2f}), "
-        f"a forward without gradients {ltx2[1]['peak_gib']['Total']:.2f}"
+        f"a forward without gradients {ltx2[1]['peak_gib']['Total']:.2f}, the decode of the rank's "
+        f"{LTX2_RANK_CLIPS} clips {ltx2_decode['peak_gib']['Total']:.2f} "
+        f"(frames {ltx2_decode['frames_gib']:.2f})"
     )
     decode = decode_per_rank()
     two = decode["traced"][0]["peak_gib"]["Total"]
@@ -531,6 +570,7 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         "rollout_forward": forward,
         "decode": decode,
         "ltx2": ltx2,
+        "ltx2_decode": ltx2_decode,
     }
     output.write_text(json.dumps(report, indent=2))
     return results
