@@ -346,7 +346,7 @@ class ImageBindReward:
                 )
             if tensor.shape[-1] == 0 or (name == "video" and tensor.shape[1] == 0):
                 raise ValueError(f"reward 'imagebind': the {name} is empty, shape {tuple(tensor.shape)}")
-            # a sample at a time: a mask of the whole batch would be as many bytes as its frames
+            # a sample at a time: a mask of the whole batch would take a byte for every value
             bad = [i for i, sample in enumerate(tensor.detach()) if not bool(torch.isfinite(sample).all())]
             if bad:
                 raise ValueError(
