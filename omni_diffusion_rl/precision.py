@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 PRECISIONS = {"bf16": torch.bfloat16}
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """model.base_dtype: how the frozen base weights are stored."""
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors made without a dtype are `dtype` within (as diffusers and transformers build a model
+    at its torch_dtype, buffers included); the previous default after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def resolve_mixed_precision(configured: str) -> str:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from ..precision import default_dtype
+
 GIB = 2**30
 SEED_RANKS = 8
 # The released VAE's layout: frames in chunks of 17 keeping 5 latent frames each, 16x spatially.
@@ -92,13 +94,9 @@ def _build(case: TraceCase) -> torch.nn.Module:
     from ..models.minimax_h3 import LORA_MODULES
     from ..runtime.sharding import process_group_mesh, shard_module, shard_units
 
-    previous = torch.get_default_dtype()
     with torch.device("meta"):
-        torch.set_default_dtype(torch.bfloat16)  # the recipe's base_dtype
-        try:
+        with default_dtype(torch.bfloat16):  # the recipe's base_dtype
             model = MiniMaxH3Transformer3DModel(**case.transformer)
-        finally:
-            torch.set_default_dtype(previous)
         blocks = len(model.transformer_blocks)
         targets = [f"transformer_blocks.{i}.{m}" for i in range(blocks) for m in LORA_MODULES]
         add_nft_adapters(model, case.lora_rank, 2 * case.lora_rank, targets)
@@ -301,20 +299,15 @@ def _ltx2_policy(case: Ltx2Case) -> Any:
     clip["vae_slicing"] = case.vae_slicing
     if case.tiny:
         return LTX2Policy(tiny, **clip, max_sequence_length=case.text_tokens)
-    previous = torch.get_default_dtype()
-    with torch.device("meta"):
-        torch.set_default_dtype(torch.bfloat16)  # the recipe's base_dtype, every component's
-        try:
-            transformer = LTX2VideoTransformer3DModel(**case.transformer)
-            released = {  # the released video VAE compresses 32x in space and 8x in time (its config
-                # says so; the class's defaults would report 64x and 16x): docs/research/ltx2_pipeline.md
-                "vae": AutoencoderKLLTX2Video(spatial_compression_ratio=32, temporal_compression_ratio=8),
-                "audio_vae": AutoencoderKLLTX2Audio(),
-                "connectors": LTX2TextConnectors(),
-                "vocoder": LTX2Vocoder(),
-            }
-        finally:
-            torch.set_default_dtype(previous)
+    with torch.device("meta"), default_dtype(torch.bfloat16):  # the recipe's base_dtype, every component's
+        transformer = LTX2VideoTransformer3DModel(**case.transformer)
+        released = {  # the released video VAE compresses 32x in space and 8x in time (its config says
+            # so; the class's defaults would report 64x and 16x): docs/research/ltx2_pipeline.md
+            "vae": AutoencoderKLLTX2Video(spatial_compression_ratio=32, temporal_compression_ratio=8),
+            "audio_vae": AutoencoderKLLTX2Audio(),
+            "connectors": LTX2TextConnectors(),
+            "vocoder": LTX2Vocoder(),
+        }
     pipeline = LTX2Pipeline(
         scheduler=tiny.scheduler,
         text_encoder=tiny.text_encoder,
@@ -423,15 +416,11 @@ def _decode_components(case: DecodeCase) -> dict[str, Any]:
 
     if case.tiny:
         return tiny_h3_components()
-    previous = torch.get_default_dtype()
     with torch.device("meta"):
         transformer = MiniMaxH3Transformer3DModel(num_layers=1)  # its config only: the decode never runs it
         audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
-        torch.set_default_dtype(torch.bfloat16)
-        try:
+        with default_dtype(torch.bfloat16):
             vae = AutoencoderKLMiniMaxH3(latents_mean=[0.0] * 24, latents_std=[1.0] * 24)
-        finally:
-            torch.set_default_dtype(previous)
     return {"transformer": transformer, "vae": vae, "audio_vae": audio_vae, **tiny_h3_conditioner()}
 
 

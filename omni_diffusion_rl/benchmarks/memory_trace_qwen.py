@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from ..precision import default_dtype
 from .memory_trace import GIB, cpu_peak
 
 RELEASED_7B = {  # Qwen/Qwen2.5-Omni-7B's thinker_config (text, audio and vision parts)
@@ -119,13 +120,8 @@ def _released_thinker(tokenizer: Any) -> torch.nn.Module:
     from .tiny_qwen import thinker_token_ids
 
     config = Qwen2_5OmniThinkerConfig(**RELEASED_7B, **thinker_token_ids(tokenizer))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            return Qwen2_5OmniThinkerForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(torch.bfloat16), torch.device("meta"):
+        return Qwen2_5OmniThinkerForConditionalGeneration(config).eval()
 
 
 def _qwen_model(case: QwenCase) -> Any:

@@ -208,14 +208,11 @@ def skeleton(cls: Any, files: WeightFiles, dtype: torch.dtype, name_or_path: str
     from_pretrained gives them), buffers computed by its constructor at `dtype`, in eval mode."""
     from accelerate import init_empty_weights
 
+    from ..precision import default_dtype
+
     config = cls.load_config(str(files.folder))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # diffusers builds its models at torch_dtype: buffers included
-    try:
-        with init_empty_weights(include_buffers=False):
-            model = cls.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(dtype), init_empty_weights(include_buffers=False):
+        model = cls.from_config(config)
     keep_fp32 = list(getattr(cls, "_keep_in_fp32_modules", None) or [])
 
     def stored(name: str, tensor: torch.Tensor) -> torch.dtype:  # load_model_dict_into_meta's casts
