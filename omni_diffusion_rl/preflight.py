@@ -251,9 +251,10 @@ def check_stored_dtypes(cfg: ExperimentConfig) -> list[Finding]:
     root = Path(os.path.expanduser(cfg.model.pretrained))
     if cfg.model.family not in STORED_DTYPE_FAMILIES or not root.is_dir():
         return []
+    sharded = cfg.train.sharding == "fsdp"
     try:
         encoder = weight_files(root / "text_encoder", "model.safetensors")
-        transformer = weight_files(root / "transformer")
+        transformer = weight_files(root / "transformer") if sharded else None  # read only when it matters
     except WeightLoadError as e:
         return [Finding(WRONG, f"model.pretrained ({cfg.model.family})", str(e))]
     findings = []
@@ -270,7 +271,7 @@ def check_stored_dtypes(cfg: ExperimentConfig) -> list[Finding]:
                 "processes of a machine share one",
             )
         )
-    if cfg.train.sharding == "fsdp" and transformer is None:
+    if sharded and transformer is None:
         findings.append(
             Finding(
                 NOTE,

@@ -64,7 +64,7 @@ def trace_imagebind(case: RewardCase, fake: bool = True) -> dict[str, Any]:
         if not case.tiny:
             model.to_empty(device="cpu")
         video = torch.rand(case.samples, case.frames, 3, case.height, case.width)
-        frames_gib = video.numel() * video.element_size() / GIB
+        frame_bytes = video.numel() * video.element_size()
         preprocess = WholeCallTracker()
         with preprocess, torch.no_grad():
             vision = prep.vision_inputs(video, case.fps, case.video_clips, 2, 1)
@@ -78,9 +78,9 @@ def trace_imagebind(case: RewardCase, fake: bool = True) -> dict[str, Any]:
         "case": asdict(case),
         "fake_tensors": fake,
         "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
-        "request_frames_gib": frames_gib,
+        "request_frames_gib": frame_bytes / GIB,
         # the tracker counts the request's frames the first time an op reads them: taken out
-        "preprocess_gib": (pre["Total"] - video.numel() * video.element_size()) / GIB,
+        "preprocess_gib": (pre["Total"] - frame_bytes) / GIB,
         "forward_gib": {str(k): v / GIB for k, v in fwd.items()},
     }
 
