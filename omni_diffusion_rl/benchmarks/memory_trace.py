@@ -180,7 +180,7 @@ def fake_process_group(ranks: int, who: str, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _traced_step(
+def traced_step(
     model: torch.nn.Module,
     inputs: Sequence[torch.Tensor],
     forward: Callable[[], Sequence[torch.Tensor]],
@@ -204,7 +204,7 @@ def _traced_step(
     return cpu_peak(tracker.get_tracker_snapshot("peak"))
 
 
-def _step_report(
+def step_report(
     case: Any, fake: bool, train: bool, model: torch.nn.Module, peak: dict[Any, int]
 ) -> dict[str, Any]:
     return {
@@ -235,8 +235,8 @@ def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     return model(**latents, **layout, return_dict=False)
 
-            peak = _traced_step(model, list(latents.values()), forward, train)
-        return _step_report(case, fake, train, model, peak)
+            peak = traced_step(model, list(latents.values()), forward, train)
+        return step_report(case, fake, train, model, peak)
 
 
 @dataclass(frozen=True)
@@ -354,8 +354,8 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
             def forward() -> Sequence[torch.Tensor]:
                 return (policy.velocity(x_t, torch.full((1,), 0.5), cond),)
 
-            peak = _traced_step(model, [x_t, *cond.values()], forward, train)
-        return _step_report(case, fake, train, model, peak)
+            peak = traced_step(model, [x_t, *cond.values()], forward, train)
+        return step_report(case, fake, train, model, peak)
 
 
 def trace_ltx2_decode(case: Ltx2Case, samples: int, fake: bool = True) -> dict[str, Any]:
