@@ -11,14 +11,12 @@ import pytest
 from omni_diffusion_rl.benchmarks.memory_trace import (
     TINY_CASE,
     TINY_DECODE,
-    TINY_LTX2,
     DecodeCase,
-    Ltx2Case,
     TraceCase,
     trace_decode,
-    trace_ltx2_update,
     trace_update,
 )
+from omni_diffusion_rl.benchmarks.memory_trace_ltx2 import TINY_LTX2, Ltx2Case, trace_ltx2_update
 
 GIB = 2**30
 
@@ -149,19 +147,57 @@ def test_the_reward_trace_counts_what_the_same_request_holds_on_real_tensors() -
     assert real["forward_gib"]["Parameter"] > 0 and real["forward_gib"]["Activation"] > 0
 
 
+def test_the_clap_trace_counts_what_the_same_forward_holds_on_real_tensors() -> None:
+    """CLAP (the tests' tiny model) on a small request, its audio and text towers as ClapReward.embed
+    calls them: fake tensors against real ones (measured: equal), and the features the audio tower
+    reads are the window's mels, one copy a clip."""
+    from omni_diffusion_rl.benchmarks.memory_trace_rewards import RewardCase, trace_clap
+
+    case = RewardCase(samples=2, text_tokens=12, tiny=True)
+    traced, real = (trace_clap(case, fake=fake) for fake in (True, False))
+    assert traced["forward_gib"] == pytest.approx(real["forward_gib"], rel=1e-6, abs=1e-12)
+    assert real["features_gib"] * GIB == 2 * 101 * 16 * 4, "1 s at 48 kHz, hop 480, 16 mel bins"
+    assert real["forward_gib"]["Parameter"] > 0 and real["forward_gib"]["Activation"] > 0
+
+
 def test_the_ltx2_decode_trace_counts_what_the_same_decode_holds_on_real_tensors() -> None:
     """LTX2Policy.decode of 3 clips of the tiny LTX-2: fake tensors against real ones (measured: equal)."""
-    from omni_diffusion_rl.benchmarks.memory_trace import trace_ltx2_decode
+    from omni_diffusion_rl.benchmarks.memory_trace_ltx2 import trace_ltx2_decode
 
     traced, real = (trace_ltx2_decode(TINY_LTX2, 3, fake=fake)["peak_gib"] for fake in (True, False))
     assert traced == pytest.approx(real, rel=1e-6, abs=1e-12)
     assert real["Parameter"] > 0 and real["Activation"] > 0
 
 
+def test_the_ltx2_prompt_trace_counts_what_the_same_encoding_holds_on_real_tensors() -> None:
+    """LTX2Policy.encode_prompts of 2 prompts through the tiny Gemma and connectors: fake tensors
+    against real ones (measured: equal); the condition is both streams, padded to the limit."""
+    from omni_diffusion_rl.benchmarks.memory_trace_ltx2 import trace_ltx2_prompts
+
+    traced, real = (trace_ltx2_prompts(TINY_LTX2, 2, fake=fake) for fake in (True, False))
+    assert traced["peak_gib"] == pytest.approx(real["peak_gib"], rel=1e-6, abs=1e-12)
+    assert (
+        real["condition_gib"] * GIB == 2 * 2 * TINY_LTX2.text_tokens * 16 * 4 + 2 * TINY_LTX2.text_tokens * 8
+    )
+    assert real["peak_gib"]["Parameter"] > 0 and real["peak_gib"]["Activation"] > 0
+
+
+@pytest.mark.slow  # Gemma 3 12B on fake tensors over 1,024 tokens (about 6 s)
+def test_every_ltx2_rank_holds_the_released_text_encoder_whole() -> None:
+    """The released Gemma 3 12B (with its vision tower) and the connectors in bf16 are every rank's
+    (not sharded); a second prompt adds its own hidden states, not a second copy of the weights."""
+    from omni_diffusion_rl.benchmarks.memory_trace_ltx2 import trace_ltx2_prompts
+
+    one, two = (trace_ltx2_prompts(Ltx2Case(), n) for n in (1, 2))
+    assert one["text_encoder_parameters_b"] == pytest.approx(12.87, rel=1e-3)
+    assert one["peak_gib"]["Parameter"] == two["peak_gib"]["Parameter"] > 12.87e9 * 2 / GIB
+    assert two["peak_gib"]["Activation"] == pytest.approx(2 * one["peak_gib"]["Activation"], rel=0.01)
+
+
 def test_the_released_ltx2_decodes_the_recipes_clip_size() -> None:
     """The trace's released VAEs decode the recipe's latents to 121 frames of 512 x 768 (the class's
     default config alone reports 64x and 16x compression and decodes 57 frames of 256 x 384)."""
-    from omni_diffusion_rl.benchmarks.memory_trace import trace_ltx2_decode
+    from omni_diffusion_rl.benchmarks.memory_trace_ltx2 import trace_ltx2_decode
 
     result = trace_ltx2_decode(Ltx2Case(), 1)
     assert result["frames_gib"] * GIB == 121 * 3 * 512 * 768 * 4

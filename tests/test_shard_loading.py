@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from omni_diffusion_rl.benchmarks.memory_trace import fake_process_group
+from omni_diffusion_rl.benchmarks.memory_tracing import fake_process_group
 from omni_diffusion_rl.benchmarks.tiny_families import H3_CLIP, LTX2_CLIP, save_tiny_h3, save_tiny_ltx2
 from omni_diffusion_rl.config import ModelConfig
 from omni_diffusion_rl.models import build_nft_policy, shard_loading

@@ -201,12 +201,11 @@ def _qwen3_vl_32b_text_layers(layers: int) -> int:
         return _count(Qwen3Model(config))
 
 
-@cache
-def _gemma3_12b_text() -> int:
-    """Gemma 3 12B's language model (its published shape)."""
-    from transformers import Gemma3TextConfig, Gemma3TextModel
+def gemma3_12b_text_config() -> Any:
+    """Gemma 3 12B's language model configuration (its published shape), LTX-2's text encoder."""
+    from transformers import Gemma3TextConfig
 
-    config = Gemma3TextConfig(
+    return Gemma3TextConfig(
         vocab_size=262208,
         hidden_size=3840,
         intermediate_size=15360,
@@ -214,9 +213,17 @@ def _gemma3_12b_text() -> int:
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=256,
+        sliding_window=1024,
     )
+
+
+@cache
+def _gemma3_12b_text() -> int:
+    """Gemma 3 12B's language model's parameters."""
+    from transformers import Gemma3TextModel
+
     with torch.device("meta"):  # created there: nothing allocated or initialised
-        return _count(Gemma3TextModel(config))
+        return _count(Gemma3TextModel(gemma3_12b_text_config()))
 
 
 @cache

@@ -1,6 +1,6 @@
 """MiniMax-H3 at the recipe's size, traced per rank without a GPU: one training micro-step, a rollout
-forward and the rollout's decode of one rank's clips; and LTX-2's micro-step and forward, through
-the project's LTX2Policy.velocity, and its decode of a rank's clips (LTX2Policy.decode).
+forward and the rollout's decode of one rank's clips. LTX-2's traces are in memory_trace_ltx2.py
+(this module's `run_trace` runs them too).
 
 The real diffusers transformer is built from its config on the meta device, given the project's
 LoRA adapters (`add_nft_adapters`) and gradient checkpointing, and sharded with the project's FSDP2
@@ -19,7 +19,8 @@ MemTracker, on fake tensors too; a test checks it against real tensors at a smal
 A rollout's transformer call is the same forward without gradients (`train=False`).
 
 Qwen2.5-Omni-7B's GSPO micro-step is traced in memory_trace_qwen.py, the ImageBind reward's request
-in memory_trace_rewards.py. What is not traced yet (issue 43): the text encoder and the checkpoint. The
+in memory_trace_rewards.py. What is not traced (issue 43): H3's conditioner (offloaded: it runs in host
+memory) and the checkpoint, which docs/real-models.md counts. The
 micro-step's loss is a stand-in (the mean square of both velocities): NFT's own loss adds two
 forwards without gradients (old adapter, reference), each one such forward, whose outputs alone
 outlive it. GPU kernels may keep other temporaries than the CPU kernels whose shapes are traced here.
@@ -30,18 +31,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..precision import default_dtype
+from .memory_tracing import (
+    GIB,
+    SEED_RANKS,
+    WholeCallTracker,
+    cpu_peak,
+    fake_process_group,
+    step_report,
+    traced_step,
+)
 
-GIB = 2**30
-SEED_RANKS = 8
 # The released VAE's layout: frames in chunks of 17 keeping 5 latent frames each, 16x spatially.
 VAE_CHUNK_FRAMES, VAE_CHUNK_KEPT, VAE_SPATIAL = 17, 5, 16
 TINY_TRANSFORMER = {  # a small H3 that really runs on a CPU (the trace is checked against it)
@@ -165,58 +172,6 @@ def _latents(case: TraceCase, config: Any, video_rows: int, audio_rows: int) -> 
     }
 
 
-@contextlib.contextmanager
-def fake_process_group(ranks: int, who: str, rank: int = 0) -> Iterator[None]:
-    """A fake process group of `ranks` ranks (this process is `rank`) for the block, destroyed after."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        raise RuntimeError(f"{who} runs its own (fake) process group: call it outside a run")
-    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def traced_step(
-    model: torch.nn.Module,
-    inputs: Sequence[torch.Tensor],
-    forward: Callable[[], Sequence[torch.Tensor]],
-    train: bool,
-) -> dict[Any, int]:
-    """FSDPMemTracker's peak (CPU bytes by category) over `forward()` and, with `train`, the backward
-    of a stand-in loss (the mean square of every output) and an AdamW step on the trainable
-    parameters; run where `model` is placed (under a FakeTensorMode for a trace)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from ..models.lora import trainable_parameters
-
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4) if train else None
-    tracker = FSDPMemTracker(model, optimizer)
-    tracker.track_inputs(tuple(inputs))
-    with tracker, torch.set_grad_enabled(train):
-        outputs = forward()
-        if optimizer is not None:
-            sum(out.float().square().mean() for out in outputs).backward()
-            optimizer.step()
-    return cpu_peak(tracker.get_tracker_snapshot("peak"))
-
-
-def step_report(
-    case: Any, fake: bool, train: bool, model: torch.nn.Module, peak: dict[Any, int]
-) -> dict[str, Any]:
-    return {
-        "case": asdict(case),
-        "fake_tensors": fake,
-        "train": train,
-        "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,  # whole (DTensor numel)
-        "adapter_parameters_b": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) / 1e9,
-        "peak_gib": {str(k): v / GIB for k, v in peak.items()},
-    }
-
-
 def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict[str, Any]:
     """Peak bytes of rank 0 over one micro-step of `case`, by FSDPMemTracker's categories (GiB);
     `train=False`: one forward without gradients instead (a rollout's call, or NFT's old-adapter and
@@ -237,155 +192,6 @@ def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict
 
             peak = traced_step(model, list(latents.values()), forward, train)
         return step_report(case, fake, train, model, peak)
-
-
-@dataclass(frozen=True)
-class Ltx2Case:
-    """LTX-2's clip size, adapter and layout (the ltx2_av_nft recipe); `tiny`: the tiny random-init
-    pipeline that really runs here, at its own clip size."""
-
-    name: str = "ltx2_av_nft (seed layout)"
-    ranks: int = SEED_RANKS
-    frames: int = 121
-    height: int = 512
-    width: int = 768
-    frame_rate: float = 24.0
-    text_tokens: int = 1024  # the recipe's max_sequence_length
-    lora_rank: int = 64
-    gradient_checkpointing: bool = True
-    tiny: bool = False
-    transformer: dict[str, Any] = field(default_factory=dict)  # overrides of the released config
-    vae_slicing: bool = True  # the recipe's model.options: decode a clip at a time
-
-
-LTX2_RANK_CLIPS = 16
-"""The clips one rank of the ltx2_av_nft recipe decodes a step (a group of 16, one group per rank)."""
-
-TINY_LTX2 = Ltx2Case(
-    name="tiny LTX-2",
-    ranks=2,
-    frames=9,
-    height=32,
-    width=32,
-    frame_rate=25.0,
-    text_tokens=16,
-    lora_rank=4,
-    tiny=True,
-)
-
-
-def _ltx2_policy(case: Ltx2Case) -> Any:
-    """LTX2Policy at `case`'s clip size over the released transformer (meta device, bf16), VAEs,
-    connectors and vocoder (their configs only: the trace runs the transformer), beside the tiny
-    Gemma text encoder and tokenizer, which it never runs; or over the tiny pipeline."""
-    from diffusers import (
-        AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-
-    from ..models.ltx2 import LTX2Policy
-    from .tiny_families import tiny_ltx2_pipeline
-
-    tiny = tiny_ltx2_pipeline()
-    clip = {
-        "height": case.height,
-        "width": case.width,
-        "num_frames": case.frames,
-        "frame_rate": case.frame_rate,
-    }
-    clip["vae_slicing"] = case.vae_slicing
-    if case.tiny:
-        return LTX2Policy(tiny, **clip, max_sequence_length=case.text_tokens)
-    with torch.device("meta"), default_dtype(torch.bfloat16):  # the recipe's base_dtype, every component's
-        transformer = LTX2VideoTransformer3DModel(**case.transformer)
-        released = {  # the released video VAE compresses 32x in space and 8x in time (its config says
-            # so; the class's defaults would report 64x and 16x): docs/research/ltx2_pipeline.md
-            "vae": AutoencoderKLLTX2Video(spatial_compression_ratio=32, temporal_compression_ratio=8),
-            "audio_vae": AutoencoderKLLTX2Audio(),
-            "connectors": LTX2TextConnectors(),
-            "vocoder": LTX2Vocoder(),
-        }
-    pipeline = LTX2Pipeline(
-        scheduler=tiny.scheduler,
-        text_encoder=tiny.text_encoder,
-        tokenizer=tiny.tokenizer,
-        transformer=transformer,
-        **released,
-    )
-    return LTX2Policy(pipeline, **clip, max_sequence_length=case.text_tokens)
-
-
-def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> dict[str, Any]:
-    """Peak bytes of rank 0 over one LTX-2 micro-step (or, `train=False`, one forward without
-    gradients) of one sample through LTX2Policy.velocity, sharded over `case.ranks` fake ranks
-    (FSDPMemTracker's categories, GiB)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..models.lora import add_nft_adapters
-    from ..models.ltx2 import AUDIO_CONTEXT, CONTEXT_MASK, VIDEO_CONTEXT
-    from ..runtime.sharding import process_group_mesh, shard_module, shard_units
-
-    with fake_process_group(case.ranks, "trace_ltx2_update"):
-        policy = _ltx2_policy(case)
-        model = policy.transformer.requires_grad_(False)
-        with torch.device("meta") if not case.tiny else contextlib.nullcontext():
-            add_nft_adapters(model, case.lora_rank, 2 * case.lora_rank, list(policy.lora_target_modules))
-        if case.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
-        shard_module(
-            model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False
-        )
-        model.to("meta")  # the tiny one's storage too: placed below, as the released one's
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
-            model.to_empty(device="cpu")  # the values do not matter to the bytes held
-            x_t = torch.randn(1, *policy.latent_shape)
-            width = int(
-                model.config.caption_channels
-            )  # both prompt streams, as the transformer projects them
-            cond = {
-                VIDEO_CONTEXT: torch.randn(1, case.text_tokens, width, dtype=policy.base_dtype),
-                AUDIO_CONTEXT: torch.randn(1, case.text_tokens, width, dtype=policy.base_dtype),
-                CONTEXT_MASK: torch.ones(1, case.text_tokens, dtype=torch.long),
-            }
-
-            def forward() -> Sequence[torch.Tensor]:
-                return (policy.velocity(x_t, torch.full((1,), 0.5), cond),)
-
-            peak = traced_step(model, [x_t, *cond.values()], forward, train)
-        return step_report(case, fake, train, model, peak)
-
-
-def trace_ltx2_decode(case: Ltx2Case, samples: int, fake: bool = True) -> dict[str, Any]:
-    """Peak bytes of one rank over LTX2Policy.decode of `samples` clips at `case`'s size (GiB,
-    MemTracker's categories): the released video and audio VAEs and vocoder in bf16 (`_ltx2_policy`:
-    the recipe's base_dtype loads every component so), the float32 frames and waveforms, every
-    temporary."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    policy = _ltx2_policy(case)
-    pipe = policy.pipeline
-    decoders = (pipe.vae, pipe.audio_vae, pipe.vocoder)
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-        if not case.tiny:
-            for module in decoders:
-                module.to_empty(device="cpu")
-        latents = torch.randn(samples, *policy.latent_shape)
-        tracker = WholeCallTracker()
-        tracker.track_external(*decoders, latents)
-        with tracker:
-            media = policy.decode(latents)
-        peak = tracker.get_tracker_snapshot("peak")
-    return {
-        "case": asdict(case),
-        "samples": samples,
-        "fake_tensors": fake,
-        "vae_parameters_b": sum(p.numel() for p in pipe.vae.parameters()) / 1e9,
-        "frames_gib": media.video.numel() * media.video.element_size() / GIB,
-        "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
-    }
 
 
 @dataclass(frozen=True)
@@ -424,18 +230,6 @@ def _decode_components(case: DecodeCase) -> dict[str, Any]:
     return {"transformer": transformer, "vae": vae, "audio_vae": audio_vae, **tiny_h3_conditioner()}
 
 
-class WholeCallTracker(MemTracker):
-    """torch's MemTracker without its statistics per module, which refuse a module called twice in
-    one pass (the VAE's decoder runs once per tile); every tensor is counted as before (the weights
-    through track_external, everything the decode makes as activations)."""
-
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        pass
-
-    def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-        pass
-
-
 def trace_decode(case: DecodeCase, fake: bool = True) -> dict[str, Any]:
     """Peak bytes of one rank over MiniMaxH3Policy.decode of `case.samples` clips (GiB, MemTracker's
     categories): the VAEs' weights, the float32 frames it returns and every temporary on the way."""
@@ -468,14 +262,6 @@ def trace_decode(case: DecodeCase, fake: bool = True) -> dict[str, Any]:
         "frames_gib": media.video.numel() * media.video.element_size() / GIB,
         "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
     }
-
-
-def cpu_peak(peak: dict[Any, dict[Any, int]]) -> dict[Any, int]:
-    """The tracker's peak snapshot for the CPU device (the one the fake ranks compute on)."""
-    for device, categories in peak.items():
-        if torch.device(device).type == "cpu":
-            return {getattr(k, "value", k): v for k, v in categories.items()}
-    raise RuntimeError(f"the tracker saw no CPU memory: {list(peak)}")
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
@@ -533,14 +319,25 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         f"old-adapter and reference forwards): {forward['peak_gib']['Total']:.2f} GiB "
         f"(activations {forward['peak_gib']['Activation']:.2f})"
     )
+    from .memory_trace_ltx2 import (
+        LTX2_RANK_CLIPS,
+        Ltx2Case,
+        trace_ltx2_decode,
+        trace_ltx2_prompts,
+        trace_ltx2_update,
+    )
+
     ltx2 = [trace_ltx2_update(Ltx2Case(), train=train) for train in (True, False)]
     ltx2_decode = trace_ltx2_decode(Ltx2Case(), LTX2_RANK_CLIPS)
+    ltx2_prompts = trace_ltx2_prompts(Ltx2Case())
     print(
         f"LTX-2 per rank of 8 (121 frames at 512x768, LoRA r64): a training micro-step "
         f"{ltx2[0]['peak_gib']['Total']:.2f} GiB (activations {ltx2[0]['peak_gib']['Activation']:.2f}), "
         f"a forward without gradients {ltx2[1]['peak_gib']['Total']:.2f}, the decode of the rank's "
         f"{LTX2_RANK_CLIPS} clips {ltx2_decode['peak_gib']['Total']:.2f} "
-        f"(frames {ltx2_decode['frames_gib']:.2f})"
+        f"(frames {ltx2_decode['frames_gib']:.2f}), the encoding of its prompt "
+        f"{ltx2_prompts['peak_gib']['Total']:.2f} (Gemma 3 and the connectors, whole on every rank, "
+        f"{ltx2_prompts['peak_gib']['Parameter']:.2f})"
     )
     decode = decode_per_rank()
     two = decode["traced"][0]["peak_gib"]["Total"]
@@ -560,6 +357,7 @@ def run_trace(output: Path) -> list[dict[str, Any]]:
         "decode": decode,
         "ltx2": ltx2,
         "ltx2_decode": ltx2_decode,
+        "ltx2_prompts": ltx2_prompts,
     }
     output.write_text(json.dumps(report, indent=2))
     return results

@@ -21,16 +21,9 @@ from typing import Any
 
 import torch
 
-from .memory_trace import (
-    GIB,
-    TINY_CASE,
-    TINY_LTX2,
-    fake_process_group,
-    step_report,
-    trace_ltx2_update,
-    trace_update,
-    traced_step,
-)
+from .memory_trace import TINY_CASE, trace_update
+from .memory_trace_ltx2 import TINY_LTX2, trace_ltx2_update
+from .memory_tracing import GIB, fake_process_group, step_report, traced_step
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..precision import default_dtype
-from .memory_trace import GIB, cpu_peak
+from .memory_tracing import GIB, cpu_peak
 
 RELEASED_7B = {  # Qwen/Qwen2.5-Omni-7B's thinker_config (text, audio and vision parts)
     "text_config": {
