@@ -1,12 +1,19 @@
-"""The sharding check for a machine with 2 or more CUDA GPUs (CI has none; run it by hand).
+"""The GPU check of sharding and of the memory traces (CI has no GPU; run it by hand).
 
     python recipes/gpu_check_sharding.py --output runs/gpu_check_sharding
 
-On 2 GPUs (nccl), for the tiny built-in model and a tiny random-init MiniMax-H3, 3 steps each:
-unsharded against train.sharding=fsdp in fp32 (losses, rewards and adapters within 1e-4: GPU kernels
-are not bit-stable across layouts), bf16 against fp32 sharded (losses within 2%), and the most GPU
-memory any process allocated (torch.cuda.max_memory_allocated, logged by the trainer as
-memory/max_allocated_gib). Prints a table, writes results.json, exits 1 if a check fails.
+On 1 GPU or more:
+- memory: each family's traced step (tiny_av at a GPU size; 4 released H3 blocks and 2 released
+  LTX-2 blocks at the recipes' samples, 8 fake ranks) against torch.cuda.max_memory_allocated over
+  the same step run on the GPU, a micro-step and a forward without gradients: within 10%;
+- a tiny random-init MiniMax-H3 sharded in one process, 3 steps each: fp32, a bf16 base
+  (model.base_dtype=bf16: losses within 5% of fp32) and train.cpu_offload (losses, rewards and
+  adapters within 1e-4 of no offload).
+On 2 GPUs or more (nccl), the tiny built-in model and the tiny H3: unsharded against
+train.sharding=fsdp in fp32 (within 1e-4: GPU kernels are not bit-stable across layouts), bf16
+mixed precision against fp32 sharded (losses within 2%), and the most GPU memory any process
+allocated (logged by the trainer as memory/max_allocated_gib). Prints tables, writes results.json,
+exits 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -68,10 +75,10 @@ def h3_overrides(folder: Path) -> list[str]:
     ]
 
 
-def train(name: str, overrides: list[str], out: Path) -> Path:
-    """`odrl train --nproc 2` on the GPUs; the run's folder."""
+def train(name: str, overrides: list[str], out: Path, processes: int = 2) -> Path:
+    """`odrl train --nproc N` on the GPUs; the run's folder."""
     run = out / name
-    command = [sys.executable, "-m", "omni_diffusion_rl.cli", "train", "--nproc", "2", *overrides]
+    command = [sys.executable, "-m", "omni_diffusion_rl.cli", "train", "--nproc", str(processes), *overrides]
     command += [f"train.output_dir={run}", "train.overwrite=true"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "ACCELERATE_USE_CPU": "false"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
@@ -105,23 +112,54 @@ def peak_gib(run: Path) -> float:
     return max(r.get("memory/max_allocated_gib", float("nan")) for r in records(run))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--output", type=Path, default=Path("runs/gpu_check_sharding"))
-    args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        print(f"needs 2 CUDA GPUs; this machine has {torch.cuda.device_count()}", file=sys.stderr)
-        return 2
-    out = args.output.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    sharded = ["train.sharding=fsdp"]
-    runs = {
-        "tiny_whole": train("tiny_whole", TINY, out),
-        "tiny_sharded": train("tiny_sharded", [*TINY, *sharded], out),
-        "tiny_sharded_bf16": train("tiny_sharded_bf16", [*TINY, *sharded, "train.mixed_precision=bf16"], out),
+def memory_checks() -> tuple[dict[str, bool], list[dict]]:
+    """The traces against the GPU's own allocator, per family and phase."""
+    from omni_diffusion_rl.benchmarks.memory_trace_check import GPU_CASES, compare_on_cuda
+
+    rows = [compare_on_cuda(family, train) for family in GPU_CASES for train in (True, False)]
+    print("| family | phase | traced (GiB) | tracked on the GPU | cuda max allocated | trace - allocated |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['phase']} | {r['traced_gib']:.3f} | {r['tracked_on_gpu_gib']:.3f} "
+            f"| {r['cuda_max_allocated_gib']:.3f} | {r['relative_difference']:+.1%} |"
+        )
+    checks = {
+        f"memory: {r['family']} {r['phase']}: trace within 10% of max_memory_allocated": abs(
+            r["relative_difference"]
+        )
+        <= 0.1
+        for r in rows
     }
+    return checks, rows
+
+
+def one_gpu_checks(out: Path, runs: dict[str, Path]) -> dict[str, bool]:
+    """The tiny H3 sharded in one process: fp32, a bf16 base and cpu_offload."""
+    h3 = [*h3_overrides(out), "train.sharding=fsdp"]
+    runs["h3_one"] = train("h3_one", h3, out, 1)
+    runs["h3_one_bf16_base"] = train("h3_one_bf16_base", [*h3, "model.base_dtype=bf16"], out, 1)
+    runs["h3_one_offload"] = train("h3_one_offload", [*h3, "train.cpu_offload=true"], out, 1)
+    pairs = zip(records(runs["h3_one"]), records(runs["h3_one_bf16_base"]), strict=True)
+    return {
+        f"h3, 1 process: cpu_offload = no offload (<= {TOLERANCE})": (
+            largest_gap(runs["h3_one"], runs["h3_one_offload"]) <= TOLERANCE
+        ),
+        "h3, 1 process: bf16 base losses within 5% of fp32": all(
+            abs(low["loss/total"] - full["loss/total"]) <= 0.05 * abs(full["loss/total"])
+            for full, low in pairs
+        ),
+    }
+
+
+def two_gpu_checks(out: Path, runs: dict[str, Path]) -> dict[str, bool]:
+    """Unsharded against sharded, and bf16 mixed precision, on 2 processes."""
+    sharded = ["train.sharding=fsdp"]
+    runs["tiny_whole"] = train("tiny_whole", TINY, out)
+    runs["tiny_sharded"] = train("tiny_sharded", [*TINY, *sharded], out)
+    runs["tiny_sharded_bf16"] = train(
+        "tiny_sharded_bf16", [*TINY, *sharded, "train.mixed_precision=bf16"], out
+    )
     h3 = h3_overrides(out)
     runs["h3_whole"] = train("h3_whole", h3, out)
     runs["h3_sharded"] = train("h3_sharded", [*h3, *sharded], out)
@@ -136,13 +174,39 @@ def main() -> int:
             abs(low["loss/total"] - full["loss/total"]) <= 0.02 * abs(full["loss/total"])
             for full, low in pairs
         )
-    print("| run | max GPU memory per process (GiB) |\n| --- | --- |")
-    for name, run in runs.items():
-        print(f"| {name} | {peak_gib(run):.3f} |")
+    return checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--output", type=Path, default=Path("runs/gpu_check_sharding"))
+    parser.add_argument("--memory-only", action="store_true", help="only the memory checks (about a minute)")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    if gpus < 1:
+        print("needs a CUDA GPU; this machine has none", file=sys.stderr)
+        return 2
+    out = args.output.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    checks, memory_rows = memory_checks()
+    runs: dict[str, Path] = {}
+    if not args.memory_only:
+        checks |= one_gpu_checks(out, runs)
+        if gpus >= 2:
+            checks |= two_gpu_checks(out, runs)
+        else:
+            print("1 GPU: the 2-process sharding checks need 2 (skipped)")
+    if runs:
+        print("| run | max GPU memory per process (GiB) |\n| --- | --- |")
+        for name, run in runs.items():
+            print(f"| {name} | {peak_gib(run):.3f} |")
     for check, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {check}")
     memory = {name: peak_gib(run) for name, run in runs.items()}
-    (out / "results.json").write_text(json.dumps({"checks": checks, "max_allocated_gib": memory}, indent=1))
+    report = {"gpus": gpus, "checks": checks, "memory_traces": memory_rows, "max_allocated_gib": memory}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
     return 0 if all(checks.values()) else 1
 
 

@@ -43,8 +43,9 @@ from .memory_tracing import (
     GIB,
     SEED_RANKS,
     WholeCallTracker,
-    cpu_peak,
+    check_trace_device,
     fake_process_group,
+    peak_on,
     step_report,
     traced_step,
 )
@@ -93,8 +94,9 @@ TINY_CASE = TraceCase(
 )
 
 
-def _build(case: TraceCase) -> torch.nn.Module:
-    """The transformer on the meta device: bf16 base, fp32 LoRA, sharded over every rank."""
+def _build(case: TraceCase, device: str = "cpu") -> torch.nn.Module:
+    """The transformer on the meta device: bf16 base, fp32 LoRA, sharded over every rank (a mesh of
+    `device`'s type)."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     from ..models.lora import add_nft_adapters
@@ -109,7 +111,7 @@ def _build(case: TraceCase) -> torch.nn.Module:
         add_nft_adapters(model, case.lora_rank, 2 * case.lora_rank, targets)
     if case.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    shard_module(model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False)
+    shard_module(model, shard_units(model), process_group_mesh(None, torch.device(device)), cpu_offload=False)
     return model
 
 
@@ -172,25 +174,29 @@ def _latents(case: TraceCase, config: Any, video_rows: int, audio_rows: int) -> 
     }
 
 
-def trace_update(case: TraceCase, fake: bool = True, train: bool = True) -> dict[str, Any]:
+def trace_update(
+    case: TraceCase, fake: bool = True, train: bool = True, device: str = "cpu"
+) -> dict[str, Any]:
     """Peak bytes of rank 0 over one micro-step of `case`, by FSDPMemTracker's categories (GiB);
     `train=False`: one forward without gradients instead (a rollout's call, or NFT's old-adapter and
     reference forwards). Runs in a process group of its own (fake, `case.ranks` ranks), destroyed
-    afterwards."""
+    afterwards. `device`: where a real run (`fake=False`) computes (a GPU check: traced_step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    device = check_trace_device(fake, device)
     with fake_process_group(case.ranks, "trace_update"):
-        model = _build(case)
+        model = _build(case, device)
         layout, video_rows, audio_rows = _layout(case, model.config)
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
-            model.to_empty(device="cpu")
+        layout = {k: v.to(device) for k, v in layout.items()}
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device(device):
+            model.to_empty(device=device)
             latents = _latents(case, model.config, video_rows, audio_rows)
 
             def forward() -> Sequence[torch.Tensor]:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                     return model(**latents, **layout, return_dict=False)
 
-            peak = traced_step(model, list(latents.values()), forward, train)
+            peak = traced_step(model, list(latents.values()), forward, train, device)
         return step_report(case, fake, train, model, peak)
 
 
@@ -260,7 +266,7 @@ def trace_decode(case: DecodeCase, fake: bool = True) -> dict[str, Any]:
         "fake_tensors": fake,
         "vae_parameters_b": sum(p.numel() for p in policy.vae.parameters()) / 1e9,
         "frames_gib": media.video.numel() * media.video.element_size() / GIB,
-        "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
+        "peak_gib": {str(k): v / GIB for k, v in peak_on(peak).items()},
     }
 
 

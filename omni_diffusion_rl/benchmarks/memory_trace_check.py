@@ -21,9 +21,16 @@ from typing import Any
 
 import torch
 
-from .memory_trace import TINY_CASE, trace_update
-from .memory_trace_ltx2 import TINY_LTX2, trace_ltx2_update
-from .memory_tracing import GIB, fake_process_group, step_report, traced_step
+from .memory_trace import TINY_CASE, TraceCase, trace_update
+from .memory_trace_ltx2 import TINY_LTX2, Ltx2Case, trace_ltx2_update
+from .memory_tracing import (
+    CUDA_MAX_ALLOCATED,
+    GIB,
+    check_trace_device,
+    fake_process_group,
+    step_report,
+    traced_step,
+)
 
 
 @dataclass(frozen=True)
@@ -41,16 +48,20 @@ class TinyAvCase:
     gradient_checkpointing: bool = False
 
 
-def trace_tiny_av_update(case: TinyAvCase, fake: bool = True, train: bool = True) -> dict[str, Any]:
+def trace_tiny_av_update(
+    case: TinyAvCase, fake: bool = True, train: bool = True, device: str = "cpu"
+) -> dict[str, Any]:
     """Peak bytes of rank 0 over one tiny_av micro-step of `case.batch` samples through
     TinyAVPolicy.velocity (or, `train=False`, a forward without gradients), sharded over
-    `case.ranks` fake ranks with the project's FSDP2 code (FSDPMemTracker's categories, GiB)."""
+    `case.ranks` fake ranks with the project's FSDP2 code (FSDPMemTracker's categories, GiB);
+    `device`: where a real run computes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..models.lora import add_nft_adapters
     from ..models.tiny_av import DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
     from ..runtime.sharding import process_group_mesh, shard_module, shard_units
 
+    device = check_trace_device(fake, device)
     with fake_process_group(case.ranks, "trace_tiny_av_update"):
         with torch.device("meta"):
             model = TinyAVTransformer(dim=case.dim, depth=case.depth, heads=case.heads)
@@ -59,19 +70,20 @@ def trace_tiny_av_update(case: TinyAvCase, fake: bool = True, train: bool = True
         if case.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         shard_module(
-            model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False
+            model, shard_units(model), process_group_mesh(None, torch.device(device)), cpu_offload=False
         )
         policy = TinyAVPolicy(model)
-        cond = policy.encode_prompts([f"a red square and a high tone {i}" for i in range(case.batch)])
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
-            model.to_empty(device="cpu")
+        prompts = [f"a red square and a high tone {i}" for i in range(case.batch)]
+        cond = {k: v.to(device) for k, v in policy.encode_prompts(prompts).items()}
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device(device):
+            model.to_empty(device=device)
             x_t = torch.randn(case.batch, *policy.latent_shape)
             t = torch.full((case.batch,), 0.5)
 
             def forward() -> Sequence[torch.Tensor]:
                 return (policy.velocity(x_t, t, cond),)
 
-            peak = traced_step(model, [x_t, t, *cond.values()], forward, train)
+            peak = traced_step(model, [x_t, t, *cond.values()], forward, train, device)
         return step_report(case, fake, train, model, peak)
 
 
@@ -100,6 +112,37 @@ TRACES: dict[str, tuple[Callable[..., dict[str, Any]], tuple[Any, ...]]] = {
     "ltx2": (trace_ltx2_update, LTX2_CASES),
 }
 """Per family: the trace function and its two sizes."""
+
+
+GPU_CASES: dict[str, Any] = {
+    "tiny_av": TinyAvCase(name="tiny_av, GPU size", dim=512, depth=8, heads=8, batch=512),
+    "minimax_h3": TraceCase(name="4 released H3 blocks, the recipe's sample", transformer={"num_layers": 4}),
+    "ltx2": Ltx2Case(name="2 released LTX-2 blocks, the recipe's sample", transformer={"num_layers": 2}),
+}
+"""Per family, a case large enough (GiB) that a GPU's own allocations (the CUDA context aside, the
+cuBLAS workspace: MiB) are small beside it: the released blocks at the recipes' samples, 8 ranks."""
+
+
+def compare_on_cuda(family: str, train: bool, device: str = "cuda") -> dict[str, Any]:
+    """GPU_CASES[family] traced on the CPU (fake tensors) and run on real tensors on `device` under
+    the same tracker: the trace's total against torch.cuda.max_memory_allocated over the same step
+    (the weights placed before it included), and the tracker's own total on the GPU (GiB)."""
+    function, _ = TRACES[family]
+    case = GPU_CASES[family]
+    traced = function(case, fake=True, train=train)["peak_gib"]
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    real = function(case, fake=False, train=train, device=device)["peak_gib"]
+    allocated = real.pop(CUDA_MAX_ALLOCATED) - before / GIB
+    return {
+        "family": family,
+        "case": case.name,
+        "phase": "micro-step" if train else "forward without gradients",
+        "traced_gib": traced["Total"],
+        "tracked_on_gpu_gib": real["Total"],
+        "cuda_max_allocated_gib": allocated,
+        "relative_difference": (traced["Total"] - allocated) / allocated,
+    }
 
 
 def compare(family: str, size: int, ranks: int, train: bool) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from .memory_tracing import (
     GIB,
     SEED_RANKS,
     WholeCallTracker,
-    cpu_peak,
+    check_trace_device,
     fake_process_group,
+    peak_on,
     step_report,
     traced_step,
 )
@@ -120,16 +121,19 @@ def _ltx2_policy(case: Ltx2Case, released_text_encoder: bool = False) -> Any:
     return LTX2Policy(pipeline, **clip, max_sequence_length=case.text_tokens)
 
 
-def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> dict[str, Any]:
+def trace_ltx2_update(
+    case: Ltx2Case, fake: bool = True, train: bool = True, device: str = "cpu"
+) -> dict[str, Any]:
     """Peak bytes of rank 0 over one LTX-2 micro-step (or, `train=False`, one forward without
     gradients) of one sample through LTX2Policy.velocity, sharded over `case.ranks` fake ranks
-    (FSDPMemTracker's categories, GiB)."""
+    (FSDPMemTracker's categories, GiB); `device`: where a real run computes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..models.lora import add_nft_adapters
     from ..models.ltx2 import AUDIO_CONTEXT, CONTEXT_MASK, VIDEO_CONTEXT
     from ..runtime.sharding import process_group_mesh, shard_module, shard_units
 
+    device = check_trace_device(fake, device)
     with fake_process_group(case.ranks, "trace_ltx2_update"):
         policy = _ltx2_policy(case)
         model = policy.transformer.requires_grad_(False)
@@ -138,11 +142,11 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
         if case.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         shard_module(
-            model, shard_units(model), process_group_mesh(None, torch.device("cpu")), cpu_offload=False
+            model, shard_units(model), process_group_mesh(None, torch.device(device)), cpu_offload=False
         )
         model.to("meta")  # the tiny one's storage too: placed below, as the released one's
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device("cpu"):
-            model.to_empty(device="cpu")  # the values do not matter to the bytes held
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.device(device):
+            model.to_empty(device=device)  # the values do not matter to the bytes held
             x_t = torch.randn(1, *policy.latent_shape)
             width = int(
                 model.config.caption_channels
@@ -156,7 +160,7 @@ def trace_ltx2_update(case: Ltx2Case, fake: bool = True, train: bool = True) -> 
             def forward() -> Sequence[torch.Tensor]:
                 return (policy.velocity(x_t, torch.full((1,), 0.5), cond),)
 
-            peak = traced_step(model, [x_t, *cond.values()], forward, train)
+            peak = traced_step(model, [x_t, *cond.values()], forward, train, device)
         return step_report(case, fake, train, model, peak)
 
 
@@ -186,7 +190,7 @@ def trace_ltx2_decode(case: Ltx2Case, samples: int, fake: bool = True) -> dict[s
         "fake_tensors": fake,
         "vae_parameters_b": sum(p.numel() for p in pipe.vae.parameters()) / 1e9,
         "frames_gib": media.video.numel() * media.video.element_size() / GIB,
-        "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
+        "peak_gib": {str(k): v / GIB for k, v in peak_on(peak).items()},
     }
 
 
@@ -216,5 +220,5 @@ def trace_ltx2_prompts(case: Ltx2Case, prompts: int = 1, fake: bool = True) -> d
         "fake_tensors": fake,
         "text_encoder_parameters_b": sum(p.numel() for p in pipe.text_encoder.parameters()) / 1e9,
         "condition_gib": sum(v.numel() * v.element_size() for v in cond.values()) / GIB,
-        "peak_gib": {str(k): v / GIB for k, v in cpu_peak(peak).items()},
+        "peak_gib": {str(k): v / GIB for k, v in peak_on(peak).items()},
     }

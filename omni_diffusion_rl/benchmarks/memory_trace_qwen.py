@@ -30,7 +30,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..precision import default_dtype
-from .memory_tracing import GIB, cpu_peak
+from .memory_tracing import GIB, peak_on
 
 RELEASED_7B = {  # Qwen/Qwen2.5-Omni-7B's thinker_config (text, audio and vision parts)
     "text_config": {
@@ -181,7 +181,7 @@ def trace_qwen_update(case: QwenCase, fake: bool = True, train: bool = True) -> 
             if optimizer is not None:
                 logp.float().square().mean().backward()  # a stand-in for GSPO's loss over the same log-probs
                 optimizer.step()
-        peak = cpu_peak(tracker.get_tracker_snapshot("peak"))
+        peak = peak_on(tracker.get_tracker_snapshot("peak"))
     return {
         "case": asdict(case),
         "fake_tensors": fake,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .memory_tracing import GIB, WholeCallTracker, cpu_peak
+from .memory_tracing import GIB, WholeCallTracker, peak_on
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def trace_imagebind(case: RewardCase, fake: bool = True) -> dict[str, Any]:
         forward.track_external(model)
         with forward, torch.no_grad():
             model({"vision": vision, "audio": audio})
-        pre, fwd = (cpu_peak(t.get_tracker_snapshot("peak")) for t in (preprocess, forward))
+        pre, fwd = (peak_on(t.get_tracker_snapshot("peak")) for t in (preprocess, forward))
     return {
         "case": asdict(case),
         "fake_tensors": fake,
@@ -124,7 +124,7 @@ def trace_clap(case: RewardCase, fake: bool = True) -> dict[str, Any]:
         with forward, torch.no_grad():
             model.get_audio_features(input_features=features, is_longer=is_longer)
             model.get_text_features(input_ids=tokens, attention_mask=torch.ones_like(tokens))
-        peak = cpu_peak(forward.get_tracker_snapshot("peak"))
+        peak = peak_on(forward.get_tracker_snapshot("peak"))
     return {
         "case": asdict(case),
         "fake_tensors": fake,

@@ -16,6 +16,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 GIB = 2**30
 SEED_RANKS = 8
+CUDA_MAX_ALLOCATED = "CUDA max allocated"
+"""The key under which a step run on a GPU reports torch.cuda.max_memory_allocated."""
 
 
 @contextlib.contextmanager
@@ -38,23 +40,34 @@ def traced_step(
     inputs: Sequence[torch.Tensor],
     forward: Callable[[], Sequence[torch.Tensor]],
     train: bool,
+    device: str = "cpu",
 ) -> dict[Any, int]:
-    """FSDPMemTracker's peak (CPU bytes by category) over `forward()` and, with `train`, the backward
-    of a stand-in loss (the mean square of every output) and an AdamW step on the trainable
-    parameters; run where `model` is placed (under a FakeTensorMode for a trace)."""
+    """FSDPMemTracker's peak (bytes by category on `device`'s type) over `forward()` and, with
+    `train`, the backward of a stand-in loss (the mean square of every output) and an AdamW step on
+    the trainable parameters; run where `model` is placed (under a FakeTensorMode for a trace). On a
+    CUDA device it adds CUDA_MAX_ALLOCATED: the caching allocator's own peak over the same step,
+    everything already on the device included (the weights), to check the tracker against."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from ..models.lora import trainable_parameters
 
+    cuda = torch.device(device).type == "cuda"
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-4) if train else None
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(tuple(inputs))
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with tracker, torch.set_grad_enabled(train):
         outputs = forward()
         if optimizer is not None:
             sum(out.float().square().mean() for out in outputs).backward()
             optimizer.step()
-    return cpu_peak(tracker.get_tracker_snapshot("peak"))
+    peak = peak_on(tracker.get_tracker_snapshot("peak"), torch.device(device).type)
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak[CUDA_MAX_ALLOCATED] = torch.cuda.max_memory_allocated(device)
+    return peak
 
 
 def step_report(
@@ -82,9 +95,19 @@ class WholeCallTracker(MemTracker):
         pass
 
 
-def cpu_peak(peak: dict[Any, dict[Any, int]]) -> dict[Any, int]:
-    """The tracker's peak snapshot for the CPU device (the one the fake ranks compute on)."""
+def peak_on(peak: dict[Any, dict[Any, int]], device_type: str = "cpu") -> dict[Any, int]:
+    """The tracker's peak snapshot for the device of `device_type` (the CPU, where the fake ranks
+    compute, unless a real run is checked on a GPU)."""
     for device, categories in peak.items():
-        if torch.device(device).type == "cpu":
+        if torch.device(device).type == device_type:
             return {getattr(k, "value", k): v for k, v in categories.items()}
-    raise RuntimeError(f"the tracker saw no CPU memory: {list(peak)}")
+    raise RuntimeError(f"the tracker saw no {device_type} memory: {list(peak)}")
+
+
+def check_trace_device(fake: bool, device: str) -> str:
+    """`device` for a step: a trace (fake tensors) runs on the CPU; a real run anywhere."""
+    if fake and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"a trace (fake=True) runs on the CPU; device={device!r} is for real runs (fake=False)"
+        )
+    return device
