@@ -26,15 +26,22 @@ def bin_frequency(k: int | torch.Tensor) -> float | torch.Tensor:
 
 def synthesize_audio(amps: torch.Tensor) -> torch.Tensor:
     """Waveform [B, 1, S] from amplitudes [B, AUDIO_FRAMES, AUDIO_BINS] in [0, 1] (differentiable)."""
-    n = int(SAMPLE_RATE * DURATION_S)
-    time = torch.arange(n, dtype=amps.dtype, device=amps.device) / SAMPLE_RATE
+    return synthesize(amps, SAMPLE_RATE, DURATION_S)
+
+
+def synthesize(amps: torch.Tensor, sample_rate: int, duration_s: float) -> torch.Tensor:
+    """Waveform [B, 1, S] from amplitudes [B, frames, bins] in [0, 1] spread evenly over
+    `duration_s` (frame j centred at (j + 1/2) / frames of it), bin k a sine at bin_frequency(k)."""
+    frames, bins = amps.shape[1], amps.shape[2]
+    n = int(sample_rate * duration_s)
+    time = torch.arange(n, dtype=amps.dtype, device=amps.device) / sample_rate
     # Linear interpolation of each bin's envelope between frame centres.
-    frame_pos = (time / DURATION_S * AUDIO_FRAMES - 0.5).clamp(0, AUDIO_FRAMES - 1)
+    frame_pos = (time / duration_s * frames - 0.5).clamp(0, frames - 1)
     lo = frame_pos.floor().long()
-    hi = (lo + 1).clamp(max=AUDIO_FRAMES - 1)
+    hi = (lo + 1).clamp(max=frames - 1)
     w = (frame_pos - lo).view(1, -1, 1)
     env = amps[:, lo] * (1 - w) + amps[:, hi] * w  # [B, S, bins]
-    freqs = bin_frequency(torch.arange(AUDIO_BINS, dtype=amps.dtype, device=amps.device))
+    freqs = bin_frequency(torch.arange(bins, dtype=amps.dtype, device=amps.device))
     carriers = torch.sin(2 * math.pi * time.view(-1, 1) * freqs.view(1, -1))  # [S, bins]
     wave = 0.5 * (env * carriers).sum(-1)
     return wave.clamp(-1, 1).unsqueeze(1)

@@ -1,0 +1,261 @@
+"""Audio-visual synchrony and event counts of any clip, by signal processing alone.
+
+A clip is video frames [T, C, H, W] in [0, 1] at `fps` and a waveform [S] (or [channels, S], mixed to
+mono) at `sample_rate`. Both modalities become envelopes on one time grid, `hops_per_frame` points a
+video frame:
+
+- **audio onset strength**: the rise of log energy from one short window to the next (windows one
+  hop long, the window of point i centred on time i / rate), kept where it is 6 dB or more, so a
+  sound starting at time t rises at the point of t;
+- **visual motion**: the mean absolute difference of consecutive frames, placed at the midpoint of
+  the two frames' times (an object fastest at a strike moves most in the two intervals around it).
+
+Events are the envelopes' peaks: a point above `relative_threshold` of its envelope's largest value,
+the largest within `min_gap_frames` on either side and standing `prominence` of its height above the
+lowest point there (a steady glide's ripple is no event), its time refined by a parabola through its
+neighbours. From these:
+
+- `events_matched`: audio and visual events paired one to one, closest first, within
+  `match_frames` video frames, and AV-Align's score, the intersection over union of the two event
+  sets (pairs / (audio events + visual events - pairs); 0 when neither has an event: nothing is in
+  sync);
+- `offset_ms`: where the cross-correlation of the two envelopes peaks, within `max_offset_s`;
+  positive when the sound comes after the picture (NaN when either envelope is flat);
+- the event count of each modality.
+
+The functions are pure and work on any clip at any size and rate (real ones too: `odrl eval sync`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LOG_FLOOR = 1e-8  # energy floor before the log (silence)
+FLAT = 1e-6  # values this close (relative) are equal: a flat top, one peak at its centre
+MIN_ONSET_RISE = math.log(10**0.6)  # an onset raises the energy by 6 dB or more from one window to the next
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """How envelopes and events are read; every duration in video frames."""
+
+    hops_per_frame: int = 4
+    match_frames: float = 1.0  # AV-Align's window: an audio and a visual event within one frame match
+    min_gap_frames: float = 2.0  # two peaks closer than this are one event
+    relative_threshold: float = 0.3  # a peak must reach this fraction of its envelope's largest value
+    prominence: float = 0.15  # and stand this fraction of its height above the lowest point near it
+    max_offset_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.hops_per_frame < 1:
+            raise ValueError(f"hops_per_frame must be at least 1; got {self.hops_per_frame}")
+        for name in ("relative_threshold", "prominence"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1); got {getattr(self, name)}")
+        if self.match_frames < 0 or self.min_gap_frames <= 0 or self.max_offset_s <= 0:
+            raise ValueError("match_frames must be >= 0, min_gap_frames and max_offset_s > 0")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One clip's synchrony: event times (s), counts, AV-Align's IoU and the envelopes' offset."""
+
+    audio_events_s: tuple[float, ...]
+    visual_events_s: tuple[float, ...]
+    matched: int
+    iou: float
+    offset_ms: float
+
+    @property
+    def audio_count(self) -> int:
+        return len(self.audio_events_s)
+
+    @property
+    def visual_count(self) -> int:
+        return len(self.visual_events_s)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "audio_events_s": list(self.audio_events_s),
+            "visual_events_s": list(self.visual_events_s),
+            "audio_count": self.audio_count,
+            "visual_count": self.visual_count,
+            "matched": self.matched,
+            "iou": self.iou,
+            "offset_ms": self.offset_ms,
+        }
+
+
+def mono(wave: torch.Tensor) -> torch.Tensor:
+    """[S] or [channels, S] -> [S] float32."""
+    if wave.ndim == 2:
+        wave = wave.mean(0)
+    if wave.ndim != 1:
+        raise ValueError(f"a waveform is [S] or [channels, S]; got {tuple(wave.shape)}")
+    return wave.float()
+
+
+def audio_onset_envelope(wave: torch.Tensor, sample_rate: int, rate: float, points: int) -> torch.Tensor:
+    """Onset strength [points] at times i / rate: the rise of log energy from the window before
+    point i to the window centred on it (each window 1 / rate long), where it is 6 dB or more
+    (less is a sound going on, not starting); 0 at the first point."""
+    x = mono(wave)
+    hop = sample_rate / rate
+    if hop < 1:
+        raise ValueError(f"{sample_rate} Hz is too coarse for {rate} envelope points a second")
+    # window i covers samples [(i - 1/2) hop, (i + 1/2) hop); one window more before the first point
+    edges = torch.round((torch.arange(-1, points + 1, dtype=torch.float64) - 0.5) * hop).long()
+    cumulative = torch.cat([torch.zeros(1), torch.cumsum(x.double().square(), 0)])
+    clamped = edges.clamp(0, len(x))
+    covered = (clamped[1:] - clamped[:-1]).clamp(min=1)  # the clip's first window is half one
+    energy = (cumulative[clamped[1:]] - cumulative[clamped[:-1]]) / covered
+    log_energy = torch.log(energy + LOG_FLOOR)
+    rise = torch.relu(log_energy[1:] - log_energy[:-1]).float()
+    rise[0] = 0  # nothing of the clip comes before its first window: a sound already on is no onset
+    return torch.where(rise >= MIN_ONSET_RISE, rise, torch.zeros_like(rise))
+
+
+def motion_envelope(frames: torch.Tensor, fps: float, rate: float, points: int) -> torch.Tensor:
+    """Visual motion [points] at times i / rate: the mean absolute difference of frames t - 1 and t,
+    placed at (t - 1/2) / fps, linearly interpolated between those midpoints (0 outside them)."""
+    if frames.ndim != 4 or frames.shape[0] < 2:
+        raise ValueError(f"frames must be [T >= 2, C, H, W]; got {tuple(frames.shape)}")
+    f = frames.float()
+    motion = (f[1:] - f[:-1]).abs().mean(dim=(1, 2, 3))  # [T - 1]
+    midpoints = (torch.arange(1, len(f), dtype=torch.float64) - 0.5) / fps
+    times = torch.arange(points, dtype=torch.float64) / rate
+    return _interpolate(times, midpoints, motion.double()).float()
+
+
+def _interpolate(times: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` known at the increasing times `at`, linearly interpolated at `times` (0 outside)."""
+    out = torch.zeros_like(times)
+    inside = (times >= at[0]) & (times <= at[-1])
+    if len(at) == 1:
+        out[inside] = values[0]
+        return out
+    index = torch.searchsorted(at, times[inside], right=True).clamp(1, len(at) - 1)
+    lo, hi = at[index - 1], at[index]
+    weight = (times[inside] - lo) / (hi - lo)
+    out[inside] = values[index - 1] * (1 - weight) + values[index] * weight
+    return out
+
+
+def envelope_events(
+    envelope: torch.Tensor, rate: float, min_gap_points: float, relative: float, prominence: float
+) -> list[float]:
+    """Peak times (s) of `envelope` sampled at `rate`, in order: its local maxima (a flat top is one,
+    at its centre; others refined by a parabola through their neighbours) that reach `relative` of
+    its largest value and stand `prominence` of their height above the lowest point within
+    `min_gap_points` (the envelope's start and end count as 0), the highest first, each kept only
+    when no kept one is within `min_gap_points` of it."""
+    largest = float(envelope.max()) if len(envelope) else 0.0
+    if largest <= 0:
+        return []
+    reach = max(1, math.floor(min_gap_points))
+    padded = torch.nn.functional.pad(envelope[None, None], (1, 1))[0, 0]
+    rising = padded[1:-1] > padded[:-2] * (1 + FLAT)
+    not_falling = padded[1:-1] >= padded[2:] * (1 - FLAT)
+    floor = torch.nn.functional.pad(envelope[None, None], (reach, reach))[0, 0].unfold(0, 2 * reach + 1, 1)
+    standing = (envelope >= relative * largest) & (envelope - floor.min(1).values >= prominence * envelope)
+    candidates = []
+    for i in (rising & not_falling & standing).nonzero().flatten().tolist():
+        at = refined_peak(envelope, i, 2 * reach)
+        if at is not None:
+            candidates.append((-float(envelope[i]), at))
+    kept: list[float] = []
+    for _, at in sorted(candidates):
+        if all(abs(at - other) >= min_gap_points for other in kept):
+            kept.append(at)
+    return sorted(at / rate for at in kept)
+
+
+def refined_peak(values: torch.Tensor, index: int, widest: int) -> float | None:
+    """The fractional position of the peak at `index` (the first of equal values): the centre of a
+    flat top (values equal to it, to rounding, after it; None when it is over `widest` points long,
+    a steady state rather than an event), else the vertex of the parabola through it and its
+    neighbours."""
+    top = float(values[index])
+    last = index
+    while last + 1 < len(values) and abs(float(values[last + 1]) - top) <= FLAT * abs(top):
+        last += 1
+    if last - index > widest:
+        return None
+    if last > index:
+        return (index + last) / 2
+    if not 0 < index < len(values) - 1:
+        return float(index)
+    left, right = float(values[index - 1]), float(values[index + 1])
+    curvature = left - 2 * top + right
+    return index + (0.5 * (left - right) / curvature if curvature < 0 else 0.0)
+
+
+def match_events(audio: list[float], visual: list[float], window_s: float) -> int:
+    """Pairs of one audio and one visual event within `window_s` of each other, each event in at
+    most one pair, the closest pairs first."""
+    pairs = sorted((abs(a - v), i, j) for i, a in enumerate(audio) for j, v in enumerate(visual))
+    used_audio: set[int] = set()
+    used_visual: set[int] = set()
+    for gap, i, j in pairs:
+        if gap > window_s + 1e-9:
+            break
+        if i not in used_audio and j not in used_visual:
+            used_audio.add(i)
+            used_visual.add(j)
+    return len(used_audio)
+
+
+def envelope_offset_s(audio: torch.Tensor, visual: torch.Tensor, rate: float, max_offset_s: float) -> float:
+    """The lag (s) at which the audio envelope best matches the visual one, positive when the sound
+    comes later: the peak of their cross-correlation (each envelope scaled to norm 1) within
+    ±max_offset_s, refined by a parabola; NaN when either envelope is zero."""
+    a, v = audio.double(), visual.double()  # not centred: a centred pair favours short lags (more overlap)
+    if float(a.norm()) == 0 or float(v.norm()) == 0:
+        return math.nan
+    a, v = a / a.norm(), v / v.norm()
+    lags = range(
+        -min(len(a) - 1, round(max_offset_s * rate)), min(len(a) - 1, round(max_offset_s * rate)) + 1
+    )
+    scores = torch.tensor([_lagged_dot(a, v, lag) for lag in lags], dtype=torch.float64)
+    at = refined_peak(scores, int(scores.argmax()), len(scores))
+    return (lags[0] + (at if at is not None else math.nan)) / rate
+
+
+def _lagged_dot(a: torch.Tensor, v: torch.Tensor, lag: int) -> float:
+    """sum_t a[t + lag] v[t] over the overlap."""
+    if lag >= 0:
+        return float((a[lag:] * v[: len(v) - lag]).sum())
+    return float((a[: len(a) + lag] * v[-lag:]).sum())
+
+
+def sync_report(
+    frames: torch.Tensor,
+    fps: float,
+    wave: torch.Tensor,
+    sample_rate: int,
+    settings: SyncSettings = SyncSettings(),
+) -> SyncReport:
+    """The synchrony of one clip: its audio and visual events, their matches, AV-Align's IoU and the
+    envelopes' offset."""
+    if fps <= 0 or sample_rate <= 0:
+        raise ValueError(f"fps and sample_rate must be positive; got {fps} and {sample_rate}")
+    rate = fps * settings.hops_per_frame
+    duration = max(len(frames) / fps, mono(wave).shape[0] / sample_rate)
+    points = max(2, math.ceil(duration * rate))
+    audio = audio_onset_envelope(wave, sample_rate, rate, points)
+    visual = motion_envelope(frames, fps, rate, points)
+    gap = settings.min_gap_frames * settings.hops_per_frame
+    read = (rate, gap, settings.relative_threshold, settings.prominence)
+    audio_events, visual_events = envelope_events(audio, *read), envelope_events(visual, *read)
+    matched = match_events(audio_events, visual_events, settings.match_frames / fps)
+    union = len(audio_events) + len(visual_events) - matched
+    return SyncReport(
+        audio_events_s=tuple(audio_events),
+        visual_events_s=tuple(visual_events),
+        matched=matched,
+        iou=matched / union if union else 0.0,
+        offset_ms=1000 * envelope_offset_s(audio, visual, rate, settings.max_offset_s),
+    )
