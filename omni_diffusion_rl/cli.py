@@ -231,12 +231,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     overrides = [t for t in args.targets if _is_override(t)]
     targets = [t for t in args.targets if t not in overrides]
-    if not targets:
-        raise ConfigError(
-            "name at least one target to evaluate: a checkpoint, a model directory, base or world"
-        )
     if args.output:
         _check_output_file(args.output)
+    if args.clips is not None:
+        if targets:
+            raise ConfigError("odrl eval --clips FOLDER scores a folder of clips; name no targets beside it")
+        return _eval_clips(args.clips, args.output)
+    if not targets:
+        raise ConfigError(
+            "name at least one target to evaluate: a checkpoint, a model directory, base or world "
+            "(or --clips FOLDER for a folder of clips with sound)"
+        )
     results = {}
     for target in targets:
         cfg = target_config(target, args.config, overrides)
@@ -247,6 +252,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1), encoding="utf-8")
     print(json.dumps(results), flush=True)
+    return 0
+
+
+def _eval_clips(folder: Path, output: Path | None) -> int:
+    """`odrl eval --clips FOLDER`: the synchrony of every video file with sound in it."""
+    from .evaluation.clip_sync import folder_sync, sync_table
+    from .evaluation.heldout import json_safe
+
+    try:
+        result = folder_sync(folder)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    print(sync_table(result))
+    result = json_safe(result)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print(json.dumps(result), flush=True)
     return 0
 
 
@@ -898,7 +921,7 @@ def _add_eval(sub: Subcommands) -> None:
     )
     evaluate.add_argument(
         "targets",
-        nargs="+",
+        nargs="*",
         metavar="TARGET",
         help="a checkpoint (a step_* folder or a run's checkpoints/ folder), a save_pretrained model "
         "directory, base (the config's base model) or world (the tiny world's own renders); "
@@ -910,6 +933,14 @@ def _add_eval(sub: Subcommands) -> None:
         "sampling section, if any, replaces the checkpoint's",
     )
     evaluate.add_argument("--no-reward", action="store_true", help="only the eval metrics")
+    evaluate.add_argument(
+        "--clips",
+        type=Path,
+        metavar="FOLDER",
+        help="instead of targets: the audio-visual synchrony of every video file with sound in FOLDER "
+        "(MP4, MOV, MKV, WebM): audio onsets against motion events, AV-Align's IoU within one frame, "
+        "the offset in ms (positive: the sound is late) and the event counts",
+    )
     evaluate.add_argument("--output", type=Path, help="also write the results as JSON here")
     evaluate.set_defaults(func=cmd_eval)
 

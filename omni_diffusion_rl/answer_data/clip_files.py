@@ -314,6 +314,101 @@ def _decode_audio(path: str, clip: ClipFormat) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(data.T))
 
 
+def decode_sound_track(path: str | Path, clip: ClipFormat) -> torch.Tensor:
+    """The first `clip.samples` samples [C, S] in [-1, 1] of a video file's own sound track (AAC in
+    an MP4, say), via PyAV, converted to the clip's rate and channel count by its resampler."""
+    path = Path(path)
+    _checked_file(path)
+    file = ("track", str(path), _identity(path), clip.timing())
+    return _remembered(file, None, lambda: _decode_sound_track(str(path), clip)).clone()
+
+
+def _decode_sound_track(path: str, clip: ClipFormat) -> torch.Tensor:
+    import av
+
+    if clip.samples * clip.channels * 4 > MAX_CLIP_BYTES:
+        raise ClipFileError(
+            f"{clip.samples} samples of {clip.channels} channels are over {MAX_CLIP_BYTES >> 20} MiB"
+        )
+    layout = "mono" if clip.channels == 1 else "stereo" if clip.channels == 2 else None
+    if layout is None:
+        raise ClipFileError(f"a sound track is read as 1 or 2 channels; the run reads {clip.channels}")
+    deadline = time.monotonic() + MAX_DECODE_S
+    pieces: list[np.ndarray] = []
+    have = 0
+    try:
+        with av.open(path) as container:
+            if not container.streams.audio:
+                raise ClipFileError(f"{path} has no sound track")
+            resampler = av.AudioResampler(format="fltp", layout=layout, rate=clip.sample_rate)
+            for frame in container.decode(container.streams.audio[0]):
+                for piece in resampler.resample(frame):
+                    pieces.append(piece.to_ndarray())
+                    have += pieces[-1].shape[1]
+                if have >= clip.samples:
+                    break
+                if time.monotonic() > deadline:
+                    raise ClipFileError(f"{path}: its sound track took over {MAX_DECODE_S:g} s to decode")
+            else:
+                pieces += [piece.to_ndarray() for piece in resampler.resample(None)]
+    except ClipFileError:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError) as e:
+        raise ClipFileError(f"{path}: its sound track cannot be decoded ({type(e).__name__}: {e})") from e
+    data = np.concatenate(pieces, axis=1)[:, : clip.samples] if pieces else np.zeros((clip.channels, 0))
+    if data.shape[1] < clip.samples:
+        raise ClipFileError(
+            f"{path}: its sound track is too short: {data.shape[1]} samples of the {clip.samples} of a "
+            f"{clip.seconds:g} s clip at {clip.sample_rate} Hz"
+        )
+    if not np.isfinite(data).all():
+        raise ClipFileError(f"{path}: its sound track has samples that are not finite numbers")
+    return torch.from_numpy(np.ascontiguousarray(np.clip(data, -1, 1), dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class FileTiming:
+    """What a video file holds, read from its headers: frame rate, frame size, its sound track's
+    sample rate (None without one) and its length in seconds."""
+
+    fps: float
+    height: int
+    width: int
+    sample_rate: int | None
+    seconds: float
+
+
+def file_timing(path: str | Path) -> FileTiming:
+    """A video file's own timing and frame size (FileTiming), via PyAV, without decoding."""
+    import av
+
+    path = Path(path)
+    _checked_file(path)
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ClipFileError(f"{path} has no video stream")
+            video = container.streams.video[0]
+            timing = FileTiming(
+                fps=float(video.average_rate or video.guessed_rate or 0),
+                height=int(video.height),
+                width=int(video.width),
+                sample_rate=int(container.streams.audio[0].rate) if container.streams.audio else None,
+                seconds=float(container.duration / av.time_base) if container.duration else 0.0,
+            )
+    except ClipFileError:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError) as e:
+        raise ClipFileError(f"{path} cannot be opened as video ({type(e).__name__}: {e})") from e
+    if not 0 < timing.fps <= MAX_SOURCE_FPS or timing.seconds <= 0:
+        raise ClipFileError(
+            f"{path}: a frame rate of {timing.fps:g} and a length of {timing.seconds:g} s cannot be read"
+        )
+    if not 0 < timing.width * timing.height <= MAX_FRAME_PIXELS:
+        raise ClipFileError(f"{path}: frames of {timing.width}x{timing.height} are too large")
+    return timing
+
+
 def write_mp4(path: str | Path, frames: torch.Tensor, fps: float) -> None:
     """Frames [F, 3, H, W] in [0, 1] as lossless H.264 (4:4:4, constant quality 0) in an MP4."""
     import av

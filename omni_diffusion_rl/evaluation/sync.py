@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 LOG_FLOOR = 1e-8  # energy floor before the log (silence)
+TOP_SHARE = 0.9  # the cross-correlation's top: the lags within 10% of its peak
 FLAT = 1e-6  # values this close (relative) are equal: a flat top, one peak at its centre
 MIN_ONSET_RISE = math.log(10**0.6)  # an onset raises the energy by 6 dB or more from one window to the next
 
@@ -57,6 +58,9 @@ class SyncSettings:
                 raise ValueError(f"{name} must be in (0, 1); got {getattr(self, name)}")
         if self.match_frames < 0 or self.min_gap_frames <= 0 or self.max_offset_s <= 0:
             raise ValueError("match_frames must be >= 0, min_gap_frames and max_offset_s > 0")
+
+
+DEFAULT_SYNC = SyncSettings()
 
 
 @dataclass(frozen=True)
@@ -210,8 +214,8 @@ def match_events(audio: list[float], visual: list[float], window_s: float) -> in
 
 def envelope_offset_s(audio: torch.Tensor, visual: torch.Tensor, rate: float, max_offset_s: float) -> float:
     """The lag (s) at which the audio envelope best matches the visual one, positive when the sound
-    comes later: the peak of their cross-correlation (each envelope scaled to norm 1) within
-    ±max_offset_s, refined by a parabola; NaN when either envelope is zero."""
+    comes later: the centre of the top of their cross-correlation (each envelope scaled to norm 1)
+    within ±max_offset_s; NaN when either envelope is zero."""
     a, v = audio.double(), visual.double()  # not centred: a centred pair favours short lags (more overlap)
     if float(a.norm()) == 0 or float(v.norm()) == 0:
         return math.nan
@@ -220,8 +224,24 @@ def envelope_offset_s(audio: torch.Tensor, visual: torch.Tensor, rate: float, ma
         -min(len(a) - 1, round(max_offset_s * rate)), min(len(a) - 1, round(max_offset_s * rate)) + 1
     )
     scores = torch.tensor([_lagged_dot(a, v, lag) for lag in lags], dtype=torch.float64)
-    at = refined_peak(scores, int(scores.argmax()), len(scores))
-    return (lags[0] + (at if at is not None else math.nan)) / rate
+    return (lags[0] + top_centroid(scores, TOP_SHARE)) / rate
+
+
+def top_centroid(values: torch.Tensor, share: float) -> float:
+    """The fractional position of `values`' largest value: the centroid of the contiguous run of
+    values around it that reach `share` of it, weighted by their excess over that level (a top
+    tilted by noise keeps its centre, where an argmax would jump to one end)."""
+    best = int(values.argmax())
+    level = share * float(values[best])
+    lo, hi = best, best
+    while lo > 0 and float(values[lo - 1]) >= level:
+        lo -= 1
+    while hi + 1 < len(values) and float(values[hi + 1]) >= level:
+        hi += 1
+    weights = values[lo : hi + 1] - level
+    if float(weights.sum()) <= 0:
+        return float(best)
+    return lo + float((weights * torch.arange(hi - lo + 1, dtype=values.dtype)).sum() / weights.sum())
 
 
 def _lagged_dot(a: torch.Tensor, v: torch.Tensor, lag: int) -> float:
@@ -236,7 +256,7 @@ def sync_report(
     fps: float,
     wave: torch.Tensor,
     sample_rate: int,
-    settings: SyncSettings = SyncSettings(),
+    settings: SyncSettings = DEFAULT_SYNC,
 ) -> SyncReport:
     """The synchrony of one clip: its audio and visual events, their matches, AV-Align's IoU and the
     envelopes' offset."""
