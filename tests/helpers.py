@@ -121,3 +121,16 @@ def odrl_main(capsys: Any, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def shifted_wave(wave: torch.Tensor, samples: int) -> torch.Tensor:
+    """The waveform delayed by `samples` along its last axis (advanced when negative), silence
+    filling in."""
+    out = torch.zeros_like(wave)
+    if samples > 0:
+        out[..., samples:] = wave[..., :-samples]
+    elif samples < 0:
+        out[..., :samples] = wave[..., -samples:]
+    else:
+        out = wave.clone()
+    return out

@@ -11,7 +11,6 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-import torch
 
 from omni_diffusion_rl.answer_data.clip_files import (
     ClipFileError,
@@ -22,20 +21,9 @@ from omni_diffusion_rl.answer_data.clip_files import (
 from omni_diffusion_rl.media import save_mp4
 from omni_diffusion_rl.world import tiny_sync as world
 
-from .helpers import odrl_main
+from .helpers import odrl_main, shifted_wave
 
 FRAME_SAMPLES = world.SAMPLE_RATE // int(world.FPS)
-
-
-def _delayed(wave: torch.Tensor, samples: int) -> torch.Tensor:
-    out = torch.zeros_like(wave)
-    if samples > 0:
-        out[..., samples:] = wave[..., :-samples]
-    elif samples < 0:
-        out[..., :samples] = wave[..., -samples:]
-    else:
-        out = wave.clone()
-    return out
 
 
 def _scene(seed: int) -> world.SyncScene:
@@ -92,7 +80,7 @@ def test_eval_clips_reads_the_offsets_the_clips_were_written_with(
     for i, (name, k) in enumerate(shifts.items()):
         scene = _scene(10 + i)
         frames, wave = world.clip_tensors(scene)
-        save_mp4(tmp_path / name, frames, world.FPS, _delayed(wave, k * FRAME_SAMPLES), world.SAMPLE_RATE)
+        save_mp4(tmp_path / name, frames, world.FPS, shifted_wave(wave, k * FRAME_SAMPLES), world.SAMPLE_RATE)
         strikes[name] = len(scene.objects[0].strikes)
     save_mp4(tmp_path / "silent.mp4", world.clip_tensors(_scene(20))[0], world.FPS)
     (tmp_path / "broken.mp4").write_bytes(b"not a video")

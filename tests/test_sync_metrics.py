@@ -13,24 +13,14 @@ import torch
 from omni_diffusion_rl.evaluation.sync import SyncSettings, sync_report
 from omni_diffusion_rl.world import tiny_sync as world
 
+from .helpers import shifted_wave
+
 HALF_POINT = 0.5 / SyncSettings().hops_per_frame  # the offset's resolution, in frames
 
 
 def _scenes(count: int, seed: int) -> list[world.SyncScene]:
     rng = random.Random(seed)
     return [world.random_scene(rng) for _ in range(count)]
-
-
-def _shifted(wave: torch.Tensor, samples: int) -> torch.Tensor:
-    """The waveform delayed by `samples` (advanced when negative), silence filling in."""
-    out = torch.zeros_like(wave)
-    if samples > 0:
-        out[..., samples:] = wave[..., :-samples]
-    elif samples < 0:
-        out[..., :samples] = wave[..., -samples:]
-    else:
-        out = wave.clone()
-    return out
 
 
 def test_the_worlds_clips_are_in_sync_and_counted() -> None:
@@ -56,7 +46,7 @@ def test_sound_shifted_by_k_frames_reads_an_offset_of_k_frames(k: int) -> None:
         frames, wave = world.clip_tensors(scene)
         strikes = scene.objects[0].strikes
         report = sync_report(
-            frames, world.FPS, _shifted(wave, k * world.SAMPLE_RATE // 16), world.SAMPLE_RATE
+            frames, world.FPS, shifted_wave(wave, k * world.SAMPLE_RATE // 16), world.SAMPLE_RATE
         )
         heard = [s for s in strikes if 0 < s + k < world.FRAMES]  # a strike shifted out of the clip is gone
         assert report.audio_count == len(heard) and report.visual_count == len(strikes)
@@ -104,7 +94,7 @@ def test_a_clip_of_another_format_made_without_the_world_reads_its_strikes() -> 
     assert report.iou == 1.0
     assert max(abs(a - b) for a, b in zip(report.visual_events_s, strikes, strict=True)) < 0.5 / 24
     assert abs(report.offset_ms) < 1000 / 24 / 2
-    late = sync_report(frames, 24.0, _shifted(wave, 4410 // 2), 44_100)  # 50 ms: 1.2 frames
+    late = sync_report(frames, 24.0, shifted_wave(wave, 4410 // 2), 44_100)  # 50 ms: 1.2 frames
     assert late.offset_ms == pytest.approx(50, abs=1000 / 24 / 4)
 
 
