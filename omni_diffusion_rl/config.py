@@ -181,8 +181,9 @@ def _spec(default: Any, doc: str, **checks: Any) -> Any:
 class ModelConfig:
     family: str = _spec(
         "tiny_av",
-        "policy family: tiny_av (built-in) | sd3 | stable_audio | ltx2 | minimax_h3 | answering: tiny_omni "
-        "(built-in) | qwen2_5_omni | qwen3_omni | a registered family",
+        "policy family: tiny_av (built-in) | tiny_sync (built-in, the sync world) | sd3 | stable_audio "
+        "| ltx2 | minimax_h3 | answering: tiny_omni (built-in) | qwen2_5_omni | qwen3_omni "
+        "| a registered family",
     )
     pretrained: str = _spec("builtin", "'builtin' (shipped tiny base), a local directory or a hub id")
     lora_rank: int = _spec(16, "LoRA rank of both adapters", ge=1, le=MAX_LORA_RANK)
@@ -1002,12 +1003,13 @@ def check_eval_metrics(cfg: ExperimentConfig) -> None:
                 "not train on (take it out of one of them)"
             )
         seen.add(name)
-    if "tiny_world_judge" in cfg.eval.metrics and cfg.model.family != "tiny_av":
-        raise ConfigError(
-            f"eval.metrics: tiny_world_judge judges the built-in tiny world's clips only; with "
-            f"model.family={cfg.model.family} name other scorers (e.g. eval.metrics=[imagebind]) or none "
-            "(eval.metrics=[])"
-        )
+    for judge, family in (("tiny_world_judge", "tiny_av"), ("tiny_sync_judge", "tiny_sync")):
+        if judge in cfg.eval.metrics and cfg.model.family != family:
+            raise ConfigError(
+                f"eval.metrics: {judge} judges the built-in {family} model's world only; with "
+                f"model.family={cfg.model.family} name other scorers (e.g. eval.metrics=[imagebind]) or none "
+                "(eval.metrics=[])"
+            )
     for name in cfg.eval.options:
         if name not in cfg.eval.metrics:
             raise ConfigError(

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from .sync_metrics import SyncEnvelopes, sync_envelopes
+
 
 class NonFiniteSamples(RuntimeError):
     """The model generated samples that are not finite numbers: its weights cannot be sampled."""
@@ -82,6 +84,8 @@ SHEET_GAP = 2  # pixels between tiles and around the edge of a contact sheet
 SHEET_BACKGROUND = (24, 24, 24)
 SHEET_TEXT = (235, 235, 235)
 REFERENCE_GAP = 4 * SHEET_GAP  # pixels between a row's reference frames and its sample frames
+STRIP_HEIGHT = 28  # pixels of a row's sound-against-motion strip
+STRIP_MOTION, STRIP_ONSET = (120, 170, 235), (240, 90, 70)  # motion drawn as an area, onsets as bars
 DEFAULT_REFERENCE_TITLE = "left: reference render of the prompt | right: generated sample"
 
 
@@ -266,6 +270,7 @@ def contact_sheet(
     scale: int = 8,
     reference: torch.Tensor | None = None,
     title: str | None = None,
+    timelines: list[SyncEnvelopes] | None = None,
 ) -> Image.Image:
     """Tile [B, F, 3, H, W] into one image: a row per sample, a column per frame.
 
@@ -276,6 +281,9 @@ def contact_sheet(
     `reference` ([B, F', 3, H, W]; F' may differ from F, H and W may not) is drawn in each row to the left
     of that row's sample frames, REFERENCE_GAP pixels away from them, so each row reads as two blocks.
     `title` is a text line (or several) drawn once at the top; the sheet widens to fit it too.
+    `timelines` (one per sample: sync_metrics.sync_envelopes) adds a strip under each row's frames, on
+    their time axis: the picture's motion as an area and the sound's onsets as bars, so that a sound
+    off its strike shows at a glance.
     """
     if video.ndim != 5:
         raise ValueError(f"video must be [B, F, 3, H, W]; got shape {tuple(video.shape)}")
@@ -286,6 +294,8 @@ def contact_sheet(
         raise ValueError(f"scale must be >= 1; got {scale}")
     if labels is not None and len(labels) != batch:
         raise ValueError(f"got {len(labels)} labels for {batch} samples")
+    if timelines is not None and len(timelines) != batch:
+        raise ValueError(f"got {len(timelines)} timelines for {batch} samples")
     ref_frames = 0
     if reference is not None:
         _check_reference(reference, batch, (height, width))
@@ -308,7 +318,8 @@ def contact_sheet(
         title_w = title_box[2] + 2 * SHEET_GAP
 
     sheet_w = max(grid_w, text_w, title_w)
-    row_h = band_h + tile_h + SHEET_GAP
+    strip_h = STRIP_HEIGHT + SHEET_GAP if timelines is not None else 0
+    row_h = band_h + tile_h + SHEET_GAP + strip_h
     sheet = Image.new("RGB", (sheet_w, SHEET_GAP + title_h + batch * row_h), SHEET_BACKGROUND)
     draw = ImageDraw.Draw(sheet)
     if title:
@@ -322,7 +333,37 @@ def contact_sheet(
                 sheet.paste(_to_pil(reference[row, col], scale), (SHEET_GAP + col * step, top + band_h))
         for col in range(num_frames):
             sheet.paste(_to_pil(video[row, col], scale), (sample_left + col * step, top + band_h))
+        if timelines is not None:
+            box = (
+                sample_left,
+                top + band_h + tile_h + SHEET_GAP,
+                num_frames * step - SHEET_GAP,
+                STRIP_HEIGHT,
+            )
+            _draw_timeline(draw, timelines[row], box, step)
     return sheet
+
+
+def _draw_timeline(
+    draw: ImageDraw.ImageDraw, env: SyncEnvelopes, box: tuple[int, ...], frame_step: int
+) -> None:
+    """Motion as an area and onsets as bars in `box` (left, top, width, height), time running as the
+    frames above it do (`frame_step` pixels a frame, frame k's time under its middle), each envelope
+    scaled to its own largest value."""
+    left, top, width, height = box
+    draw.rectangle((left, top, left + width - 1, top + height - 1), fill=(40, 40, 40))
+    points_per_frame = max(1, round(len(env.visual) / max(1, width // frame_step)))
+    for envelope, color, bars in ((env.visual, STRIP_MOTION, False), (env.audio, STRIP_ONSET, True)):
+        peak = float(envelope.max())
+        if peak <= 0:
+            continue
+        for i, value in enumerate((envelope / peak).tolist()):
+            x = left + round((i / points_per_frame + 0.5) * frame_step)  # time k / fps under frame k's middle
+            if x >= left + width or value <= 0:
+                continue
+            y = top + height - 1 - round(value * (height - 2))
+            x_end = min(left + width - 1, x + (1 if bars else max(1, frame_step // points_per_frame)))
+            draw.rectangle((x, y, x_end, top + height - 1), fill=color)
 
 
 def _format_score(value: float | None, digits: int) -> str:
@@ -395,12 +436,18 @@ def _json_scores(
 def _write_sample(
     folder: str, i: int, media: MediaBatch, reference: torch.Tensor | None, written: dict[str, str]
 ) -> dict[str, object]:
-    """Sample i's files (its gif, wav and reference gif, as the batch has them), added to `written`;
-    its index entry's file names."""
+    """Sample i's files (its gif, wav, mp4 with its sound and reference gif, as the batch has them),
+    added to `written`; its index entry's file names."""
     entry: dict[str, object] = {}
+    sound = media.audio
+
+    def mp4(path: str, video: torch.Tensor) -> str:
+        return save_mp4(path, video, media.fps, None if sound is None else sound[i], media.sample_rate)
+
     files = [
         ("gif", f"sample_{i:02d}.gif", media.video, lambda path, x: save_gif(path, x, media.fps)),
         ("wav", f"sample_{i:02d}.wav", media.audio, lambda path, x: save_wav(path, x, media.sample_rate)),
+        ("mp4", f"sample_{i:02d}.mp4", media.video, mp4),
         ("reference_gif", f"reference_{i:02d}.gif", reference, lambda path, x: save_gif(path, x, media.fps)),
     ]
     for key, name, batch, save in files:
@@ -408,6 +455,22 @@ def _write_sample(
             written[name] = save(os.path.join(folder, name), batch[i])
             entry[key] = name
     return entry
+
+
+def _preview_sheet(
+    media: MediaBatch, labels: list[str], reference: torch.Tensor | None, reference_title: str | None
+) -> Image.Image:
+    """The previews' contact sheet: the samples' frames under their labels, beside their reference
+    when there is one, each over its sound-against-motion strip when the batch has sound."""
+    assert media.video is not None
+    title = None
+    if reference is not None:
+        title = DEFAULT_REFERENCE_TITLE if reference_title is None else reference_title
+    timelines = None
+    if media.audio is not None:
+        pairs = zip(media.video, media.audio, strict=True)
+        timelines = [sync_envelopes(v, media.fps, a, media.sample_rate) for v, a in pairs]
+    return contact_sheet(media.video, labels, reference=reference, title=title, timelines=timelines)
 
 
 def save_previews(
@@ -423,7 +486,8 @@ def save_previews(
     """Write a preview folder for a batch and return {file name: path} for every file written.
 
     Files: `sheet.png` (contact sheet labelled with prompt, rewards and metrics; video only),
-    `sample_{i:02d}.gif` and/or `sample_{i:02d}.wav` per sample, `reference_{i:02d}.gif` per sample with a
+    `sample_{i:02d}.gif` and/or `sample_{i:02d}.wav` per sample, with video `sample_{i:02d}.mp4` (its
+    sound muxed in, when it has one: a browser plays it), `reference_{i:02d}.gif` per sample with a
     reference, and `index.json` listing prompts, rewards, metrics and file names.
 
     `rewards` and `metrics` map a name to one score per sample (a list or a tensor). A score that is None,
@@ -443,13 +507,10 @@ def save_previews(
         size = None if media.video is None else (media.video.shape[3], media.video.shape[4])
         _check_reference(reference, count, size)
 
-    sheet: Image.Image | None = None
+    sheet = None
     if media.video is not None:
         labels = [_reward_label(i, prompts[i], scores, measured, failures.get(i)) for i in range(count)]
-        title = None
-        if reference is not None:
-            title = DEFAULT_REFERENCE_TITLE if reference_title is None else reference_title
-        sheet = contact_sheet(media.video, labels, reference=reference, title=title)
+        sheet = _preview_sheet(media, labels, reference, reference_title)
 
     folder = os.fspath(out_dir)
     os.makedirs(folder, exist_ok=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .answer_data.clip_files import ClipFormat
 from .answer_data.question_file import QuestionFileError, is_question_file, load_question_file
 from .config import ConfigError
-from .world import avqa, tiny_world
+from .world import avqa, tiny_sync, tiny_world
 
 if TYPE_CHECKING:
     from .config import DataConfig
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 BUILTIN = {
     "builtin:tiny_world": tiny_world.TRAIN_PROMPTS,
     "builtin:tiny_world_heldout": tiny_world.HELDOUT_PROMPTS,
+    "builtin:tiny_sync": tiny_sync.TRAIN_PROMPTS,
+    "builtin:tiny_sync_heldout": tiny_sync.HELDOUT_PROMPTS,
     "builtin:tiny_avqa": avqa.TRAIN_QUESTIONS,  # "<kind> | <scene>": questions about tiny-world clips
     "builtin:tiny_avqa_heldout": avqa.HELDOUT_QUESTIONS,
 }

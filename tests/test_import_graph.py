@@ -29,6 +29,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.async_layout",
         f"{PACKAGE}.registry",
         f"{PACKAGE}.media",
+        f"{PACKAGE}.sync_metrics",
         f"{PACKAGE}.answer_data",
         f"{PACKAGE}.world",
         f"{PACKAGE}.experience",
@@ -49,6 +50,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.world.avqa",
         f"{PACKAGE}.world.avqa_files",
         f"{PACKAGE}.world.judge",
+        f"{PACKAGE}.world.sync_judge",
         f"{PACKAGE}.world.adversarial",
     ],
     # rewards, the reward server and its client, the combined reward of a config, prompt sources
@@ -70,6 +72,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.trainers",
         f"{PACKAGE}.world.pretrain",
         f"{PACKAGE}.world.pretrain_omni",
+        f"{PACKAGE}.world.pretrain_sync",
         f"{PACKAGE}.execution",
         f"{PACKAGE}.buffer",
         f"{PACKAGE}.export",
@@ -81,7 +84,7 @@ LAYERS: list[list[str]] = [
 
 # Pairs of prefixes that must not import each other: the tiny model decodes into the clip format
 # (world.tiny_clip) and knows nothing of the world that renders clips in it, and the other way.
-WORLD_DATA = ("tiny_world", "avqa", "judge", "adversarial")
+WORLD_DATA = ("tiny_world", "tiny_sync", "sync_judge", "avqa", "judge", "adversarial")
 SEPARATE: list[tuple[str, str]] = [(f"{PACKAGE}.models", f"{PACKAGE}.world.{m}") for m in WORLD_DATA]
 
 

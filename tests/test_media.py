@@ -8,6 +8,7 @@ import os
 import wave
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -327,7 +328,9 @@ def test_save_previews_video_and_audio(tmp_path: Path) -> None:
     rewards = {"reward/mean": [0.25, 0.75], "reward/color_match": torch.tensor([0.5, 1.0])}
     paths = save_previews(tmp_path / "step_0001", media, prompts, rewards)
 
-    expected = {"sheet.png", "sample_00.gif", "sample_01.gif", "sample_00.wav", "sample_01.wav", "index.json"}
+    expected = {"sheet.png", "index.json"} | {
+        f"sample_0{i}.{kind}" for i in (0, 1) for kind in ("gif", "wav", "mp4")
+    }
     assert set(paths) == expected
     folder = tmp_path / "step_0001"
     assert sorted(os.listdir(folder)) == sorted(expected)  # no temp files left behind
@@ -346,7 +349,10 @@ def test_save_previews_video_and_audio(tmp_path: Path) -> None:
         "metrics": {},
         "gif": "sample_01.gif",
         "wav": "sample_01.wav",
+        "mp4": "sample_01.mp4",
     }
+    with av.open(paths["sample_01.mp4"]) as clip:  # the sample's picture and its sound, in one file
+        assert [s.type for s in clip.streams] == ["video", "audio"]
     with Image.open(paths["sheet.png"]) as sheet:
         assert sheet.width >= 3 * 16 * 8
     with wave.open(paths["sample_00.wav"], "rb") as wav:

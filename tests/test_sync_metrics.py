@@ -1,4 +1,4 @@
-"""Synchrony metrics (evaluation/sync.py) on constructed clips: the tiny sync world's own, the same
+"""Synchrony metrics (sync_metrics.py) on constructed clips: the tiny sync world's own, the same
 with the sound shifted by k frames, a clip of another format built here without the world's code,
 and the clips a reward-gaming generator would make."""
 
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from omni_diffusion_rl.evaluation.sync import SyncSettings, sync_report
+from omni_diffusion_rl.sync_metrics import SyncSettings, sync_report
 from omni_diffusion_rl.world import tiny_sync as world
 
 from .helpers import shifted_wave

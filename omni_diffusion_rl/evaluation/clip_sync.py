@@ -1,5 +1,5 @@
 """Synchrony of clips on disk: every video file with a sound track in a folder (a user's own clips,
-or a generator's), read at its own frame rate and sample rate and scored by evaluation/sync.py.
+or a generator's), read at its own frame rate and sample rate and scored by sync_metrics.py.
 
 Reading is bounded like every clip the project reads (answer_data/clip_files.py): at most
 MAX_FILES files, each file's first MAX_SECONDS, frames decoded straight to at most ANALYSIS_SIDE
@@ -21,7 +21,7 @@ from ..answer_data.clip_files import (
     decode_video,
     file_timing,
 )
-from .sync import DEFAULT_SYNC, SyncReport, SyncSettings, sync_report
+from ..sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sync_report
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".m4v")
 MAX_FILES = 1000

@@ -32,6 +32,16 @@ def load_tiny_av(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
     return TinyAVPolicy.from_pretrained(cfg.pretrained), list(DEFAULT_LORA_TARGETS)
 
 
+@models.register("tiny_sync")
+def load_tiny_sync(cfg: ModelConfig) -> tuple[FlowPolicy, list[str]]:
+    """The built-in tiny sync model ('builtin' or a saved directory), for the tiny sync world."""
+    from .tiny_av import DEFAULT_LORA_TARGETS
+    from .tiny_sync import TinySyncPolicy
+
+    check_family_options("tiny_sync", cfg.options)
+    return TinySyncPolicy.from_pretrained(cfg.pretrained), list(DEFAULT_LORA_TARGETS)
+
+
 def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str]]:
     """A diffusers pipeline directory (or hub id) with a `transformer` subfolder; a `vae` subfolder
     decodes latents when present, and for images a `text_encoder` (+ `tokenizer`) subfolder encodes
@@ -51,7 +61,13 @@ def _load_diffusers(cfg: ModelConfig, image: bool) -> tuple[FlowPolicy, list[str
     return policy, list(policy.lora_target_modules)
 
 
-NO_OPTIONS = ("tiny_av", "tiny_omni", "sd3", "stable_audio")  # built-in families that take no model.options
+NO_OPTIONS = (
+    "tiny_av",
+    "tiny_sync",
+    "tiny_omni",
+    "sd3",
+    "stable_audio",
+)  # built-in families that take no model.options
 
 
 def check_family_options(family: str, options: dict) -> None:

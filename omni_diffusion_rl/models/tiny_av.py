@@ -256,21 +256,7 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
             ],
             dim=1,
         )
-        latent_tokens = latent_tokens + self.latent_pos
-        words = self.word_embedding(text_ids) + self.text_pos[:, : text_ids.shape[1]]
-        mask_f = text_mask.unsqueeze(-1).to(words.dtype)
-        pooled = (words * mask_f).sum(1) / mask_f.sum(1).clamp(min=1)
-        cond = self.time_mlp(timestep_embedding(t, c.dim).to(x.dtype)) + self.text_pool(pooled)
-        tokens = torch.cat([words, latent_tokens], dim=1)
-        ones = torch.ones(x.shape[0], latent_tokens.shape[1], dtype=torch.bool, device=x.device)
-        key_mask = torch.cat([text_mask, ones], dim=1)
-        for block in self.blocks:
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                tokens = self._gradient_checkpointing_func(block, tokens, cond, key_mask)
-            else:
-                tokens = block(tokens, cond, key_mask)
-        shift, scale = self.final_modulation(F.silu(cond))[:, None].chunk(2, dim=-1)
-        out = self.final_norm(tokens[:, words.shape[1] :]) * (1 + scale) + shift
+        out = joint_attention(self, latent_tokens + self.latent_pos, text_ids, text_mask, t, x.dtype)
         n = self.grid**2
         timing = self.timing_out(out[:, n])
         y = torch.cat(
@@ -282,20 +268,70 @@ class TinyAVTransformer(ModelMixin, ConfigMixin):
             ],
             dim=1,
         )
-        if c.prediction == "sample":
-            return (x - y) / t.to(x.dtype).clamp(min=0.05)[:, None]
-        return y
+        return velocity_from(x, y, t, c.prediction)
 
 
-class TinyAVPolicy:
-    """The FlowPolicy of the built-in model: hashed-word prompts in, a MediaBatch out."""
+def joint_attention(
+    model: nn.Module,
+    latent_tokens: torch.Tensor,
+    text_ids: torch.Tensor,
+    text_mask: torch.Tensor,
+    t: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The prompt's word tokens and `latent_tokens` [B, N, dim] through `model`'s blocks, modulated
+    by the timestep (its features in `dtype`, the latent's) and the pooled prompt (adaLN-Zero); the
+    latent tokens out, after the final modulation [B, N, dim]. `model` has the tiny models'
+    embeddings, blocks and final layers."""
+    words = model.word_embedding(text_ids) + model.text_pos[:, : text_ids.shape[1]]
+    mask_f = text_mask.unsqueeze(-1).to(words.dtype)
+    pooled = (words * mask_f).sum(1) / mask_f.sum(1).clamp(min=1)
+    cond = model.time_mlp(timestep_embedding(t, model.config.dim).to(latent_tokens.dtype)) + model.text_pool(
+        pooled
+    )
+    tokens = torch.cat([words, latent_tokens], dim=1)
+    ones = torch.ones(
+        len(latent_tokens), latent_tokens.shape[1], dtype=torch.bool, device=latent_tokens.device
+    )
+    key_mask = torch.cat([text_mask, ones], dim=1)
+    for block in model.blocks:
+        if torch.is_grad_enabled() and model.gradient_checkpointing:
+            tokens = model._gradient_checkpointing_func(block, tokens, cond, key_mask)
+        else:
+            tokens = block(tokens, cond, key_mask)
+    shift, scale = model.final_modulation(F.silu(cond))[:, None].chunk(2, dim=-1)
+    return model.final_norm(tokens[:, words.shape[1] :]) * (1 + scale) + shift
+
+
+def velocity_from(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor, prediction: str) -> torch.Tensor:
+    """The velocity at (x, t) from the network's output y: y itself, or with prediction='sample'
+    (y is x0) (x - y) / max(t, 0.05)."""
+    if prediction == "sample":
+        return (x - y) / t.to(x.dtype).clamp(min=0.05)[:, None]
+    return y
+
+
+class HashedPromptPolicy:
+    """What the tiny models' policies share: prompts as hashed words (the transformer's config says
+    how many ids and words), and the transformer's velocity."""
 
     lora_targets = DEFAULT_LORA_TARGETS
 
-    def __init__(self, transformer: TinyAVTransformer) -> None:
+    def __init__(self, transformer: nn.Module) -> None:
         self.transformer = transformer
         cfg = transformer.config
         self.tokenizer = HashedWordTokenizer(cfg.vocab_size, cfg.max_text_tokens)
+
+    def encode_prompts(self, prompts: list[str]) -> Condition:
+        ids, mask = self.tokenizer(prompts)
+        return {"text_ids": ids, "text_mask": mask}
+
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, cond: Condition) -> torch.Tensor:
+        return self.transformer(x_t, t, cond["text_ids"], cond["text_mask"])
+
+
+class TinyAVPolicy(HashedPromptPolicy):
+    """The FlowPolicy of the built-in model: hashed-word prompts in, a MediaBatch out."""
 
     @classmethod
     def from_pretrained(cls, path: str | Path = "builtin") -> TinyAVPolicy:
@@ -312,13 +348,6 @@ class TinyAVPolicy:
     @property
     def latent_shape(self) -> tuple[int, ...]:
         return (self.transformer.layout.dim,)
-
-    def encode_prompts(self, prompts: list[str]) -> Condition:
-        ids, mask = self.tokenizer(prompts)
-        return {"text_ids": ids, "text_mask": mask}
-
-    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, cond: Condition) -> torch.Tensor:
-        return self.transformer(x_t, t, cond["text_ids"], cond["text_mask"])
 
     def decode(self, x0: torch.Tensor) -> MediaBatch:
         video, amps = self.transformer.layout.decode(x0.float())

@@ -13,6 +13,7 @@ import copy
 import inspect
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -98,6 +99,36 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int = 100, decay_f
     return peak * max(0.05, (steps - step) / max(1, steps - start))
 
 
+def flow_matching_step(
+    policy: Any,
+    average: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    prompts: list[str],
+    x0: torch.Tensor,
+    gen: torch.Generator,
+    ema_decay: float,
+    entries: torch.Tensor | None = None,
+) -> float:
+    """One plain flow-matching step of `policy.transformer` on clips `x0` for `prompts` (noise and
+    logit-normal times from `gen`; the loss over `entries` of the latent, or all of it), gradients
+    clipped to norm 1, then `average` moved toward the trained weights; returns the loss."""
+    transformer = policy.transformer
+    noise = torch.randn(x0.shape, generator=gen)
+    t = torch.sigmoid(torch.randn(len(x0), generator=gen))  # logit-normal times
+    x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
+    v = policy.velocity(x_t, t, policy.encode_prompts(prompts))
+    keep = slice(None) if entries is None else entries
+    loss = flow_matching_loss(v[:, keep], noise[:, keep], x0[:, keep])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        for kept, trained in zip(average.parameters(), transformer.parameters(), strict=True):
+            kept.lerp_(trained, 1 - ema_decay)
+    return loss.item()
+
+
 def pretrain_base_model(
     output_dir: str | Path = BUILTIN_WEIGHTS,
     steps: int = 6000,
@@ -136,19 +167,8 @@ def pretrain_base_model(
             dropped = torch.rand(batch_size, generator=gen) < prompt_dropout
             prompts = ["" if drop else prompt for prompt, drop in zip(prompts, dropped.tolist(), strict=True)]
         x0 = transformer.layout.encode(video, amps)
-        noise = torch.randn(x0.shape, generator=gen)
-        t = torch.sigmoid(torch.randn(batch_size, generator=gen))  # logit-normal times
-        x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
-        v = policy.velocity(x_t, t, policy.encode_prompts(prompts))
-        loss = flow_matching_loss(v[:, entries], noise[:, entries], x0[:, entries])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            for kept, trained in zip(average.parameters(), transformer.parameters(), strict=True):
-                kept.lerp_(trained, 1 - ema_decay)
-        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        loss = flow_matching_step(policy, average, opt, prompts, x0, gen, ema_decay, entries)
+        loss_ema = loss if loss_ema is None else 0.98 * loss_ema + 0.02 * loss
         bar.set_postfix(loss=f"{loss_ema:.4f}")
     for stale in (GUIDANCE_FILE, TRAINED_PARTS_FILE):  # an earlier model's word must not outlive it
         (Path(output_dir) / stale).unlink(missing_ok=True)

@@ -31,13 +31,31 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiny_clip import bin_frequency, synthesize
+# The clip format lives below both the world and the model; these names stay importable from here.
+from .sync_clip import AUDIO_BINS as AUDIO_BINS
+from .sync_clip import AUDIO_FRAMES as AUDIO_FRAMES
+from .sync_clip import BACKGROUND as BACKGROUND
+from .sync_clip import (
+    COLUMN_CENTRE,
+    COLUMN_RANGE,
+    MAX_HEIGHT,
+    MAX_SIDE,
+    PARTS,
+    SLOT_DIM,
+    SLOTS,
+    decode_amps,
+    decode_video,
+    from_unit,
+    synthesize_sync,
+)
+from .sync_clip import DURATION_S as DURATION_S
+from .sync_clip import FPS as FPS
+from .sync_clip import FRAMES as FRAMES
+from .sync_clip import HOPS_PER_FRAME as HOPS_PER_FRAME
+from .sync_clip import SAMPLE_RATE as SAMPLE_RATE
+from .sync_clip import SIZE as SIZE
+from .tiny_clip import bin_frequency
 
-FRAMES, SIZE, FPS = 16, 16, 16.0
-HOPS_PER_FRAME = 4
-AUDIO_FRAMES, AUDIO_BINS, SAMPLE_RATE = FRAMES * HOPS_PER_FRAME, 16, 8000
-DURATION_S = FRAMES / FPS
-BACKGROUND = 0.1
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.15, 0.15),
     "green": (0.15, 0.8, 0.2),
@@ -47,13 +65,16 @@ COLORS: dict[str, tuple[float, float, float]] = {
 SIZES = {"small": 3, "large": 5}
 SOUNDS = {"red": "low thud", "blue": "knock", "green": "clink", "yellow": "high ping"}
 """The sound each colour makes when it strikes (the prompt names it)."""
-PITCH_BINS = {"red": 0, "blue": 3, "green": 7, "yellow": 11}
+PITCH_BINS = {"red": 0, "blue": 3, "green": 9, "yellow": 11}
+"""Each colour's pitch (a bin of the envelope), its overtone OVERTONE bins above: no pitch is another
+colour's overtone."""
 OVERTONE, OVERTONE_GAIN = 4, 0.4  # an octave up (4 bins), quieter: a struck object, not a sine
 DECAY = 0.55  # the sound's amplitude kept from one envelope frame to the next (about 42 ms to 1/e)
 IMPACT_SPEED = 2.0  # pixels moved in the frame before and in the frame after every strike
 COUNT_WORDS = {1: "once", 2: "twice", 3: "three times"}
 FIRST_STRIKE, LAST_STRIKE, MIN_GAP, LEAD_GAP = 3, 12, 4, 6
-COLUMNS = tuple(range(1, SIZE - 6))  # an object's left column (a large one fits on every one)
+COLUMNS = tuple(range(1, SIZE - 5))  # an object's left column (a large one fits on every one)
+PAIR_COLUMNS = ((1, 2), (9, 10))  # two objects: one in each half, never overlapping
 HELD_OUT_COMBINATIONS = {
     ("green", "small", 2),
     ("blue", "large", 3),
@@ -122,49 +143,66 @@ class SyncScene:
         return ", and ".join(o.phrase for o in self.objects)
 
 
-def render_video(scene: SyncScene) -> torch.Tensor:
-    """Frames [FRAMES, 3, SIZE, SIZE] in [0, 1]: each object's square at its height, its top and
-    bottom rows covered in part (anti-aliased), so that motion below a pixel shows."""
-    frames = torch.full((FRAMES, 3, SIZE, SIZE), BACKGROUND)
-    rows = torch.arange(SIZE, dtype=torch.float64)
+def encode_scene(scene: SyncScene) -> torch.Tensor:
+    """The scene's latent [LATENT_DIM] (sync_clip's format): each object in a slot of its own, its
+    colour, size, column, its height on every frame, its colour's spectrum and its strikes' loudness;
+    slots left over draw and sound nothing."""
+    if len(scene.objects) > SLOTS:
+        raise ValueError(f"a sync clip holds at most {SLOTS} objects; got {len(scene.objects)}")
+    slots = torch.zeros(SLOTS, SLOT_DIM)
+    slots[:, PARTS["side"][0]] = -1.0  # side 0: nothing drawn
+    slots[:, PARTS["height"][0] : PARTS["height"][0] + FRAMES] = -1.0
+    for name in ("spectrum", "loudness"):
+        start, length = PARTS[name]
+        slots[:, start : start + length] = -1.0
     times = torch.arange(FRAMES, dtype=torch.float64)
-    for obj in scene.objects:
-        side = SIZES[obj.size]
-        bottom = SIZE - obj.height(times)  # the square's bottom edge, in rows from the top
-        top = bottom - side
-        # coverage of row r (spanning [r, r + 1)) by [top, bottom)
-        cover = (
-            torch.minimum(rows[None] + 1, bottom[:, None]) - torch.maximum(rows[None], top[:, None])
-        ).clamp(0, 1)
-        color = torch.tensor(COLORS[obj.color], dtype=torch.float64)
-        columns = slice(obj.column, obj.column + side)
-        alpha = cover[:, None, :, None].float()  # [T, 1, rows, 1]
-        patch = frames[:, :, :, columns]
-        frames[:, :, :, columns] = patch * (1 - alpha) + color.float()[None, :, None, None] * alpha
-    return frames
+    for slot, obj in zip(slots, scene.objects, strict=False):
+        quantities = {
+            "color": torch.tensor(COLORS[obj.color]),
+            "side": torch.tensor([SIZES[obj.size] / MAX_SIDE]),
+            "height": (obj.height(times) / MAX_HEIGHT).float(),
+            "spectrum": spectrum_of(obj.color),
+            "loudness": loudness_of(obj.strikes),
+        }
+        for name, value in quantities.items():
+            start, length = PARTS[name]
+            slot[start : start + length] = from_unit(value)
+        slot[PARTS["column"][0]] = (obj.column - COLUMN_CENTRE) / COLUMN_RANGE
+    return slots.flatten()
+
+
+def spectrum_of(color: str) -> torch.Tensor:
+    """A colour's strike spectrum [AUDIO_BINS]: its pitch, and a quieter octave above."""
+    spectrum = torch.zeros(AUDIO_BINS)
+    spectrum[PITCH_BINS[color]] = 1.0
+    spectrum[PITCH_BINS[color] + OVERTONE] = OVERTONE_GAIN
+    return spectrum
+
+
+def loudness_of(strikes: tuple[int, ...]) -> torch.Tensor:
+    """Loudness [AUDIO_FRAMES]: each strike full on the envelope frame centred just after its time
+    (frame j is centred at j + 1/2 hops, so the rise is centred on the strike) and decaying."""
+    frames = torch.arange(AUDIO_FRAMES, dtype=torch.float64)
+    loudness = torch.zeros(AUDIO_FRAMES, dtype=torch.float64)
+    for strike in strikes:
+        since = frames - strike * HOPS_PER_FRAME
+        loudness = torch.maximum(loudness, torch.where(since >= 0, DECAY**since, torch.zeros_like(since)))
+    return loudness.float()
+
+
+def render_video(scene: SyncScene) -> torch.Tensor:
+    """Frames [FRAMES, 3, SIZE, SIZE] in [0, 1], through the sync clip decoder."""
+    return decode_video(encode_scene(scene)[None])[0]
 
 
 def render_envelope(scene: SyncScene) -> torch.Tensor:
-    """Amplitudes [AUDIO_FRAMES, AUDIO_BINS] in [0, 1]: at each strike its colour's pitch and
-    overtone, full at the envelope frame centred just after the strike's time and decaying."""
-    amps = torch.zeros(AUDIO_FRAMES, AUDIO_BINS)
-    frames = torch.arange(AUDIO_FRAMES, dtype=torch.float64)
-    for obj in scene.objects:
-        for strike in obj.strikes:
-            start = (
-                strike * HOPS_PER_FRAME
-            )  # frame j is centred at (j + 1/2) hops: the rise is centred on the strike
-            since = frames - start
-            level = torch.where(since >= 0, DECAY**since, torch.zeros_like(since)).float()
-            pitch = PITCH_BINS[obj.color]
-            amps[:, pitch] = torch.maximum(amps[:, pitch], level)
-            amps[:, pitch + OVERTONE] = torch.maximum(amps[:, pitch + OVERTONE], OVERTONE_GAIN * level)
-    return amps
+    """Amplitudes [AUDIO_FRAMES, AUDIO_BINS] in [0, 1], through the sync clip decoder."""
+    return decode_amps(encode_scene(scene)[None])[0]
 
 
 def render_audio(amps: torch.Tensor) -> torch.Tensor:
     """Waveforms [B, 1, SAMPLE_RATE * DURATION_S] from envelopes [B, AUDIO_FRAMES, AUDIO_BINS]."""
-    return synthesize(amps, SAMPLE_RATE, DURATION_S)
+    return synthesize_sync(amps)
 
 
 def strike_options(count: int) -> list[tuple[int, ...]]:
@@ -201,8 +239,11 @@ def random_scene(rng: random.Random, held_out: bool = False, second_object: floa
         others = [k for k in object_kinds(False) + object_kinds(True) if k[0] != first[0]]
         others = [k for k in others if held_out or not is_held_out(k)]
         second = random_bouncer(rng, *rng.choice(others))
-        column = (objects[0].column + SIZE // 2) % (SIZE - 6)
-        objects.append(Bouncer(second.color, second.size, max(column, 1), second.strikes))
+        left, right = (
+            Bouncer(o.color, o.size, rng.choice(c), o.strikes)
+            for o, c in zip((objects[0], second), PAIR_COLUMNS, strict=True)
+        )
+        objects = [left, right]
     return SyncScene(tuple(objects))
 
 
@@ -219,3 +260,175 @@ def strike_times_s(scene: SyncScene) -> list[float]:
 def clip_tensors(scene: SyncScene) -> tuple[torch.Tensor, torch.Tensor]:
     """(frames [FRAMES, 3, SIZE, SIZE], waveform [1, S]) of a scene."""
     return render_video(scene), render_audio(render_envelope(scene)[None])[0]
+
+
+@dataclass(frozen=True)
+class BaseNoise:
+    """How the base's training clips deviate from their prompts (what post-training must fix):
+    a clip's sound moved by `offsets` frames (drawn with `offset_weights`) from its strikes, and
+    each modality's strike count off by one with probability `count_flip`."""
+
+    offsets: tuple[int, ...] = (-3, -2, -1, 0, 1, 2, 3)
+    offset_weights: tuple[float, ...] = (0.22, 0.2, 0.05, 0.06, 0.05, 0.2, 0.22)
+    count_flip: float = 0.45
+
+
+def _other_count(rng: random.Random, count: int) -> int:
+    return rng.choice([c for c in (count - 1, count + 1) if c in COUNT_WORDS])
+
+
+def _with_count(rng: random.Random, strikes: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """`strikes` with one dropped or one added (where the rules allow) to make `count`."""
+    if count < len(strikes):
+        drop = rng.randrange(len(strikes))
+        return strikes[:drop] + strikes[drop + 1 :]
+    options = [s for s in strike_options(count) if set(strikes) <= set(s)]
+    return rng.choice(options) if options else rng.choice(strike_options(count))
+
+
+def noisy_clip_latent(rng: random.Random, scene: SyncScene, noise: BaseNoise) -> torch.Tensor:
+    """The latent of a clip for `scene`'s prompt as the base learns it: each object's picture with
+    its count off by one at times, its sound's strikes moved by one offset for the clip (kept
+    within the clip) and their count off by one at times. The prompt stays `scene.prompt`."""
+    offset = rng.choices(noise.offsets, weights=noise.offset_weights)[0]
+    latent = encode_scene(scene).view(SLOTS, SLOT_DIM).clone()
+    for slot, obj in zip(latent, scene.objects, strict=False):
+        seen = obj.strikes
+        if rng.random() < noise.count_flip:
+            seen = _with_count(rng, seen, _other_count(rng, len(seen)))
+        heard = seen
+        if rng.random() < noise.count_flip:
+            heard = _with_count(rng, heard, _other_count(rng, len(heard)))
+        heard = tuple(min(max(s + offset, 1), FRAMES - 2) for s in heard)
+        drawn = Bouncer(obj.color, obj.size, obj.column, seen)
+        video = encode_scene(SyncScene((drawn,))).view(SLOTS, SLOT_DIM)[0]
+        start, length = PARTS["height"]
+        slot[start : start + length] = video[start : start + length]
+        start, length = PARTS["loudness"]
+        slot[start : start + length] = from_unit(loudness_of(heard))
+    return latent.flatten()
+
+
+def training_batch(
+    rng: random.Random, size: int, noise: BaseNoise, second_object: float = 0.25
+) -> tuple[list[str], torch.Tensor]:
+    """`size` prompts of the training split and their noisy clips' latents [size, LATENT_DIM]."""
+    scenes = [random_scene(rng, second_object=second_object) for _ in range(size)]
+    return [s.prompt for s in scenes], torch.stack([noisy_clip_latent(rng, s, noise) for s in scenes])
+
+
+# ---------------------------------------------------------------- prompts: wordings and splits
+SIZE_WORDS = {"small": ("small", "little", "tiny"), "large": ("large", "big")}
+COUNT_PHRASES = {1: ("once", "one time"), 2: ("twice", "two times"), 3: ("three times", "thrice")}
+PARAPHRASES = (
+    "a {size} {color} block hits the floor {count}, each hit a {sound}",
+    "the floor is struck {count} by a {size} {color} square, with a {sound}",
+)
+"""Held-out wordings (never trained on): other sentences around the attribute words the training
+prompts use (a model of hashed words cannot know that "big" means large); the parser reads the
+synonyms too."""
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    """What a prompt asks of one object."""
+
+    color: str
+    size: str
+    count: int
+
+
+def paraphrase(scene: SyncScene, variant: int) -> str:
+    """The scene's prompt in held-out wording `variant` (its objects joined by ', and ')."""
+    parts = []
+    for i, obj in enumerate(scene.objects):
+        template = PARAPHRASES[(variant + i) % len(PARAPHRASES)]
+        parts.append(
+            template.format(
+                size=obj.size, color=obj.color, count=COUNT_WORDS[obj.count], sound=SOUNDS[obj.color]
+            )
+        )
+    return ", and ".join(parts)
+
+
+def parse_prompt(prompt: str) -> list[ObjectSpec]:
+    """The objects a prompt of this world asks for, in either wording; a ValueError names what is
+    missing. Objects are the parts between ', and '."""
+    specs = []
+    for part in prompt.lower().split(", and "):
+        text = " " + " ".join(part.replace(",", " ").split()) + " "
+        words = set(text.split())
+        colors = [c for c in COLORS if c in words]
+        sizes = [s for s, names in SIZE_WORDS.items() if words & set(names)]
+        counts = [n for n, phrases in COUNT_PHRASES.items() if any(f" {p} " in text for p in phrases)]
+        if len(colors) != 1 or len(sizes) != 1 or len(counts) != 1:
+            raise ValueError(
+                f"not a tiny sync prompt: {part!r} should name one colour ({', '.join(COLORS)}), one size "
+                f"and one count (once, twice, three times)"
+            )
+        specs.append(ObjectSpec(colors[0], sizes[0], counts[0]))
+    return specs
+
+
+def _prompt_scenes(held_out: bool, count: int, seed: int, second_object: float) -> list[SyncScene]:
+    rng = random.Random(seed)
+    seen: dict[str, SyncScene] = {}
+    while len(seen) < count:
+        scene = random_scene(rng, held_out=held_out, second_object=second_object)
+        seen.setdefault(scene.prompt, scene)
+    return list(seen.values())
+
+
+def _train_prompts() -> list[str]:
+    """Every training kind alone, and 40 pairs of training kinds (training wording)."""
+    single = [
+        SyncScene((Bouncer(c, s, COLUMNS[0], strike_options(n)[0]),)).prompt
+        for c, s, n in object_kinds(False)
+    ]
+    pairs = [scene.prompt for scene in _prompt_scenes(False, 40, seed=1, second_object=1.0)]
+    return single + pairs
+
+
+def _heldout_prompts() -> list[str]:
+    """16: the held-out kinds alone (training wording), 4 held-out pairs, and 8 training-split
+    scenes in held-out wordings."""
+    single = [
+        SyncScene((Bouncer(c, s, COLUMNS[0], strike_options(n)[0]),)).prompt for c, s, n in object_kinds(True)
+    ]
+    pairs = [
+        scene.prompt
+        for scene in _prompt_scenes(True, 4, seed=2, second_object=1.0)
+        if len(scene.objects) == 2
+    ]
+    reworded = [
+        paraphrase(scene, i) for i, scene in enumerate(_prompt_scenes(False, 8, seed=3, second_object=0.25))
+    ]
+    return single + pairs + reworded
+
+
+TRAIN_PROMPTS = _train_prompts()
+HELDOUT_PROMPTS = _heldout_prompts()
+
+
+def render_prompts(prompts: list[str], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The world's own clips of sync prompts (strike frames and columns drawn from `gen`): video
+    [B, FRAMES, 3, SIZE, SIZE] and waveform [B, 1, S]; None when a prompt is not one of this world's
+    (then there is no reference to show)."""
+    try:
+        specs = [parse_prompt(p) for p in prompts]
+    except ValueError:
+        return None
+    if not specs or any(len(s) > SLOTS for s in specs):
+        return None
+    rng = random.Random(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    scenes = []
+    for spec in specs:
+        objects = [random_bouncer(rng, o.color, o.size, o.count) for o in spec]
+        if len(objects) == 2:
+            objects = [
+                Bouncer(o.color, o.size, rng.choice(c), o.strikes)
+                for o, c in zip(objects, PAIR_COLUMNS, strict=True)
+            ]
+        scenes.append(SyncScene(tuple(objects)))
+    latents = torch.stack([encode_scene(s) for s in scenes])
+    return decode_video(latents), render_audio(decode_amps(latents))

@@ -251,6 +251,36 @@ def _lagged_dot(a: torch.Tensor, v: torch.Tensor, lag: int) -> float:
     return float((a[: len(a) + lag] * v[-lag:]).sum())
 
 
+@dataclass(frozen=True)
+class SyncEnvelopes:
+    """A clip's two envelopes on one time grid: `rate` points a second, point i at time i / rate."""
+
+    rate: float
+    audio: torch.Tensor
+    visual: torch.Tensor
+
+
+def sync_envelopes(
+    frames: torch.Tensor,
+    fps: float,
+    wave: torch.Tensor,
+    sample_rate: int,
+    settings: SyncSettings = DEFAULT_SYNC,
+) -> SyncEnvelopes:
+    """The audio onset strength and the visual motion of a clip, `settings.hops_per_frame` points a
+    video frame, over the longer of its picture and its sound."""
+    if fps <= 0 or sample_rate <= 0:
+        raise ValueError(f"fps and sample_rate must be positive; got {fps} and {sample_rate}")
+    rate = fps * settings.hops_per_frame
+    duration = max(len(frames) / fps, mono(wave).shape[0] / sample_rate)
+    points = max(2, math.ceil(duration * rate))
+    return SyncEnvelopes(
+        rate,
+        audio_onset_envelope(wave, sample_rate, rate, points),
+        motion_envelope(frames, fps, rate, points),
+    )
+
+
 def sync_report(
     frames: torch.Tensor,
     fps: float,
@@ -260,16 +290,10 @@ def sync_report(
 ) -> SyncReport:
     """The synchrony of one clip: its audio and visual events, their matches, AV-Align's IoU and the
     envelopes' offset."""
-    if fps <= 0 or sample_rate <= 0:
-        raise ValueError(f"fps and sample_rate must be positive; got {fps} and {sample_rate}")
-    rate = fps * settings.hops_per_frame
-    duration = max(len(frames) / fps, mono(wave).shape[0] / sample_rate)
-    points = max(2, math.ceil(duration * rate))
-    audio = audio_onset_envelope(wave, sample_rate, rate, points)
-    visual = motion_envelope(frames, fps, rate, points)
+    env = sync_envelopes(frames, fps, wave, sample_rate, settings)
     gap = settings.min_gap_frames * settings.hops_per_frame
-    read = (rate, gap, settings.relative_threshold, settings.prominence)
-    audio_events, visual_events = envelope_events(audio, *read), envelope_events(visual, *read)
+    read = (env.rate, gap, settings.relative_threshold, settings.prominence)
+    audio_events, visual_events = envelope_events(env.audio, *read), envelope_events(env.visual, *read)
     matched = match_events(audio_events, visual_events, settings.match_frames / fps)
     union = len(audio_events) + len(visual_events) - matched
     return SyncReport(
@@ -277,5 +301,5 @@ def sync_report(
         visual_events_s=tuple(visual_events),
         matched=matched,
         iou=matched / union if union else 0.0,
-        offset_ms=1000 * envelope_offset_s(audio, visual, rate, settings.max_offset_s),
+        offset_ms=1000 * envelope_offset_s(env.audio, env.visual, env.rate, settings.max_offset_s),
     )

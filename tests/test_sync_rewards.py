@@ -1,0 +1,107 @@
+"""The synchrony rewards (rewards/sync.py) and the sync world's judge as a scorer
+(rewards/tiny_sync_judge.py): the world's own clips score 1, and each way to game them scores less."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from omni_diffusion_rl.media import MediaBatch
+from omni_diffusion_rl.registry import rewards
+from omni_diffusion_rl.world import tiny_sync as world
+
+from .helpers import shifted_wave
+
+
+def _batch(scenes: list[world.SyncScene], audio: torch.Tensor | None = None) -> MediaBatch:
+    video = torch.stack([world.render_video(s) for s in scenes])
+    if audio is None:
+        audio = world.render_audio(torch.stack([world.render_envelope(s) for s in scenes]))
+    return MediaBatch(video=video, audio=audio, fps=world.FPS, sample_rate=world.SAMPLE_RATE)
+
+
+def _single_scenes(count: int, seed: int) -> list[world.SyncScene]:
+    rng = random.Random(seed)
+    return [world.random_scene(rng) for _ in range(count)]
+
+
+def test_the_worlds_clips_score_one_on_sync_count_and_the_judge() -> None:
+    scenes = _single_scenes(24, seed=0)
+    media, prompts = _batch(scenes), [s.prompt for s in scenes]
+    assert rewards.create("sync_onsets").score(media, prompts).tolist() == [1.0] * 24
+    assert rewards.create("strike_count").score(media, prompts).tolist() == [1.0] * 24
+    judged = rewards.create("tiny_sync_judge").score(media, prompts)
+    assert judged.scores.tolist() == [1.0] * 24 and judged.components["in_sync"].tolist() == [1.0] * 24
+
+
+def test_sound_moved_off_the_strikes_loses_sync_credit_step_by_step() -> None:
+    """One strike's sound a frame off is still in sync (AV-Align's window); two frames off earns
+    half; three nothing."""
+    scenes = [
+        s
+        for s in _single_scenes(80, seed=1)
+        if s.objects[0].strikes[0] in range(4, 11) and s.objects[0].count == 1
+    ]
+    assert len(scenes) >= 8
+    prompts = [s.prompt for s in scenes]
+    reward = rewards.create("sync_onsets")
+    base = _batch(scenes)
+    means = []
+    for k in (0, 1, 2, 3):
+        moved = shifted_wave(base.audio, k * world.SAMPLE_RATE // int(world.FPS))
+        means.append(float(reward.score(_batch(scenes, moved), prompts).mean()))
+    assert means[0] == means[1] == 1.0
+    assert means[2] == pytest.approx(0.5, abs=0.05)
+    assert means[3] == 0.0
+
+
+def test_gaming_clips_score_below_the_worlds_own() -> None:
+    """A tone for the whole clip over a still square, a click on every frame over the right picture,
+    and the right counts heard two frames late: each scores below the world's clip on sync."""
+    scene = world.SyncScene((world.Bouncer("red", "large", 4, (4, 9)),))
+    honest = _batch([scene])
+    prompt = [scene.prompt]
+    still = honest.video[:, :1].expand(-1, world.FRAMES, -1, -1, -1).contiguous()
+    tone = torch.zeros(1, world.AUDIO_FRAMES, world.AUDIO_BINS)
+    tone[0, :, world.PITCH_BINS["red"]] = 1.0
+    clicks = torch.zeros(1, world.AUDIO_FRAMES, world.AUDIO_BINS)
+    clicks[0, :: world.HOPS_PER_FRAME, world.PITCH_BINS["red"]] = 1.0
+    cases = {
+        "still square, steady tone": MediaBatch(
+            still, world.render_audio(tone), world.FPS, world.SAMPLE_RATE
+        ),
+        "a click on every frame": MediaBatch(
+            honest.video, world.render_audio(clicks), world.FPS, world.SAMPLE_RATE
+        ),
+        "right count, two frames late": MediaBatch(
+            honest.video,
+            shifted_wave(honest.audio, 2 * world.SAMPLE_RATE // 16),
+            world.FPS,
+            world.SAMPLE_RATE,
+        ),
+    }
+    sync, count = rewards.create("sync_onsets"), rewards.create("strike_count")
+    judge = rewards.create("tiny_sync_judge")
+    assert float(sync.score(honest, prompt)[0]) == 1.0
+    for name, media in cases.items():
+        assert float(sync.score(media, prompt)[0]) <= 0.5, name
+        assert float(judge.score(media, prompt).scores[0]) == 0.0, name
+    assert float(count.score(cases["still square, steady tone"], prompt)[0]) < 0.5
+    assert float(count.score(cases["a click on every frame"], prompt)[0]) < 0.7
+
+
+def test_a_prompt_without_a_count_and_media_without_sound_are_errors() -> None:
+    scenes = _single_scenes(1, seed=2)
+    media = _batch(scenes)
+    with pytest.raises(ValueError, match="asks for no count"):
+        rewards.create("strike_count").score(media, ["a red square"])
+    silent = MediaBatch(video=media.video, fps=world.FPS)
+    with pytest.raises(ValueError, match="need video and audio"):
+        rewards.create("sync_onsets").score(silent, [scenes[0].prompt])
+    other_size = MediaBatch(
+        video=media.video[:, :8], audio=media.audio, fps=world.FPS, sample_rate=world.SAMPLE_RATE
+    )
+    with pytest.raises(ValueError, match="tiny sync world's clips"):
+        rewards.create("tiny_sync_judge").score(other_size, [scenes[0].prompt])
