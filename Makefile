@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast bench bench-modes bench-learning bench-recheck lint pretrain notebook docs clean
+.PHONY: setup demo demo-sync test test-fast bench bench-modes bench-learning bench-recheck lint pretrain notebook docs clean
 
 $(BIN)/odrl:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ setup: $(BIN)/odrl
 demo: setup
 	# The demo owns runs/tiny_t2av_nft: running it again starts over there (ARGS: more overrides).
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_t2av_nft.yaml train.overwrite=true $(ARGS)
+
+demo-sync: setup
+	# The sync world (docs/sync.md): the tiny sync model learns to sound on its strikes and count them.
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/odrl train recipes/configs/tiny_sync_nft.yaml train.overwrite=true $(ARGS)
 
 # The suite on three workers (pytest-xdist; 2 cores: a third worker computes while tests wait on a
 # server, a sleeping reward or a process start; measured 17.8 against 18.8 minutes with two): a test
