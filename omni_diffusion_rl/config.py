@@ -1003,10 +1003,13 @@ def check_eval_metrics(cfg: ExperimentConfig) -> None:
                 "not train on (take it out of one of them)"
             )
         seen.add(name)
-    for judge, family in (("tiny_world_judge", "tiny_av"), ("tiny_sync_judge", "tiny_sync")):
+    for judge, family, world in (
+        ("tiny_world_judge", "tiny_av", "tiny"),
+        ("tiny_sync_judge", "tiny_sync", "tiny sync"),
+    ):
         if judge in cfg.eval.metrics and cfg.model.family != family:
             raise ConfigError(
-                f"eval.metrics: {judge} judges the built-in {family} model's world only; with "
+                f"eval.metrics: {judge} judges the built-in {world} world's clips only; with "
                 f"model.family={cfg.model.family} name other scorers (e.g. eval.metrics=[imagebind]) or none "
                 "(eval.metrics=[])"
             )

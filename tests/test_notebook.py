@@ -75,15 +75,19 @@ def test_the_notebook_previews_a_checkpoint_into_its_run_from_another_folder(
         outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
         assert not [o for o in outputs if o.get("output_type") == "error"]
         mimes = {m for o in outputs for m in o.get("data", {})}
-        assert {"image/png", "image/gif"} <= mimes, f"contact sheet and animations must be shown; got {mimes}"
-        assert any("audio" in o.get("data", {}).get("text/html", "") for o in outputs), (
-            "audio players must be shown"
+        assert "image/png" in mimes, f"the contact sheet must be shown; got {mimes}"
+        players = [o.get("data", {}).get("text/html", "") for o in outputs]
+        assert any("<video" in html and "data:video/mp4;base64" in html for html in players), (
+            "each sample must play as an MP4 with its sound"
         )
+        assert any("audio" in html for html in players), "audio players must be shown"
         printed = "".join(o.get("text", "") for o in outputs)
         assert f"checkpoint: {run / 'checkpoints'}" in printed and f"previews go to: {out}" in printed
     else:
         _run_in_process(monkeypatch, NOTEBOOK.parent)
-    assert {"sheet.png", "sample_00.gif", "sample_00.wav", "index.json"} <= {p.name for p in out.iterdir()}
+    assert {"sheet.png", "sample_00.gif", "sample_00.wav", "sample_00.mp4", "index.json"} <= {
+        p.name for p in out.iterdir()
+    }
     assert _files(NOTEBOOK.parent) == notebooks_before, "nothing may be written under notebooks/"
 
 
