@@ -127,9 +127,11 @@ def motion_envelope(frames: torch.Tensor, fps: float, rate: float, points: int) 
     placed at (t - 1/2) / fps, linearly interpolated between those midpoints (0 outside them)."""
     if frames.ndim != 4 or frames.shape[0] < 2:
         raise ValueError(f"frames must be [T >= 2, C, H, W]; got {tuple(frames.shape)}")
-    f = frames.float()
-    motion = (f[1:] - f[:-1]).abs().mean(dim=(1, 2, 3))  # [T - 1]
-    midpoints = (torch.arange(1, len(f), dtype=torch.float64) - 0.5) / fps
+    # a pair of frames at a time: a long clip never has a second full-size copy
+    motion = torch.stack(
+        [(frames[t].float() - frames[t - 1].float()).abs().mean() for t in range(1, len(frames))]
+    )
+    midpoints = (torch.arange(1, len(frames), dtype=torch.float64) - 0.5) / fps
     times = torch.arange(points, dtype=torch.float64) / rate
     return _interpolate(times, midpoints, motion.double()).float()
 

@@ -28,12 +28,12 @@ from omni_diffusion_rl.reward import InputLimits
 from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, sync_report
 
 SOFT_REACH = 3.0  # frames: a pair this far apart earns nothing
-SYNC_CLIP_LIMITS = InputLimits(
-    frames=3600,
+SYNC_CLIP_LIMITS = InputLimits(  # a generator's clip: LTX-2's 121 frames, H3's 124, with room
+    frames=256,
     frame_height=1080,
     frame_width=1920,
-    audio_samples=2 * 48_000 * 120,
-    meant_for="clips with sound up to 2 minutes: 3600 frames of 1920 x 1080, stereo 48 kHz",
+    audio_samples=2 * 48_000 * 20,
+    meant_for="generated clips with sound: up to 256 frames of 1920 x 1080, 20 s of stereo 48 kHz",
 )
 COUNT_WORDS = {"once": 1, "one time": 1, "twice": 2, "two times": 2, "thrice": 3, "three times": 3}
 COUNT_WORDS |= {f"{n} times": n for n in range(1, 21)}
@@ -45,7 +45,7 @@ def _reports(media: MediaBatch) -> list[SyncReport]:
         raise ValueError("the sync rewards need video and audio; the media batch lacks one")
     return [
         sync_report(v, media.fps, a, media.sample_rate, DEFAULT_SYNC)
-        for v, a in zip(media.video.float(), media.audio.float(), strict=True)
+        for v, a in zip(media.video, media.audio, strict=True)
     ]
 
 
