@@ -346,9 +346,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         from .world.pretrain_omni import pretrain_omni_model
 
         diffusion_only = (args.label_noise, args.parts, args.prompt_dropout, args.dim, args.depth, args.heads)
-        if args.teacher or any(option is not None for option in diffusion_only):
+        if args.teacher or args.sync or any(option is not None for option in diffusion_only):
             print(
-                "odrl pretrain: --omni takes no --teacher, --label-noise, --parts, --prompt-dropout, "
+                "odrl pretrain: --omni takes no --teacher, --sync, --label-noise, --parts, --prompt-dropout, "
                 "--dim, --depth or --heads",
                 file=sys.stderr,
             )

@@ -17,6 +17,8 @@ from omni_diffusion_rl.world import sync_clip as clip
 from omni_diffusion_rl.world import tiny_sync as world
 from omni_diffusion_rl.world.pretrain import flow_matching_step
 
+from .helpers import odrl_main
+
 
 def test_slot_tokens_hold_the_latent_exactly() -> None:
     x = torch.randn(3, clip.LATENT_DIM)
@@ -68,3 +70,17 @@ def test_a_few_flow_matching_steps_on_the_worlds_clips_lower_the_loss() -> None:
     draws = [torch.Generator().manual_seed(s % 3) for s in range(8)]  # the same 3 noise draws in turn
     losses = [flow_matching_step(policy, average, opt, prompts, x0, gen, 0.9) for gen in draws]
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3])
+
+
+def test_odrl_pretrain_sync_writes_a_model_the_family_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "base"
+    size = ["--dim", "32", "--depth", "1", "--heads", "2"]
+    code, printed, err = odrl_main(capsys, "pretrain", "--sync", "--steps", "2", *size, "--output", str(out))
+    assert code == 0, err
+    assert '"steps": 2' in printed
+    policy, _ = build_policy(ModelConfig(family="tiny_sync", pretrained=str(out)))
+    assert policy.transformer.config.dim == 32
+    code, _, err = odrl_main(capsys, "pretrain", "--sync", "--teacher", "--output", str(out))
+    assert code == 2 and "--sync takes no --teacher" in err
