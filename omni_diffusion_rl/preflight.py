@@ -59,6 +59,8 @@ def check_model(family: str, pretrained: str) -> Finding:
         return Finding(OK, what, "the shipped tiny base")
     if family == "tiny_omni" and pretrained in ("builtin", "builtin-omni"):
         return Finding(OK, what, "the shipped tiny omni base")
+    if family == "tiny_sync" and pretrained == "builtin":
+        return Finding(OK, what, "the shipped tiny sync base")
     needs = family_downloads(family)
     path = Path(os.path.expanduser(pretrained))
     if path.is_dir():

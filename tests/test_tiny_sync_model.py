@@ -84,3 +84,13 @@ def test_odrl_pretrain_sync_writes_a_model_the_family_loads(
     assert policy.transformer.config.dim == 32
     code, _, err = odrl_main(capsys, "pretrain", "--sync", "--teacher", "--output", str(out))
     assert code == 2 and "--sync takes no --teacher" in err
+
+
+def test_the_recipe_is_ready_to_train_on_the_shipped_base() -> None:
+    """`odrl train recipes/configs/tiny_sync_nft.yaml --check`'s findings: nothing missing or wrong."""
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.preflight import FAILING, preflight
+
+    findings = preflight(load_config("recipes/configs/tiny_sync_nft.yaml", []))
+    assert not [f for f in findings if f.status in FAILING], findings
+    assert TinySyncPolicy.from_pretrained("builtin").transformer.config.dim == 96
