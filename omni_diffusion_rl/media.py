@@ -185,17 +185,21 @@ def save_mp4(
     fps: float,
     waveform: torch.Tensor | None = None,
     sample_rate: int = 0,
-    scale: int = 8,
+    scale: int | None = None,
 ) -> str:
     """Write [F, 3, H, W] frames in [0, 1] as an MP4 a browser plays: H.264 (yuv420p, each frame
     enlarged `scale` times with nearest-neighbour, padded to even sides) at `fps`, with `waveform`
-    ([C, S] or [S] in [-1, 1] at `sample_rate`, mixed to mono) as AAC at 48 kHz when given."""
+    ([C, S] or [S] in [-1, 1] at `sample_rate`, mixed to mono) as AAC at 48 kHz when given. The
+    default scale enlarges a small frame to about 256 pixels (at most 8 times) and leaves a frame
+    of 256 pixels or more as it is."""
     import av
 
     if frames.ndim != 4 or frames.shape[1] != 3:
         raise ValueError(f"frames must be [F, 3, H, W]; got shape {tuple(frames.shape)}")
     if fps <= 0 or (waveform is not None and sample_rate <= 0):
         raise ValueError(f"fps and sample_rate must be positive; got {fps} and {sample_rate}")
+    if scale is None:
+        scale = max(1, min(8, 256 // max(frames.shape[-2:])))
     pictures = [np.asarray(_to_pil(frame, scale)) for frame in frames]
     height, width = (
         pictures[0].shape[0] + pictures[0].shape[0] % 2,
@@ -352,7 +356,7 @@ def _draw_timeline(
     scaled to its own largest value."""
     left, top, width, height = box
     draw.rectangle((left, top, left + width - 1, top + height - 1), fill=(40, 40, 40))
-    points_per_frame = max(1, round(len(env.visual) / max(1, width // frame_step)))
+    points_per_frame = env.points_per_frame
     for envelope, color, bars in ((env.visual, STRIP_MOTION, False), (env.audio, STRIP_ONSET, True)):
         peak = float(envelope.max())
         if peak <= 0:

@@ -255,11 +255,13 @@ def _lagged_dot(a: torch.Tensor, v: torch.Tensor, lag: int) -> float:
 
 @dataclass(frozen=True)
 class SyncEnvelopes:
-    """A clip's two envelopes on one time grid: `rate` points a second, point i at time i / rate."""
+    """A clip's two envelopes on one time grid: `rate` points a second (`points_per_frame` a video
+    frame), point i at time i / rate."""
 
     rate: float
     audio: torch.Tensor
     visual: torch.Tensor
+    points_per_frame: int
 
 
 def sync_envelopes(
@@ -280,6 +282,7 @@ def sync_envelopes(
         rate,
         audio_onset_envelope(wave, sample_rate, rate, points),
         motion_envelope(frames, fps, rate, points),
+        settings.hops_per_frame,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+import torch
 
 from omni_diffusion_rl.answer_data.clip_files import (
     ClipFileError,
@@ -109,3 +110,14 @@ def test_eval_clips_refuses_targets_beside_it_and_an_empty_folder(
     assert code != 0 and "name no targets beside it" in err
     code, _, err = odrl_main(capsys, "eval", "--clips", str(tmp_path))
     assert code != 0 and "no video files" in err
+
+
+def test_a_preview_mp4_enlarges_small_frames_only(tmp_path: Path) -> None:
+    """By default a 16-pixel frame is enlarged 8 times; a real model's frame keeps its size (a
+    frame of 768 x 1344 enlarged 8 times would be larger than H.264 allows)."""
+    small = Path(save_mp4(tmp_path / "small.mp4", torch.rand(2, 3, 16, 16), 8.0))
+    large = Path(save_mp4(tmp_path / "large.mp4", torch.rand(2, 3, 301, 500), 8.0))
+    for path, size in ((small, (128, 128)), (large, (302, 500))):  # padded to even sides
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            assert (stream.height, stream.width) == size
