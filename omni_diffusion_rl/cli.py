@@ -324,12 +324,13 @@ def _pretrain_sync(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from .world.pretrain import check_pretrain_options
+
     size = {key: getattr(args, key) for key in ("dim", "depth", "heads") if getattr(args, key) is not None}
-    if size.get("dim", 96) % size.get("heads", 4):
-        print(
-            f"odrl pretrain: dim {size.get('dim', 96)} must be a multiple of heads {size.get('heads', 4)}",
-            file=sys.stderr,
-        )
+    try:
+        check_pretrain_options(**size)  # the tiny models' sizes: the same checks and defaults
+    except ValueError as e:
+        print(f"odrl pretrain: {e}", file=sys.stderr)
         return 2
     steps = 6000 if args.steps is None else args.steps
     print(

@@ -276,13 +276,18 @@ def decode_audio(path: str | Path, clip: ClipFormat) -> torch.Tensor:
     return _remembered(file, None, lambda: _decode_audio(str(path), clip)).clone()
 
 
-def _decode_audio(path: str, clip: ClipFormat) -> torch.Tensor:
-    import soundfile
-
+def _check_sample_bytes(clip: ClipFormat) -> None:
+    """A clip's samples (float32) within MAX_CLIP_BYTES, before any is decoded."""
     if clip.samples * clip.channels * 4 > MAX_CLIP_BYTES:
         raise ClipFileError(
             f"{clip.samples} samples of {clip.channels} channels are over {MAX_CLIP_BYTES >> 20} MiB"
         )
+
+
+def _decode_audio(path: str, clip: ClipFormat) -> torch.Tensor:
+    import soundfile
+
+    _check_sample_bytes(clip)
     try:
         with soundfile.SoundFile(path) as f:
             if f.samplerate != clip.sample_rate:
@@ -326,10 +331,7 @@ def decode_sound_track(path: str | Path, clip: ClipFormat) -> torch.Tensor:
 def _decode_sound_track(path: str, clip: ClipFormat) -> torch.Tensor:
     import av
 
-    if clip.samples * clip.channels * 4 > MAX_CLIP_BYTES:
-        raise ClipFileError(
-            f"{clip.samples} samples of {clip.channels} channels are over {MAX_CLIP_BYTES >> 20} MiB"
-        )
+    _check_sample_bytes(clip)
     layout = "mono" if clip.channels == 1 else "stereo" if clip.channels == 2 else None
     if layout is None:
         raise ClipFileError(f"a sound track is read as 1 or 2 channels; the run reads {clip.channels}")

@@ -21,6 +21,7 @@ frame off the background on some frame), `noisy` (a colour's band sounding over 
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import tiny_sync as world
+from .tiny_clip import bin_frequency
 
 CONTACT_PX = 0.5  # an object this close to the floor touches it
 COLOR_MISS = (
@@ -94,6 +96,7 @@ def track(frames: torch.Tensor, color: str) -> Track:
     return Track(area, height)
 
 
+@functools.cache
 def _full_band_amplitude(bin_index: int) -> float:
     """The band amplitude `band_amplitude` reads for a sound at full loudness in `bin_index`."""
     amps = torch.zeros(1, world.AUDIO_FRAMES, world.AUDIO_BINS)
@@ -105,7 +108,7 @@ def band_amplitude(wave: torch.Tensor, bin_index: int) -> torch.Tensor:
     """The amplitude at bin `bin_index`'s frequency [AUDIO_FRAMES], in windows of one envelope frame
     centred on times j / (FPS * HOPS_PER_FRAME) (a single-frequency DFT, Hann-weighted)."""
     hop = world.SAMPLE_RATE / (world.FPS * world.HOPS_PER_FRAME)
-    freq = float(world.bin_frequency(bin_index))
+    freq = float(bin_frequency(bin_index))
     reach = int(hop)
     offsets = torch.arange(-reach, reach + 1, dtype=torch.float64)
     window = torch.hann_window(len(offsets) + 2, periodic=False, dtype=torch.float64)[1:-1]

@@ -54,7 +54,6 @@ from .sync_clip import FRAMES as FRAMES
 from .sync_clip import HOPS_PER_FRAME as HOPS_PER_FRAME
 from .sync_clip import SAMPLE_RATE as SAMPLE_RATE
 from .sync_clip import SIZE as SIZE
-from .tiny_clip import bin_frequency
 
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.15, 0.15),
@@ -155,12 +154,11 @@ def encode_scene(scene: SyncScene) -> torch.Tensor:
     for name in ("spectrum", "loudness"):
         start, length = PARTS[name]
         slots[:, start : start + length] = -1.0
-    times = torch.arange(FRAMES, dtype=torch.float64)
     for slot, obj in zip(slots, scene.objects, strict=False):
         quantities = {
             "color": torch.tensor(COLORS[obj.color]),
             "side": torch.tensor([SIZES[obj.size] / MAX_SIDE]),
-            "height": (obj.height(times) / MAX_HEIGHT).float(),
+            "height": height_of(obj),
             "spectrum": spectrum_of(obj.color),
             "loudness": loudness_of(obj.strikes),
         }
@@ -169,6 +167,11 @@ def encode_scene(scene: SyncScene) -> torch.Tensor:
             slot[start : start + length] = from_unit(value)
         slot[PARTS["column"][0]] = (obj.column - COLUMN_CENTRE) / COLUMN_RANGE
     return slots.flatten()
+
+
+def height_of(obj: Bouncer) -> torch.Tensor:
+    """An object's height on every frame [FRAMES], as a share of MAX_HEIGHT."""
+    return (obj.height(torch.arange(FRAMES, dtype=torch.float64)) / MAX_HEIGHT).float()
 
 
 def spectrum_of(color: str) -> torch.Tensor:
@@ -238,23 +241,15 @@ def random_scene(rng: random.Random, held_out: bool = False, second_object: floa
     if rng.random() < second_object:
         others = [k for k in object_kinds(False) + object_kinds(True) if k[0] != first[0]]
         others = [k for k in others if held_out or not is_held_out(k)]
-        second = random_bouncer(rng, *rng.choice(others))
-        left, right = (
-            Bouncer(o.color, o.size, rng.choice(c), o.strikes)
-            for o, c in zip((objects[0], second), PAIR_COLUMNS, strict=True)
-        )
-        objects = [left, right]
+        objects = placed_apart(rng, [objects[0], random_bouncer(rng, *rng.choice(others))])
     return SyncScene(tuple(objects))
 
 
-def frequency_of(color: str) -> float:
-    """The pitch (Hz) of a colour's strike."""
-    return float(bin_frequency(PITCH_BINS[color]))
-
-
-def strike_times_s(scene: SyncScene) -> list[float]:
-    """Every strike's time (s), all objects together, sorted."""
-    return sorted(s / FPS for o in scene.objects for s in o.strikes)
+def placed_apart(rng: random.Random, pair: list[Bouncer]) -> list[Bouncer]:
+    """Two objects moved to columns of PAIR_COLUMNS, one in each half of the frame."""
+    return [
+        Bouncer(o.color, o.size, rng.choice(c), o.strikes) for o, c in zip(pair, PAIR_COLUMNS, strict=True)
+    ]
 
 
 def clip_tensors(scene: SyncScene) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,10 +295,8 @@ def noisy_clip_latent(rng: random.Random, scene: SyncScene, noise: BaseNoise) ->
         if rng.random() < noise.count_flip:
             heard = _with_count(rng, heard, _other_count(rng, len(heard)))
         heard = tuple(min(max(s + offset, 1), FRAMES - 2) for s in heard)
-        drawn = Bouncer(obj.color, obj.size, obj.column, seen)
-        video = encode_scene(SyncScene((drawn,))).view(SLOTS, SLOT_DIM)[0]
         start, length = PARTS["height"]
-        slot[start : start + length] = video[start : start + length]
+        slot[start : start + length] = from_unit(height_of(Bouncer(obj.color, obj.size, obj.column, seen)))
         start, length = PARTS["loudness"]
         slot[start : start + length] = from_unit(loudness_of(heard))
     return latent.flatten()
@@ -425,10 +418,7 @@ def render_prompts(prompts: list[str], gen: torch.Generator) -> tuple[torch.Tens
     for spec in specs:
         objects = [random_bouncer(rng, o.color, o.size, o.count) for o in spec]
         if len(objects) == 2:
-            objects = [
-                Bouncer(o.color, o.size, rng.choice(c), o.strikes)
-                for o, c in zip(objects, PAIR_COLUMNS, strict=True)
-            ]
+            objects = placed_apart(rng, objects)
         scenes.append(SyncScene(tuple(objects)))
     latents = torch.stack([encode_scene(s) for s in scenes])
     return decode_video(latents), render_audio(decode_amps(latents))
