@@ -8,12 +8,18 @@ video frame:
   hop long, the window of point i centred on time i / rate), kept where it is 6 dB or more, so a
   sound starting at time t rises at the point of t;
 - **visual motion**: the mean absolute difference of consecutive frames, placed at the midpoint of
-  the two frames' times (an object fastest at a strike moves most in the two intervals around it).
+  the two frames' times (an object fastest at a strike moves most in the two intervals around it),
+  over the whole picture and in each of `motion_columns` vertical strips.
 
 Events are the envelopes' peaks: a point above `relative_threshold` of its envelope's largest value,
 the largest within `min_gap_frames` on either side and standing `prominence` of its height above the
 lowest point there (a steady glide's ripple is no event), its time refined by a parabola through its
-neighbours. From these:
+neighbours. With `motion_columns` above 1, visual events are read strip by strip (against the
+largest motion of any strip), so that an object's strike is not lost in the motion of another beside
+it; peaks in neighbouring strips within `min_gap_frames` of each other are one event (an object
+across a strip's edge), at the time of the highest. The cost: an object gliding sideways makes an
+event each time it crosses into a strip, so the default reads the whole picture, as AV-Align does.
+From these:
 
 - `events_matched`: audio and visual events paired one to one, closest first, within
   `match_frames` video frames, and AV-Align's score, the intersection over union of the two event
@@ -46,13 +52,17 @@ class SyncSettings:
     hops_per_frame: int = 4
     match_frames: float = 1.0  # AV-Align's window: an audio and a visual event within one frame match
     min_gap_frames: float = 2.0  # two peaks closer than this are one event
+    motion_columns: int = 1  # vertical strips whose motion is read apart (1: the whole picture)
     relative_threshold: float = 0.3  # a peak must reach this fraction of its envelope's largest value
     prominence: float = 0.15  # and stand this fraction of its height above the lowest point near it
     max_offset_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.hops_per_frame < 1:
-            raise ValueError(f"hops_per_frame must be at least 1; got {self.hops_per_frame}")
+        if self.hops_per_frame < 1 or self.motion_columns < 1:
+            raise ValueError(
+                f"hops_per_frame and motion_columns must be at least 1; got {self.hops_per_frame} and "
+                f"{self.motion_columns}"
+            )
         for name in ("relative_threshold", "prominence"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in (0, 1); got {getattr(self, name)}")
@@ -125,15 +135,31 @@ def audio_onset_envelope(wave: torch.Tensor, sample_rate: int, rate: float, poin
 def motion_envelope(frames: torch.Tensor, fps: float, rate: float, points: int) -> torch.Tensor:
     """Visual motion [points] at times i / rate: the mean absolute difference of frames t - 1 and t,
     placed at (t - 1/2) / fps, linearly interpolated between those midpoints (0 outside them)."""
+    return motion_strips(frames, fps, rate, points, columns=1)[0]
+
+
+def motion_strips(frames: torch.Tensor, fps: float, rate: float, points: int, columns: int) -> torch.Tensor:
+    """`motion_envelope` of each of `columns` vertical strips of the picture [columns, points] (as
+    equal as the width allows; at most one a pixel column)."""
     if frames.ndim != 4 or frames.shape[0] < 2:
         raise ValueError(f"frames must be [T >= 2, C, H, W]; got {tuple(frames.shape)}")
+    columns = min(columns, frames.shape[-1])
     # a pair of frames at a time: a long clip never has a second full-size copy
     motion = torch.stack(
-        [(frames[t].float() - frames[t - 1].float()).abs().mean() for t in range(1, len(frames))]
+        [
+            torch.stack(
+                [
+                    strip.mean()
+                    for strip in (frames[t].float() - frames[t - 1].float()).abs().tensor_split(columns, -1)
+                ]
+            )
+            for t in range(1, len(frames))
+        ],
+        1,
     )
     midpoints = (torch.arange(1, len(frames), dtype=torch.float64) - 0.5) / fps
     times = torch.arange(points, dtype=torch.float64) / rate
-    return _interpolate(times, midpoints, motion.double()).float()
+    return torch.stack([_interpolate(times, midpoints, m.double()).float() for m in motion])
 
 
 def _interpolate(times: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -159,24 +185,58 @@ def envelope_events(
     `min_gap_points` (the envelope's start and end count as 0), the highest first, each kept only
     when no kept one is within `min_gap_points` of it."""
     largest = float(envelope.max()) if len(envelope) else 0.0
-    if largest <= 0:
+    return [at / rate for _, at in _peaks(envelope, min_gap_points, relative * largest, prominence)]
+
+
+def strip_events(
+    strips: torch.Tensor, rate: float, min_gap_points: float, relative: float, prominence: float
+) -> list[float]:
+    """Event times (s) of envelopes side by side [columns, points], in order: each strip's peaks as
+    `envelope_events` reads them but against the largest value of any strip, and peaks of
+    neighbouring strips within `min_gap_points` of each other joined into one event (chains too), at
+    the time of its highest peak."""
+    level = relative * (float(strips.max()) if strips.numel() else 0.0)
+    peaks = sorted(
+        (height, at, column)
+        for column, envelope in enumerate(strips)
+        for height, at in _peaks(envelope, min_gap_points, level, prominence)
+    )  # lowest first: joining keeps the later (higher) peak's time
+    events: list[list[tuple[float, float, int]]] = []
+    for peak in peaks:
+        joined = [
+            e
+            for e in events
+            if any(abs(p[2] - peak[2]) <= 1 and abs(p[1] - peak[1]) < min_gap_points for p in e)
+        ]
+        for e in joined:
+            events.remove(e)
+        events.append([p for e in joined for p in e] + [peak])
+    return sorted(max(e)[1] / rate for e in events)
+
+
+def _peaks(
+    envelope: torch.Tensor, min_gap_points: float, level: float, prominence: float
+) -> list[tuple[float, float]]:
+    """(height, position in points) of `envelope`'s peaks that reach `level` (see envelope_events)."""
+    largest = float(envelope.max()) if len(envelope) else 0.0
+    if largest <= 0 or largest < level:
         return []
     reach = max(1, math.floor(min_gap_points))
     padded = torch.nn.functional.pad(envelope[None, None], (1, 1))[0, 0]
     rising = padded[1:-1] > padded[:-2] * (1 + FLAT)
     not_falling = padded[1:-1] >= padded[2:] * (1 - FLAT)
     floor = torch.nn.functional.pad(envelope[None, None], (reach, reach))[0, 0].unfold(0, 2 * reach + 1, 1)
-    standing = (envelope >= relative * largest) & (envelope - floor.min(1).values >= prominence * envelope)
+    standing = (envelope >= level) & (envelope - floor.min(1).values >= prominence * envelope)
     candidates = []
     for i in (rising & not_falling & standing).nonzero().flatten().tolist():
         at = refined_peak(envelope, i, 2 * reach)
         if at is not None:
             candidates.append((-float(envelope[i]), at))
-    kept: list[float] = []
-    for _, at in sorted(candidates):
-        if all(abs(at - other) >= min_gap_points for other in kept):
-            kept.append(at)
-    return sorted(at / rate for at in kept)
+    kept: list[tuple[float, float]] = []
+    for height, at in sorted(candidates):
+        if all(abs(at - other) >= min_gap_points for _, other in kept):
+            kept.append((-height, at))
+    return sorted(kept, key=lambda peak: peak[1])
 
 
 def refined_peak(values: torch.Tensor, index: int, widest: int) -> float | None:
@@ -256,12 +316,14 @@ def _lagged_dot(a: torch.Tensor, v: torch.Tensor, lag: int) -> float:
 @dataclass(frozen=True)
 class SyncEnvelopes:
     """A clip's two envelopes on one time grid: `rate` points a second (`points_per_frame` a video
-    frame), point i at time i / rate."""
+    frame), point i at time i / rate; `visual` is the whole picture's motion, `strips` each vertical
+    strip's [columns, points]."""
 
     rate: float
     audio: torch.Tensor
     visual: torch.Tensor
     points_per_frame: int
+    strips: torch.Tensor
 
 
 def sync_envelopes(
@@ -278,11 +340,11 @@ def sync_envelopes(
     rate = fps * settings.hops_per_frame
     duration = max(len(frames) / fps, mono(wave).shape[0] / sample_rate)
     points = max(2, math.ceil(duration * rate))
+    strips = motion_strips(frames, fps, rate, points, settings.motion_columns)
+    widths = torch.tensor([len(c) for c in torch.arange(frames.shape[-1]).tensor_split(len(strips))])
+    visual = (strips * widths[:, None]).sum(0) / widths.sum()  # the whole picture's mean
     return SyncEnvelopes(
-        rate,
-        audio_onset_envelope(wave, sample_rate, rate, points),
-        motion_envelope(frames, fps, rate, points),
-        settings.hops_per_frame,
+        rate, audio_onset_envelope(wave, sample_rate, rate, points), visual, settings.hops_per_frame, strips
     )
 
 
@@ -298,7 +360,7 @@ def sync_report(
     env = sync_envelopes(frames, fps, wave, sample_rate, settings)
     gap = settings.min_gap_frames * settings.hops_per_frame
     read = (env.rate, gap, settings.relative_threshold, settings.prominence)
-    audio_events, visual_events = envelope_events(env.audio, *read), envelope_events(env.visual, *read)
+    audio_events, visual_events = envelope_events(env.audio, *read), strip_events(env.strips, *read)
     matched = match_events(audio_events, visual_events, settings.match_frames / fps)
     union = len(audio_events) + len(visual_events) - matched
     return SyncReport(

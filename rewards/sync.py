@@ -13,11 +13,14 @@ rate and sample rate.
 Neither is the tiny sync world's judge (world/sync_judge.py), which finds objects by colour and
 sounds by pitch: they are what a training run optimises, the judge what an evaluation trusts.
 What they cannot see: two strikes closer than two frames are one event, and a cut or a flash is a
-visual event (docs/sync.md).
+visual event (docs/sync.md). Option `motion_columns` (both; default 1, the whole picture): read the
+picture's motion in that many vertical strips, so that objects side by side are counted apart (the
+tiny sync recipe reads 4); an object gliding sideways then makes an event at each strip it enters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -25,7 +28,7 @@ import torch
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import InputLimits
-from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, sync_report
+from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sync_report
 
 SOFT_REACH = 3.0  # frames: a pair this far apart earns nothing
 SYNC_CLIP_LIMITS = InputLimits(  # a generator's clip: LTX-2's 121 frames, H3's 124, with room
@@ -40,13 +43,26 @@ COUNT_WORDS |= {f"{n} times": n for n in range(1, 21)}
 _COUNT = re.compile(r"\b(" + "|".join(sorted(map(re.escape, COUNT_WORDS), key=len, reverse=True)) + r")\b")
 
 
-def _reports(media: MediaBatch) -> list[SyncReport]:
+def _reports(media: MediaBatch, settings: SyncSettings) -> list[SyncReport]:
     if media.video is None or media.audio is None:
         raise ValueError("the sync rewards need video and audio; the media batch lacks one")
     return [
-        sync_report(v, media.fps, a, media.sample_rate, DEFAULT_SYNC)
+        sync_report(v, media.fps, a, media.sample_rate, settings)
         for v, a in zip(media.video, media.audio, strict=True)
     ]
+
+
+def _settings(motion_columns: int) -> SyncSettings:
+    if (
+        isinstance(motion_columns, bool)
+        or not isinstance(motion_columns, int)
+        or not 1 <= motion_columns <= 64
+    ):
+        raise ValueError(
+            f"motion_columns must be a whole number from 1 (the whole picture, AV-Align's reading) to 64; "
+            f"got {motion_columns!r}"
+        )
+    return dataclasses.replace(DEFAULT_SYNC, motion_columns=motion_columns)
 
 
 def soft_iou(report: SyncReport, fps: float) -> float:
@@ -86,8 +102,11 @@ class SyncOnsetsReward:
 
     input_limits = SYNC_CLIP_LIMITS
 
+    def __init__(self, motion_columns: int = 1) -> None:
+        self.settings = _settings(motion_columns)
+
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
-        return torch.tensor([soft_iou(r, media.fps) for r in _reports(media)])
+        return torch.tensor([soft_iou(r, media.fps) for r in _reports(media, self.settings)])
 
 
 @rewards.register("strike_count")
@@ -96,10 +115,13 @@ class StrikeCountReward:
 
     input_limits = SYNC_CLIP_LIMITS
 
+    def __init__(self, motion_columns: int = 1) -> None:
+        self.settings = _settings(motion_columns)
+
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         asked = [asked_count(p) for p in prompts]
         scores = [
             0.5 / (1 + abs(r.audio_count - n)) + 0.5 / (1 + abs(r.visual_count - n))
-            for r, n in zip(_reports(media), asked, strict=True)
+            for r, n in zip(_reports(media, self.settings), asked, strict=True)
         ]
         return torch.tensor(scores)
