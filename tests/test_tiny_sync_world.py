@@ -113,6 +113,19 @@ def test_two_objects_of_a_scene_never_overlap() -> None:
         assert right.column + world.SIZES[right.size] <= clip.SIZE
 
 
+def test_two_objects_never_strike_within_pair_gap_frames_of_each_other() -> None:
+    """Every strike is a sound of its own: random scenes, and the pairs of counts that barely fit
+    (three and three), keep PAIR_GAP frames between the objects' strikes, each object's count kept."""
+    for scene in _scenes(200, seed=6, second_object=1.0):
+        left, right = scene.objects
+        assert min(abs(a - b) for a in left.strikes for b in right.strikes) >= world.PAIR_GAP
+    first, second = world.strike_options(3)[0], world.strike_options(3)[0]
+    moved = world.apart_strikes(first, second)
+    assert [len(m) for m in moved] == [3, 3]
+    assert min(abs(a - b) for a in moved[0] for b in moved[1]) >= world.PAIR_GAP
+    assert world.apart_strikes((3,), (9,)) == ((3,), (9,))  # drawn apart already: kept
+
+
 def test_the_base_noise_moves_the_sound_and_flips_counts() -> None:
     """The base's training clips (BaseNoise): as drawn they are out of sync and miscounted about as
     much as the base must start (median offset about 2 frames, few strikes matched, counts right
