@@ -276,7 +276,7 @@ def _eval_clips(folder: Path, output: Path | None) -> int:
 def cmd_probe_rewards(args: argparse.Namespace) -> int:
     from .evaluation.heldout import format_table
     from .reward_factory import reward_from_config
-    from .world.adversarial import probe_rewards
+    from .world import adversarial, sync_adversarial
 
     if args.config and _is_override(args.config):
         args.overrides.insert(0, args.config)  # no config file, only overrides
@@ -284,7 +284,8 @@ def cmd_probe_rewards(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, list(args.overrides))
     reward = reward_from_config(cfg.reward)
     try:
-        table = probe_rewards(reward)
+        world = sync_adversarial if cfg.model.family == "tiny_sync" else adversarial
+        table = world.probe_rewards(reward)
     finally:
         reward.close()
     print(format_table(table))
@@ -981,7 +982,9 @@ def _add_probe_rewards(sub: Subcommands) -> None:
         "clip, noise, blank, one attribute wrong, ...) with the config's rewards",
         description="Try to break the training reward before trusting it: each reward of reward.weights "
         "and their weighted total on the world's own clip of every scene and on clips a reward-gaming "
-        "policy would make. A case that scores near 'world' can be gamed.",
+        "policy would make. A case that scores near 'world' can be gamed. A config of model.family "
+        "tiny_sync probes the tiny sync world instead (a glide with a steady tone, a sound on every frame, "
+        "the right count out of sync, ...), with its judge's verdict beside the rewards.",
     )
     probe.add_argument("config", nargs="?", help="YAML config (default: the built-in defaults)")
     probe.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. reward.weights=...")

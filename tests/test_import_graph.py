@@ -84,7 +84,7 @@ LAYERS: list[list[str]] = [
 
 # Pairs of prefixes that must not import each other: the tiny model decodes into the clip format
 # (world.tiny_clip) and knows nothing of the world that renders clips in it, and the other way.
-WORLD_DATA = ("tiny_world", "tiny_sync", "sync_judge", "avqa", "judge", "adversarial")
+WORLD_DATA = ("tiny_world", "tiny_sync", "sync_judge", "avqa", "judge", "adversarial", "sync_adversarial")
 SEPARATE: list[tuple[str, str]] = [(f"{PACKAGE}.models", f"{PACKAGE}.world.{m}") for m in WORLD_DATA]
 
 

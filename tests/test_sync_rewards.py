@@ -92,6 +92,38 @@ def test_gaming_clips_score_below_the_worlds_own() -> None:
     assert float(count.score(cases["a click on every frame"], prompt)[0]) < 0.7
 
 
+def test_two_objects_side_by_side_score_one_when_the_picture_is_read_in_strips() -> None:
+    """The recipe's option (motion_columns 4): the world's two-object clips score 1 on both rewards;
+    read whole (the default), their strikes blur into each other's motion and miscount."""
+    rng = random.Random(7)
+    scenes = [world.random_scene(rng, second_object=1.0) for _ in range(16)]
+    media, prompts = _batch(scenes), [s.prompt for s in scenes]
+    for name in ("sync_onsets", "strike_count"):
+        assert rewards.create(name, motion_columns=4).score(media, prompts).tolist() == [1.0] * 16
+    assert float(rewards.create("strike_count").score(media, prompts).mean()) < 0.95
+    with pytest.raises(ValueError, match="motion_columns must be a whole number"):
+        rewards.create("strike_count", motion_columns=0)
+
+
+def test_probe_every_gaming_clip_scores_below_the_worlds_own_and_the_judge_fails_it() -> None:
+    """`odrl probe-rewards` on the recipe's rewards: each way to game them (a glide with a steady
+    tone, a sound on every frame, the right count out of sync, ...) totals well under the world's
+    own clips, and the judge finds no such clip right. A wrong colour is outside these rewards (they
+    read timing): only the judge fails it."""
+    from omni_diffusion_rl.config import load_config
+    from omni_diffusion_rl.reward_factory import reward_from_config
+    from omni_diffusion_rl.world import sync_adversarial
+
+    reward = reward_from_config(load_config("recipes/configs/tiny_sync_nft.yaml", []).reward)
+    table = sync_adversarial.probe_rewards(reward, count=12)
+    assert table["total"]["world"] == 1.0 and table["judge: every fact right"]["world"] == 1.0
+    for case in sync_adversarial.CASES:
+        assert table["judge: every fact right"][case] == 0.0, case
+        if case not in sync_adversarial.NOT_GAMING:
+            assert table["total"][case] <= 0.85, (case, table["total"][case])
+    assert table["total"]["wrong_color"] == 1.0
+
+
 def test_a_prompt_without_a_count_and_media_without_sound_are_errors() -> None:
     scenes = _single_scenes(1, seed=2)
     media = _batch(scenes)

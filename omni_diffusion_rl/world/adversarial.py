@@ -104,16 +104,37 @@ def clips(case: str, scenes: list[world.Scene], seed: int = 0) -> tuple[torch.Te
 def probe_rewards(reward: WeightedReward, seed: int = 0) -> dict[str, dict[str, float]]:
     """Mean score of every reward (and their weighted total) on the world's own clips of each scene
     (four each) and on each adversarial case: {reward: {case: mean}}, for `odrl probe-rewards`."""
+    scenes = world.ALL_SCENES * 4  # four samples of each prompt, grouped by prompt as in training
+    return probe_table(
+        reward,
+        [s.prompt for s in scenes],
+        ["world", *CASES],
+        lambda case: clips(case, scenes, seed),
+        world.FPS,
+        world.SAMPLE_RATE,
+    )
+
+
+def probe_table(
+    reward: WeightedReward,
+    prompts: list[str],
+    cases: list[str],
+    make: Callable[[str], tuple[torch.Tensor, torch.Tensor]],
+    fps: float,
+    sample_rate: int,
+    judge: Callable[[torch.Tensor, torch.Tensor, list[str]], dict[str, torch.Tensor]] | None = None,
+) -> dict[str, dict[str, float]]:
+    """{column: {case: mean}}: `reward`'s total and parts (and `judge`'s columns) on the clips
+    `make(case)` (video, waveforms) of every case, NaNs left out of the means."""
     from ..media import MediaBatch
 
-    scenes = world.ALL_SCENES * 4  # four samples of each prompt, grouped by prompt as in training
-    prompts = [s.prompt for s in scenes]
     table: dict[str, dict[str, float]] = {}
-    for case in ["world", *CASES]:
-        video, audio = clips(case, scenes, seed)
-        media = MediaBatch(video=video, audio=audio, fps=world.FPS, sample_rate=world.SAMPLE_RATE)
+    for case in cases:
+        video, audio = make(case)
+        media = MediaBatch(video=video, audio=audio, fps=fps, sample_rate=sample_rate)
         scored = reward(media, prompts, check=False)
         columns = {"total": scored.total, **{k: v for k, v in scored.parts.items() if "/" not in k}}
+        columns |= judge(video, audio, prompts) if judge else {}
         for name, values in columns.items():
             finite = values[values.isfinite()]
             table.setdefault(name, {})[case] = float(finite.mean()) if len(finite) else float("nan")
