@@ -2,8 +2,8 @@
 
 Its score is 1 when every fact of the prompt is right for every object (colour, size, count, in
 sync); its components are each fact, the measures (strikes matched within a frame, the offset in
-frames, strikes seen and heard) and the health signs of `omni_diffusion_rl.world.sync_judge`. Name it
-in `eval.metrics`; it reports, it does not train.
+frames, strikes seen and heard), the health signs and the diversity within a prompt of
+`omni_diffusion_rl.world.sync_judge`. Name it in `eval.metrics`; it reports, it does not train.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ SYNC_WORLD_LIMITS = InputLimits(
 
 @rewards.register("tiny_sync_judge")
 class TinySyncJudge:
-    """Every fact right (score), each fact, the measures and the health signs (components)."""
+    """Every fact right (score), each fact, the measures, the health signs and the diversity (components)."""
 
     input_limits = SYNC_WORLD_LIMITS
     headline = "all_correct"
-    components = (*judge.ATTRIBUTES, *judge.MEASURES, *judge.HEALTH)
+    components = (*judge.ATTRIBUTES, *judge.MEASURES, *judge.HEALTH, *judge.DIVERSITY)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> RewardOutput:
         if media.video is None or media.audio is None:

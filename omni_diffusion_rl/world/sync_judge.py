@@ -16,7 +16,10 @@ pitch. Per object:
 
 A clip's fact is right when it is right for every object. Health signs: `flooded` (over half the
 frame off the background on some frame), `noisy` (a colour's band sounding over half the clip),
-`frozen` (an object that never moves a pixel).
+`frozen` (an object that never moves a pixel), and `distinct_strikes`, the diversity within a
+prompt: the distinct strike patterns (the frames each object strikes on) among a prompt's samples
+in one batch, over their number (the world's own clips: 0.66 at 16 samples a prompt, 0.84 at 8; a
+policy that always draws the same bounce: 1 / samples).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ MAX_SHIFT = 4.0  # frames: a sound further from every strike is no strike's
 ATTRIBUTES = ("color", "size", "count", "in_sync")
 HEALTH = ("flooded", "noisy", "frozen")
 MEASURES = ("matched_share", "abs_offset_frames", "seen_strikes", "heard_strikes")
+DIVERSITY = ("distinct_strikes",)
 
 
 def color_alpha(frames: torch.Tensor, color: str) -> torch.Tensor:
@@ -217,4 +221,21 @@ def judge_clips(video: torch.Tensor, audio: torch.Tensor, prompts: list[str]) ->
     verdicts = [
         judge_clip(v, a.mean(0), p) for v, a, p in zip(video.float(), audio.float(), prompts, strict=True)
     ]
-    return {k: torch.tensor([v[k] for v in verdicts]) for k in verdicts[0]}
+    columns = {k: torch.tensor([v[k] for v in verdicts]) for k in verdicts[0]}
+    patterns = [strike_pattern(v, p) for v, p in zip(video.float(), prompts, strict=True)]
+    columns["distinct_strikes"] = distinct_share(patterns, prompts)
+    return columns
+
+
+def strike_pattern(frames: torch.Tensor, prompt: str) -> tuple[tuple[int, ...], ...]:
+    """The frames each object of the prompt is seen striking on."""
+    return tuple(tuple(track(frames, spec.color).strikes()) for spec in world.parse_prompt(prompt))
+
+
+def distinct_share(patterns: list[tuple[tuple[int, ...], ...]], prompts: list[str]) -> torch.Tensor:
+    """Per sample [B]: the share of its prompt's samples whose pattern is distinct (the number of
+    distinct patterns over the number of samples of that prompt)."""
+    groups: dict[str, list[tuple[tuple[int, ...], ...]]] = {}
+    for pattern, prompt in zip(patterns, prompts, strict=True):
+        groups.setdefault(prompt, []).append(pattern)
+    return torch.tensor([len(set(groups[p])) / len(groups[p]) for p in prompts])
