@@ -149,8 +149,15 @@ def save_wav(path: str | os.PathLike[str], waveform: torch.Tensor, sample_rate: 
     return atomic_write(path, write)
 
 
-def save_gif(path: str | os.PathLike[str], frames: torch.Tensor, fps: float, scale: int = 8) -> str:
-    """Write [F, 3, H, W] frames as a looping animated GIF, each frame enlarged `scale` times.
+def preview_scale(frames: torch.Tensor) -> int:
+    """How many times a preview enlarges frames [..., H, W]: a small frame to about 256 pixels (at
+    most 8 times); a frame of 256 pixels or more keeps its size."""
+    return max(1, min(8, 256 // max(frames.shape[-2:])))
+
+
+def save_gif(path: str | os.PathLike[str], frames: torch.Tensor, fps: float, scale: int | None = None) -> str:
+    """Write [F, 3, H, W] frames as a looping animated GIF, each frame enlarged `scale` times (by
+    default `preview_scale`: a real model's frame keeps its size).
 
     Pillow folds identical consecutive frames into one longer frame, so the playback time is kept
     but the frame count read back may be smaller than F for a static clip.
@@ -159,7 +166,7 @@ def save_gif(path: str | os.PathLike[str], frames: torch.Tensor, fps: float, sca
         raise ValueError(f"frames must be [F, 3, H, W]; got shape {tuple(frames.shape)}")
     if fps <= 0:
         raise ValueError(f"fps must be positive; got {fps}")
-    pictures = [_to_pil(frame, scale) for frame in frames]
+    pictures = [_to_pil(frame, preview_scale(frames) if scale is None else scale) for frame in frames]
     # GIF delays are whole hundredths of a second, and browsers slow anything under 0.02 s right down.
     duration_ms = 10 * max(2, round(100.0 / fps))
 
@@ -199,7 +206,7 @@ def save_mp4(
     if fps <= 0 or (waveform is not None and sample_rate <= 0):
         raise ValueError(f"fps and sample_rate must be positive; got {fps} and {sample_rate}")
     if scale is None:
-        scale = max(1, min(8, 256 // max(frames.shape[-2:])))
+        scale = preview_scale(frames)
     pictures = [np.asarray(_to_pil(frame, scale)) for frame in frames]
     height, width = (
         pictures[0].shape[0] + pictures[0].shape[0] % 2,

@@ -12,6 +12,7 @@ import av
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from omni_diffusion_rl.answer_data.clip_files import (
     ClipFileError,
@@ -19,7 +20,7 @@ from omni_diffusion_rl.answer_data.clip_files import (
     decode_sound_track,
     file_timing,
 )
-from omni_diffusion_rl.media import save_mp4
+from omni_diffusion_rl.media import save_gif, save_mp4
 from omni_diffusion_rl.world import tiny_sync as world
 
 from .helpers import odrl_main, shifted_wave
@@ -121,3 +122,6 @@ def test_a_preview_mp4_enlarges_small_frames_only(tmp_path: Path) -> None:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
             assert (stream.height, stream.width) == size
+    gif = save_gif(tmp_path / "large.gif", torch.rand(2, 3, 301, 500), 8.0)  # the same rule for GIFs
+    with Image.open(gif) as picture:
+        assert picture.size == (500, 301)
