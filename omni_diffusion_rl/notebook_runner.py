@@ -74,6 +74,17 @@ def gspo_checkpoint(cwd: str | os.PathLike[str] | None = None) -> Path | None:
     return folder if folder is not None and (folder / "latest").exists() else None
 
 
+SYNC_RUN = Path("runs") / "tiny_sync_nft"  # recipes/configs/tiny_sync_nft.yaml's output_dir (make demo-sync)
+
+
+def sync_checkpoint(cwd: str | os.PathLike[str] | None = None) -> Path | None:
+    """The sync recipe's checkpoints folder in this checkout when `make demo-sync` has saved one, else
+    None (the notebook then shows the shipped tiny sync base)."""
+    root = repo_root(cwd)
+    folder = None if root is None else root / SYNC_RUN / "checkpoints"
+    return folder if folder is not None and (folder / "latest").exists() else None
+
+
 def preview_paths(
     environ: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None
 ) -> PreviewPaths:

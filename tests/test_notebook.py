@@ -88,6 +88,9 @@ def test_the_notebook_previews_a_checkpoint_into_its_run_from_another_folder(
     assert {"sheet.png", "sample_00.gif", "sample_00.wav", "sample_00.mp4", "index.json"} <= {
         p.name for p in out.iterdir()
     }
+    assert {"sheet.png", "sample_00.mp4"} <= {p.name for p in (out / "sync").iterdir()}, (
+        "the sync section shows its own sheet and MP4s with sound"
+    )
     assert _files(NOTEBOOK.parent) == notebooks_before, "nothing may be written under notebooks/"
 
 
@@ -123,6 +126,15 @@ def _checkout(root: Path) -> Path:
     (other / "manifest.json").write_text("{}")
     (other.parent / "latest").write_text(other.name)
     return root
+
+
+def test_the_sync_section_finds_the_sync_demos_checkpoint_or_none(tmp_path: Path) -> None:
+    root = _checkout(tmp_path / "checkout")
+    assert notebook_runner.sync_checkpoint(root / "notebooks") is None  # the shipped sync base then
+    run = root / notebook_runner.SYNC_RUN / "checkpoints"
+    run.mkdir(parents=True)
+    (run / "latest").write_text("step_0000240")
+    assert notebook_runner.sync_checkpoint(root / "notebooks") == run
 
 
 def test_the_demo_run_is_found_wherever_the_notebook_starts(tmp_path: Path) -> None:
