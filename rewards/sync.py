@@ -3,7 +3,7 @@ tiny sync world and for real generators alike: they read decoded video and audio
 rate and sample rate.
 
 - `sync_onsets`: AV-Align's IoU made soft: audio onsets and motion events paired one to one, closest
-  first, a pair within one frame counting 1 and one further off less, down to 0 at SOFT_REACH frames;
+  first, a pair counting 1 - gap / SOFT_REACH (1 together, 0.75 a frame apart, 0 at four frames);
   credits / (audio events + visual events - pairs). No events at all scores 0, a sound at every
   frame scores about one over their number, the right events a frame or two apart part of 1.
 - `strike_count`: how well each modality's event count matches the prompt's ("once", "twice",
@@ -30,7 +30,7 @@ from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import InputLimits
 from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sync_report
 
-SOFT_REACH = 3.0  # frames: a pair this far apart earns nothing
+SOFT_REACH = 4.0  # frames: a pair this far apart earns nothing
 SYNC_CLIP_LIMITS = InputLimits(  # a generator's clip: LTX-2's 121 frames, H3's 124, with room
     frames=256,
     frame_height=1080,
@@ -66,7 +66,9 @@ def _settings(motion_columns: int) -> SyncSettings:
 
 
 def soft_iou(report: SyncReport, fps: float) -> float:
-    """AV-Align's IoU with partial credit for pairs more than a frame apart (SOFT_REACH frames: 0)."""
+    """AV-Align's IoU with each pair's credit falling linearly with its gap, from 1 (together) to 0 at
+    SOFT_REACH frames. Not flat within AV-Align's one-frame window: a policy whose sound sits a frame
+    late would find nothing to gain there (seen: NFT parked the sound 1.01 frames off its strikes)."""
     pairs = sorted(
         (abs(a - v) * fps, i, j)
         for i, a in enumerate(report.audio_events_s)
@@ -80,7 +82,7 @@ def soft_iou(report: SyncReport, fps: float) -> float:
             continue
         used_a.add(i)
         used_v.add(j)
-        credit += 1.0 if gap <= 1.0 else (SOFT_REACH - gap) / (SOFT_REACH - 1.0)
+        credit += 1.0 - gap / SOFT_REACH
     union = report.audio_count + report.visual_count - len(used_a)
     return credit / union if union else 0.0
 
