@@ -52,6 +52,7 @@ LAYERS: list[list[str]] = [
         f"{PACKAGE}.world.judge",
         f"{PACKAGE}.world.sync_judge",
         f"{PACKAGE}.world.adversarial",
+        f"{PACKAGE}.world.sync_adversarial",
     ],
     # rewards, the reward server and its client, the combined reward of a config, prompt sources
     [f"{PACKAGE}.reward", f"{PACKAGE}.serving", f"{PACKAGE}.reward_factory", f"{PACKAGE}.prompts"],
