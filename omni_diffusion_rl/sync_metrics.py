@@ -132,15 +132,11 @@ def audio_onset_envelope(wave: torch.Tensor, sample_rate: int, rate: float, poin
     return torch.where(rise >= MIN_ONSET_RISE, rise, torch.zeros_like(rise))
 
 
-def motion_envelope(frames: torch.Tensor, fps: float, rate: float, points: int) -> torch.Tensor:
-    """Visual motion [points] at times i / rate: the mean absolute difference of frames t - 1 and t,
-    placed at (t - 1/2) / fps, linearly interpolated between those midpoints (0 outside them)."""
-    return motion_strips(frames, fps, rate, points, columns=1)[0]
-
-
 def motion_strips(frames: torch.Tensor, fps: float, rate: float, points: int, columns: int) -> torch.Tensor:
-    """`motion_envelope` of each of `columns` vertical strips of the picture [columns, points] (as
-    equal as the width allows; at most one a pixel column)."""
+    """Visual motion of each of `columns` vertical strips of the picture [columns, points] (as equal
+    as the width allows; at most one a pixel column; 1: the whole picture), at times i / rate: the
+    mean absolute difference of frames t - 1 and t within the strip, placed at (t - 1/2) / fps,
+    linearly interpolated between those midpoints (0 outside them)."""
     if frames.ndim != 4 or frames.shape[0] < 2:
         raise ValueError(f"frames must be [T >= 2, C, H, W]; got {tuple(frames.shape)}")
     columns = min(columns, frames.shape[-1])
