@@ -27,7 +27,11 @@ From these:
   sync);
 - `offset_ms`: where the cross-correlation of the two envelopes peaks, within `max_offset_s`;
   positive when the sound comes after the picture (NaN when either envelope is flat);
-- the event count of each modality.
+- the event count of each modality;
+- each audio event's pitch (`onset_pitches`: what rises in the spectrum at it) and each visual
+  event's strip, from which `sound_sources` groups the sounds by pitch: how many times each source
+  sounds, where a count of all events cannot tell one object striking three times from two objects
+  striking once and twice.
 
 The functions are pure and work on any clip at any size and rate (real ones too: `odrl eval sync`).
 """
@@ -43,6 +47,7 @@ LOG_FLOOR = 1e-8  # energy floor before the log (silence)
 TOP_SHARE = 0.9  # the cross-correlation's top: the lags within 10% of its peak
 FLAT = 1e-6  # values this close (relative) are equal: a flat top, one peak at its centre
 MIN_ONSET_RISE = math.log(10**0.6)  # an onset raises the energy by 6 dB or more from one window to the next
+SAME_SOURCE_OCTAVES = 1 / 6  # onsets this close in pitch (two semitones) are one sound source
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,8 @@ class SyncReport:
     matched: int
     iou: float
     offset_ms: float
+    audio_event_hz: tuple[float, ...] = ()  # the pitch each audio event brings (onset_pitches)
+    visual_event_strips: tuple[int, ...] = ()  # the strip of each visual event (0: the leftmost)
 
     @property
     def audio_count(self) -> int:
@@ -100,6 +107,8 @@ class SyncReport:
             "matched": self.matched,
             "iou": self.iou,
             "offset_ms": self.offset_ms,
+            "audio_event_hz": list(self.audio_event_hz),
+            "visual_event_strips": list(self.visual_event_strips),
         }
 
 
@@ -191,6 +200,13 @@ def strip_events(
     `envelope_events` reads them but against the largest value of any strip, and peaks of
     neighbouring strips within `min_gap_points` of each other joined into one event (chains too), at
     the time of its highest peak."""
+    return [at for at, _ in strip_event_columns(strips, rate, min_gap_points, relative, prominence)]
+
+
+def strip_event_columns(
+    strips: torch.Tensor, rate: float, min_gap_points: float, relative: float, prominence: float
+) -> list[tuple[float, int]]:
+    """`strip_events` with the strip of each event's highest peak: (time in s, strip), in time order."""
     level = relative * (float(strips.max()) if strips.numel() else 0.0)
     peaks = sorted(
         (height, at, column)
@@ -207,7 +223,7 @@ def strip_events(
         for e in joined:
             events.remove(e)
         events.append([p for e in joined for p in e] + [peak])
-    return sorted(max(e)[1] / rate for e in events)
+    return sorted((max(e)[1] / rate, max(e)[2]) for e in events)
 
 
 def _peaks(
@@ -253,6 +269,56 @@ def refined_peak(values: torch.Tensor, index: int, widest: int) -> float | None:
     left, right = float(values[index - 1]), float(values[index + 1])
     curvature = left - 2 * top + right
     return index + (0.5 * (left - right) / curvature if curvature < 0 else 0.0)
+
+
+def onset_pitches(
+    wave: torch.Tensor, sample_rate: int, onsets_s: list[float], window_s: float
+) -> list[float]:
+    """The frequency (Hz) each onset brings: the peak of the magnitude spectrum of the `window_s`
+    after it less that of the `window_s` before it (Hann windows zero-padded to four times their
+    length, the peak refined by a parabola through its neighbours), so that a sound still ringing
+    from before is not the new one's; NaN where no frequency rises."""
+    x = mono(wave).double()
+    length = max(8, round(window_s * sample_rate))
+    window = torch.hann_window(length, periodic=False, dtype=torch.float64)
+    size = 4 * length
+
+    def spectrum(start: int) -> torch.Tensor:
+        index = torch.arange(start, start + length)
+        inside = (index >= 0) & (index < len(x))
+        segment = torch.where(inside, x[index.clamp(0, max(len(x) - 1, 0))], torch.zeros((), dtype=x.dtype))
+        return torch.fft.rfft(segment * window, n=size).abs()
+
+    pitches = []
+    for onset in onsets_s:
+        start = round(onset * sample_rate)
+        rise = (spectrum(start) - spectrum(start - length)).clamp(min=0)
+        rise[0] = 0  # a step in level is no pitch
+        k = int(rise.argmax())
+        if float(rise[k]) <= 0:
+            pitches.append(math.nan)
+            continue
+        shift = 0.0
+        if 0 < k < len(rise) - 1:
+            left, top, right = float(rise[k - 1]), float(rise[k]), float(rise[k + 1])
+            curvature = left - 2 * top + right
+            shift = 0.5 * (left - right) / curvature if curvature < 0 else 0.0
+        pitches.append((k + shift) * sample_rate / size)
+    return pitches
+
+
+def sound_sources(pitches_hz: list[float], within_octaves: float = SAME_SOURCE_OCTAVES) -> list[int]:
+    """A source number for each onset: onsets whose pitches are within `within_octaves` of a
+    neighbour's (in pitch order, chains too) are one source, numbered from the lowest; every onset
+    of no pitch (NaN) is one source more."""
+    order = sorted((p, i) for i, p in enumerate(pitches_hz) if not math.isnan(p))
+    sources = [-1] * len(pitches_hz)
+    number = -1
+    for rank, (pitch, i) in enumerate(order):
+        if rank == 0 or math.log2(pitch / order[rank - 1][0]) > within_octaves:
+            number += 1
+        sources[i] = number
+    return [number + 1 if s < 0 else s for s in sources]
 
 
 def match_events(audio: list[float], visual: list[float], window_s: float) -> int:
@@ -356,7 +422,9 @@ def sync_report(
     env = sync_envelopes(frames, fps, wave, sample_rate, settings)
     gap = settings.min_gap_frames * settings.hops_per_frame
     read = (env.rate, gap, settings.relative_threshold, settings.prominence)
-    audio_events, visual_events = envelope_events(env.audio, *read), strip_events(env.strips, *read)
+    audio_events = envelope_events(env.audio, *read)
+    visual = strip_event_columns(env.strips, *read)
+    visual_events = [at for at, _ in visual]
     matched = match_events(audio_events, visual_events, settings.match_frames / fps)
     union = len(audio_events) + len(visual_events) - matched
     return SyncReport(
@@ -365,4 +433,6 @@ def sync_report(
         matched=matched,
         iou=matched / union if union else 0.0,
         offset_ms=1000 * envelope_offset_s(env.audio, env.visual, env.rate, settings.max_offset_s),
+        audio_event_hz=tuple(onset_pitches(wave, sample_rate, audio_events, 1 / fps)),
+        visual_event_strips=tuple(strip for _, strip in visual),
     )
