@@ -8,7 +8,12 @@ rate and sample rate.
   frame scores about one over their number, the right events a frame or two apart part of 1.
 - `strike_count`: how well each modality's event count matches the prompt's ("once", "twice",
   "three times", "N times", summed over its clauses): 1 / (1 + |count - asked|), averaged over
-  audio and video. A prompt that asks for no count is an error.
+  audio and video. A prompt that asks for no count is an error. Option `per_source` (default
+  false): count each object apart, whichever is which: the sounds grouped by pitch (sync_metrics'
+  `sound_sources`) and the picture split into one region an object, left to right, each list of
+  counts matched against the prompt's (sorted, `counts_match`). Summed counts cannot tell one object
+  striking three times from two striking once and twice (seen: NFT on the sync world got the sums
+  right and the objects wrong); per source needs objects that differ in pitch and stand side by side.
 
 Neither is the tiny sync world's judge (world/sync_judge.py), which finds objects by colour and
 sounds by pitch: they are what a training run optimises, the judge what an evaluation trusts.
@@ -21,14 +26,16 @@ tiny sync recipe reads 4); an object gliding sideways then makes an event at eac
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from collections import Counter
 
 import torch
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import InputLimits
-from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sync_report
+from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sound_sources, sync_report
 
 SOFT_REACH = 4.0  # frames: a pair this far apart earns nothing
 SYNC_CLIP_LIMITS = InputLimits(  # a generator's clip: LTX-2's 121 frames, H3's 124, with room
@@ -67,8 +74,9 @@ def _settings(motion_columns: int) -> SyncSettings:
 
 def soft_iou(report: SyncReport, fps: float) -> float:
     """AV-Align's IoU with each pair's credit falling linearly with its gap, from 1 (together) to 0 at
-    SOFT_REACH frames. Not flat within AV-Align's one-frame window: a policy whose sound sits a frame
-    late would find nothing to gain there (seen: NFT parked the sound 1.01 frames off its strikes)."""
+    SOFT_REACH frames. Not flat within AV-Align's one-frame window: a policy whose
+    sound sits a frame late would find nothing to gain there (seen: NFT parked the sound 1.01 frames
+    off its strikes)."""
     pairs = sorted(
         (abs(a - v) * fps, i, j)
         for i, a in enumerate(report.audio_events_s)
@@ -87,15 +95,37 @@ def soft_iou(report: SyncReport, fps: float) -> float:
     return credit / union if union else 0.0
 
 
-def asked_count(prompt: str) -> int:
-    """The events a prompt asks for: its count phrases summed (one per object)."""
+def asked_counts(prompt: str) -> list[int]:
+    """The events a prompt asks of each object: its count phrases, in order (one per object)."""
     found = _COUNT.findall(prompt.lower())
     if not found:
         raise ValueError(
             f"strike_count: the prompt {prompt[:120]!r} asks for no count (once, twice, three times, "
             "N times): name one, or leave strike_count out of reward.weights"
         )
-    return sum(COUNT_WORDS[f] for f in found)
+    return [COUNT_WORDS[f] for f in found]
+
+
+def asked_count(prompt: str) -> int:
+    """The events a prompt asks for: its count phrases summed."""
+    return sum(asked_counts(prompt))
+
+
+def counts_match(asked: list[int], found: list[int]) -> float:
+    """How well counts found per source match the counts asked per object, whichever source is which:
+    both sorted, the shorter padded with zeros, 1 / (1 + |difference|) averaged over the places."""
+    places = max(len(asked), len(found))
+    asked_sorted = sorted(asked, reverse=True) + [0] * (places - len(asked))
+    found_sorted = sorted(found, reverse=True) + [0] * (places - len(found))
+    return sum(1 / (1 + abs(a - f)) for a, f in zip(asked_sorted, found_sorted, strict=True)) / places
+
+
+def source_counts(report: SyncReport, objects: int, strips: int) -> tuple[list[int], list[int]]:
+    """Events per sound source (`sound_sources`: grouped by pitch) and per region of the picture
+    (the strips split into `objects` equal regions, left to right)."""
+    heard = Counter(sound_sources(list(report.audio_event_hz)))
+    seen = Counter(strip * objects // strips for strip in report.visual_event_strips)
+    return list(heard.values()), [seen[region] for region in range(objects)]
 
 
 @rewards.register("sync_onsets")
@@ -117,13 +147,83 @@ class StrikeCountReward:
 
     input_limits = SYNC_CLIP_LIMITS
 
-    def __init__(self, motion_columns: int = 1) -> None:
+    def __init__(self, motion_columns: int = 1, per_source: bool = False) -> None:
+        self.settings = _settings(motion_columns)
+        if not isinstance(per_source, bool):
+            raise ValueError(f"per_source must be true or false; got {per_source!r}")
+        self.per_source = per_source
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        asked = [asked_counts(p) for p in prompts]
+        reports = _reports(media, self.settings)
+        if not self.per_source:
+            return torch.tensor(
+                [
+                    0.5 / (1 + abs(r.audio_count - sum(n))) + 0.5 / (1 + abs(r.visual_count - sum(n)))
+                    for r, n in zip(reports, asked, strict=True)
+                ]
+            )
+        strips = min(self.settings.motion_columns, media.video.shape[-1])
+        most = max(len(n) for n in asked)
+        if most > strips:
+            raise ValueError(
+                f"strike_count per_source reads one region of the picture an object: a prompt names {most} "
+                f"objects and motion_columns reads {strips} strips; set motion_columns to {most} or more"
+            )
+        scores = []
+        for r, n in zip(reports, asked, strict=True):
+            heard, seen = source_counts(r, len(n), strips)
+            scores.append(0.5 * counts_match(n, heard) + 0.5 * counts_match(n, seen))
+        return torch.tensor(scores)
+
+
+def chamfer_frames(a: list[float], b: list[float]) -> float:
+    """How far two sets of event times (frames) are apart: each event's distance to the nearest of
+    the other set, averaged within each set, then over the two; 0 when both are empty, inf when one
+    is."""
+    if not a and not b:
+        return 0.0
+    if not a or not b:
+        return math.inf
+    near_a = sum(min(abs(x - y) for y in b) for x in a) / len(a)
+    near_b = sum(min(abs(x - y) for x in a) for y in b) / len(b)
+    return (near_a + near_b) / 2
+
+
+@rewards.register("strike_diversity")
+class StrikeDiversityReward:
+    """When a sample's strikes happen, against the other samples of its prompt in the batch: the
+    mean `chamfer_frames` distance of its visual events to theirs, in units of `spread` frames,
+    capped at 1; [B] in [0, 1].
+
+    Prompts say how many strikes, never when, and the world draws their frames at random; without
+    this term NFT gave every sample of a prompt the same strikes (the judge's distinct_strikes 0.38 to
+    0.45 where the world's own clips have 0.66; one prompt 0.06). A clip with no visual event scores
+    0; a sample whose prompt has no other sample in the batch cannot be scored: NaN (a failed sample,
+    never a 0). Score a prompt's samples in one call (a reward server's --max-batch a multiple of the
+    group size)."""
+
+    input_limits = SYNC_CLIP_LIMITS
+
+    def __init__(self, spread: float = 1.0, motion_columns: int = 1) -> None:
+        if isinstance(spread, bool) or not isinstance(spread, int | float) or not 0 < spread <= 100:
+            raise ValueError(f"spread is in frames, above 0 and at most 100; got {spread!r}")
+        self.spread = float(spread)
         self.settings = _settings(motion_columns)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
-        asked = [asked_count(p) for p in prompts]
-        scores = [
-            0.5 / (1 + abs(r.audio_count - n)) + 0.5 / (1 + abs(r.visual_count - n))
-            for r, n in zip(_reports(media, self.settings), asked, strict=True)
-        ]
+        events = [[t * media.fps for t in r.visual_events_s] for r in _reports(media, self.settings)]
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(p, []).append(i)
+        scores = [math.nan] * len(prompts)
+        for members in groups.values():
+            if len(members) < 2:
+                continue  # nothing to compare with: NaN, so the sample counts as not scored
+            for i in members:
+                if not events[i]:
+                    scores[i] = 0.0
+                    continue
+                apart = [min(chamfer_frames(events[i], events[j]), self.spread) for j in members if j != i]
+                scores[i] = sum(apart) / len(apart) / self.spread
         return torch.tensor(scores)

@@ -104,6 +104,69 @@ def test_two_objects_side_by_side_score_one_when_the_picture_is_read_in_strips()
         rewards.create("strike_count", motion_columns=0)
 
 
+def test_per_source_counts_each_object_where_summed_counts_cannot() -> None:
+    """One object striking three times, or two objects sounding one pitch, has the right summed
+    counts for "twice ..., and ... once": the summed reading gives full credit, the per-source one
+    (sounds grouped by pitch, the picture in one region an object) does not. The world's own pairs
+    still score 1."""
+    import dataclasses
+
+    rng = random.Random(11)
+    pairs = [world.random_scene(rng, second_object=1.0) for _ in range(16)]
+    per_source = rewards.create("strike_count", motion_columns=4, per_source=True)
+    summed = rewards.create("strike_count", motion_columns=4)
+    assert per_source.score(_batch(pairs), [s.prompt for s in pairs]).tolist() == [1.0] * 16
+
+    asked = (
+        "a small red square bounces twice with a low thud, and a large blue square bounces once with a knock"
+    )
+    one_object = world.SyncScene((world.Bouncer("red", "small", 2, (4, 8, 12)),))
+    assert float(summed.score(_batch([one_object]), [asked])[0]) == 1.0
+    assert float(per_source.score(_batch([one_object]), [asked])[0]) == 0.5
+
+    pair = world.SyncScene(
+        (world.Bouncer("red", "small", 2, (4, 10)), world.Bouncer("blue", "large", 10, (7,)))
+    )
+    one_pitch = world.SyncScene((pair.objects[0], dataclasses.replace(pair.objects[1], color="red")))
+    media = _batch([pair], audio=world.render_audio(world.render_envelope(one_pitch)[None]))
+    assert float(per_source.score(_batch([pair]), [asked])[0]) == 1.0
+    assert float(summed.score(media, [asked])[0]) == 1.0
+    assert float(per_source.score(media, [asked])[0]) == pytest.approx(0.5 * (1 / 2 + 1 / 2) / 2 + 0.5)
+    with pytest.raises(ValueError, match="set motion_columns to 2 or more"):
+        rewards.create("strike_count", per_source=True).score(media, [asked])
+    with pytest.raises(ValueError, match="per_source must be true or false"):
+        rewards.create("strike_count", per_source="yes")
+
+
+def test_strike_diversity_scores_the_worlds_own_spread_above_one_bounce_for_all() -> None:
+    """Eight samples of a prompt with strikes drawn as the world draws them score well above eight
+    copies of one clip (0); a still clip scores 0; a prompt alone in its batch cannot be scored (NaN,
+    a failed sample, not a 0)."""
+    rng = random.Random(3)
+    reward = rewards.create("strike_diversity", motion_columns=4)
+    world_means, copies = [], []
+    for _ in range(4):
+        prompt_scene = world.random_scene(rng, second_object=0.5)
+        drawn = [world.another_draw(rng, prompt_scene) for _ in range(8)]
+        prompts = [prompt_scene.prompt] * 8
+        world_means.append(float(reward.score(_batch(drawn), prompts).mean()))
+        copies.append(float(reward.score(_batch([drawn[0]] * 8), prompts).mean()))
+    assert copies == [0.0] * 4 and min(world_means) > 0.3 and sum(world_means) / 4 > 0.5
+    scenes = _single_scenes(3, seed=9)
+    media = _batch(scenes)
+    still = MediaBatch(
+        media.video[:, :1].expand(-1, world.FRAMES, -1, -1, -1).contiguous(),
+        media.audio,
+        world.FPS,
+        world.SAMPLE_RATE,
+    )
+    assert reward.score(still, [scenes[0].prompt] * 3).tolist() == [0.0] * 3
+    lone = reward.score(media, [s.prompt for s in scenes])
+    assert bool(lone.isnan().all())
+    with pytest.raises(ValueError, match="spread is in frames"):
+        rewards.create("strike_diversity", spread=0)
+
+
 def test_probe_every_gaming_clip_scores_below_the_worlds_own_and_the_judge_fails_it() -> None:
     """`odrl probe-rewards` on the recipe's rewards: each way to game them (a glide with a steady
     tone, a sound on every frame, the right count out of sync, ...) totals well under the world's

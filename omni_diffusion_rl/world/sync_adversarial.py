@@ -110,9 +110,14 @@ CASES: dict[str, Callable[[world.SyncScene, random.Random], torch.Tensor]] = {
 
 
 def probe_scenes(count: int = 48, seed: int = 0) -> list[world.SyncScene]:
-    """Scenes of the training split, half of them with two objects."""
+    """Scenes of the training split, about half of them with two objects, two of each prompt (drawn
+    apart, as a group of a batch is): rewards that compare a prompt's samples can score them."""
     rng = random.Random(seed)
-    return [world.random_scene(rng, second_object=0.5) for _ in range(count)]
+    scenes = []
+    while len(scenes) < count:
+        scene = world.random_scene(rng, second_object=0.5)
+        scenes += [scene, world.another_draw(rng, scene)][: count - len(scenes)]
+    return scenes
 
 
 def clips(case: str, scenes: list[world.SyncScene], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

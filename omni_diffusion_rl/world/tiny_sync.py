@@ -249,6 +249,13 @@ def random_scene(rng: random.Random, held_out: bool = False, second_object: floa
     return SyncScene(tuple(objects))
 
 
+def another_draw(rng: random.Random, scene: SyncScene) -> SyncScene:
+    """Another clip of `scene`'s prompt, as the world draws one: the same objects, their columns and
+    strike frames drawn afresh."""
+    objects = [random_bouncer(rng, o.color, o.size, o.count) for o in scene.objects]
+    return SyncScene(tuple(placed_apart(rng, objects) if len(objects) == 2 else objects))
+
+
 def placed_apart(rng: random.Random, pair: list[Bouncer]) -> list[Bouncer]:
     """Two objects moved to columns of PAIR_COLUMNS, one in each half of the frame, their strikes
     PAIR_GAP frames apart or more (`apart_strikes`)."""
