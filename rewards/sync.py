@@ -6,6 +6,7 @@ rate and sample rate.
   first, a pair counting 1 - gap / SOFT_REACH (1 together, 0.75 a frame apart, 0 at four frames);
   credits / (audio events + visual events - pairs). No events at all scores 0, a sound at every
   frame scores about one over their number, the right events a frame or two apart part of 1.
+  Option `reach_frames` (default 4): where a pair's credit reaches 0.
 - `strike_count`: how well each modality's event count matches the prompt's ("once", "twice",
   "three times", "N times", summed over its clauses): 1 / (1 + |count - asked|), averaged over
   audio and video. A prompt that asks for no count is an error. Option `per_source` (default
@@ -14,6 +15,9 @@ rate and sample rate.
   counts matched against the prompt's (sorted, `counts_match`). Summed counts cannot tell one object
   striking three times from two striking once and twice (seen: NFT on the sync world got the sums
   right and the objects wrong); per source needs objects that differ in pitch and stand side by side.
+- `strike_diversity`: how far apart in time a sample's strikes are from those of the other samples
+  of its prompt in the batch (prompts never say when): a policy giving every sample the same bounce
+  scores 0.
 
 Neither is the tiny sync world's judge (world/sync_judge.py), which finds objects by colour and
 sounds by pitch: they are what a training run optimises, the judge what an evaluation trusts.
@@ -72,11 +76,10 @@ def _settings(motion_columns: int) -> SyncSettings:
     return dataclasses.replace(DEFAULT_SYNC, motion_columns=motion_columns)
 
 
-def soft_iou(report: SyncReport, fps: float) -> float:
+def soft_iou(report: SyncReport, fps: float, reach: float = SOFT_REACH) -> float:
     """AV-Align's IoU with each pair's credit falling linearly with its gap, from 1 (together) to 0 at
-    SOFT_REACH frames. Not flat within AV-Align's one-frame window: a policy whose
-    sound sits a frame late would find nothing to gain there (seen: NFT parked the sound 1.01 frames
-    off its strikes)."""
+    `reach` frames. Not flat within AV-Align's one-frame window: a policy whose sound sits a frame
+    late would find nothing to gain there (seen: NFT parked the sound 1.01 frames off its strikes)."""
     pairs = sorted(
         (abs(a - v) * fps, i, j)
         for i, a in enumerate(report.audio_events_s)
@@ -86,11 +89,11 @@ def soft_iou(report: SyncReport, fps: float) -> float:
     used_v: set[int] = set()
     credit = 0.0
     for gap, i, j in pairs:
-        if gap >= SOFT_REACH or i in used_a or j in used_v:
+        if gap >= reach or i in used_a or j in used_v:
             continue
         used_a.add(i)
         used_v.add(j)
-        credit += 1.0 - gap / SOFT_REACH
+        credit += 1.0 - gap / reach
     union = report.audio_count + report.visual_count - len(used_a)
     return credit / union if union else 0.0
 
@@ -134,11 +137,21 @@ class SyncOnsetsReward:
 
     input_limits = SYNC_CLIP_LIMITS
 
-    def __init__(self, motion_columns: int = 1) -> None:
+    def __init__(self, motion_columns: int = 1, reach_frames: float = SOFT_REACH) -> None:
         self.settings = _settings(motion_columns)
+        if (
+            isinstance(reach_frames, bool)
+            or not isinstance(reach_frames, int | float)
+            or not 0 < reach_frames <= 16
+        ):
+            raise ValueError(
+                "reach_frames (where a pair's credit reaches 0) is in frames, above 0 and at most 16; "
+                f"got {reach_frames!r}"
+            )
+        self.reach = float(reach_frames)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
-        return torch.tensor([soft_iou(r, media.fps) for r in _reports(media, self.settings)])
+        return torch.tensor([soft_iou(r, media.fps, self.reach) for r in _reports(media, self.settings)])
 
 
 @rewards.register("strike_count")

@@ -54,6 +54,11 @@ def test_sound_moved_off_the_strikes_loses_sync_credit_step_by_step() -> None:
         means.append(float(reward.score(_batch(scenes, moved), prompts).mean()))
     assert means[0] == 1.0
     assert means[1:] == pytest.approx([0.75, 0.5, 0.25], abs=0.03)
+    one_frame_off = _batch(scenes, shifted_wave(base.audio, world.SAMPLE_RATE // int(world.FPS)))
+    sharp = rewards.create("sync_onsets", reach_frames=2)
+    assert float(sharp.score(one_frame_off, prompts).mean()) == pytest.approx(0.5, abs=0.03)
+    with pytest.raises(ValueError, match="reach_frames"):
+        rewards.create("sync_onsets", reach_frames=0)
 
 
 def test_gaming_clips_score_below_the_worlds_own() -> None:
