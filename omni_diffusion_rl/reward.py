@@ -89,6 +89,15 @@ DEFAULT_INPUT_LIMITS = InputLimits(
 )
 
 
+def samples_by_prompt(prompts: list[str]) -> list[list[int]]:
+    """The indices of each prompt's samples in a batch, prompts in order of first appearance: what a
+    reward comparing a prompt's samples with each other (a diversity term) scores together."""
+    groups: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    return list(groups.values())
+
+
 def input_limits(reward: object) -> InputLimits:
     """The limits `reward` declares (its `input_limits`), or DEFAULT_INPUT_LIMITS."""
     declared = getattr(reward, "input_limits", None)

@@ -38,7 +38,7 @@ import torch
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import InputLimits
+from omni_diffusion_rl.reward import InputLimits, samples_by_prompt
 from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sound_sources, sync_report
 
 SOFT_REACH = 4.0  # frames: a pair this far apart earns nothing
@@ -109,11 +109,6 @@ def asked_counts(prompt: str) -> list[int]:
     return [COUNT_WORDS[f] for f in found]
 
 
-def asked_count(prompt: str) -> int:
-    """The events a prompt asks for: its count phrases summed."""
-    return sum(asked_counts(prompt))
-
-
 def counts_match(asked: list[int], found: list[int]) -> float:
     """How well counts found per source match the counts asked per object, whichever source is which:
     both sorted, the shorter padded with zeros, 1 / (1 + |difference|) averaged over the places."""
@@ -169,24 +164,20 @@ class StrikeCountReward:
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         asked = [asked_counts(p) for p in prompts]
         reports = _reports(media, self.settings)
-        if not self.per_source:
-            return torch.tensor(
-                [
-                    0.5 / (1 + abs(r.audio_count - sum(n))) + 0.5 / (1 + abs(r.visual_count - sum(n)))
-                    for r, n in zip(reports, asked, strict=True)
-                ]
-            )
         strips = min(self.settings.motion_columns, media.video.shape[-1])
         most = max(len(n) for n in asked)
-        if most > strips:
+        if self.per_source and most > strips:
             raise ValueError(
                 f"strike_count per_source reads one region of the picture an object: a prompt names {most} "
                 f"objects and motion_columns reads {strips} strips; set motion_columns to {most} or more"
             )
         scores = []
-        for r, n in zip(reports, asked, strict=True):
-            heard, seen = source_counts(r, len(n), strips)
-            scores.append(0.5 * counts_match(n, heard) + 0.5 * counts_match(n, seen))
+        for r, per_object in zip(reports, asked, strict=True):
+            if self.per_source:
+                wanted, (heard, seen) = per_object, source_counts(r, len(per_object), strips)
+            else:  # the whole clip one source, asked the sum of the counts
+                wanted, heard, seen = [sum(per_object)], [r.audio_count], [r.visual_count]
+            scores.append(0.5 * counts_match(wanted, heard) + 0.5 * counts_match(wanted, seen))
         return torch.tensor(scores)
 
 
@@ -226,11 +217,8 @@ class StrikeDiversityReward:
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         events = [[t * media.fps for t in r.visual_events_s] for r in _reports(media, self.settings)]
-        groups: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(p, []).append(i)
         scores = [math.nan] * len(prompts)
-        for members in groups.values():
+        for members in samples_by_prompt(prompts):
             if len(members) < 2:
                 continue  # nothing to compare with: NaN, so the sample counts as not scored
             for i in members:

@@ -21,7 +21,7 @@ import torch
 
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
-from omni_diffusion_rl.reward import InputLimits
+from omni_diffusion_rl.reward import InputLimits, samples_by_prompt
 from omni_diffusion_rl.world import tiny_world as world
 
 # What the detectors are meant for: the tiny world's clips (room for stereo). Their work grows with
@@ -289,11 +289,8 @@ class GroupDiversityReward:
         ys = (fg * torch.arange(h, device=fg.device)[:, None]).sum((1, 2)) / mass
         xs = (fg * torch.arange(w, device=fg.device)[None, :]).sum((1, 2)) / mass
         centres = torch.stack([ys, xs], dim=1)
-        groups: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(p, []).append(i)
         out = torch.full((len(prompts),), float("nan"), device=fg.device)
-        for members in groups.values():
+        for members in samples_by_prompt(prompts):
             if len(members) < 2:
                 continue  # nothing to compare with: NaN, so the sample counts as not scored
             c = centres[members]
