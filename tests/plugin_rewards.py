@@ -91,3 +91,11 @@ class NanOnRed:
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         return torch.tensor([float("nan") if "red" in p else 1.0 for p in prompts])
+
+
+@rewards.register("test_constant", overwrite=True)
+class Constant:
+    """0.5 for every sample: every group-relative advantage is 0."""
+
+    def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
+        return torch.full((len(prompts),), 0.5)

@@ -13,10 +13,12 @@ import yaml
 
 from omni_diffusion_rl.algorithms.flow_grpo import (
     clipped_policy_loss,
+    drawn_window,
     gaussian_step_kl,
     sde_sigma,
     sde_step,
     sde_window,
+    step_kl,
 )
 from omni_diffusion_rl.benchmarks.tiny_families import H3_CLIP, LTX2_CLIP, save_tiny_h3, save_tiny_ltx2
 from omni_diffusion_rl.config import ConfigError, load_config
@@ -121,11 +123,15 @@ def test_the_loss_equals_the_reference_in_float64() -> None:
             ref_logp, old_logp, advantages, clip_range, 5.0, ref_mean, ref_mean_ref, std_dev_t, 0.04
         )
         t, t_next = sigmas[3].expand(4), sigmas[4].expand(4)
-        _, logp, mean, _ = sde_step(v, x, t, t_next, 0.7, float(sigmas[1]), x_next=x_next)
+        _, logp, mean, step_std = sde_step(v, x, t, t_next, 0.7, float(sigmas[1]), x_next=x_next)
         _, _, mean_ref, _ = sde_step(v_ref, x, t, t_next, 0.7, float(sigmas[1]), x_next=x_next)
         policy, _ = clipped_policy_loss(logp, old_logp, advantages, clip_range, 5.0)
-        kl = gaussian_step_kl(mean, mean_ref, std_dev_t.expand(4, 1, 1, 1))  # the reference's std: sigma_t
+        kl = step_kl(mean, mean_ref, t, 0.7, float(sigmas[1]))  # what FlowGRPO adds, times kl_coef
         torch.testing.assert_close(policy + 0.04 * kl.mean(), expected, rtol=0, atol=1e-10)
+    # kl_coef is in the reference's units: the Gaussian steps' own KL is 1/|dt| times larger
+    closed_form = gaussian_step_kl(mean, mean_ref, step_std)
+    torch.testing.assert_close(closed_form, kl / float(sigmas[3] - sigmas[4]), rtol=1e-9, atol=0)
+    assert float(sigmas[3] - sigmas[4]) < 0.5  # so the two units differ (by more than 2x)
 
 
 def test_the_sde_keeps_the_odes_marginals() -> None:
@@ -172,14 +178,68 @@ def test_sigma_at_t_one_uses_the_grids_second_time() -> None:
     )
 
 
-def test_the_window_slides_and_starts_over() -> None:
-    starts = [sde_window(step, 9, 3, 2, 5)[0] for step in range(0, 40, 5)]
-    assert starts == [0, 2, 4, 6, 1, 3, 5, 0]  # 7 positions; 2 steps every 5 updates, wrapping
-    assert sde_window(123, 9, 0, 1, 1) == (0, 9)  # no window: every step that may run the SDE
+class MixGRPOStates:
+    """MixGRPO's window state as its training loop steps it (GRPOTrainingStates, progressive with
+    roll_back and prog_overlap): read the window, then update once per iteration."""
+
+    def __init__(self, max_timesteps: int, group_size: int, iters_per_group: int, overlap_step: int) -> None:
+        self.max, self.size, self.every, self.step = max_timesteps, group_size, iters_per_group, overlap_step
+        self.cur, self.iter_in_group = 0, 0
+
+    def window(self) -> list[int]:
+        return list(range(self.cur, min(self.cur + self.size, self.max)))
+
+    def update(self) -> None:
+        self.iter_in_group += 1
+        if self.iter_in_group >= self.every:
+            self.iter_in_group = 0
+            self.cur += self.step
+        if self.cur > self.max:
+            self.cur, self.iter_in_group = 0, 0
+
+
+@pytest.mark.parametrize(("end", "size", "every", "stride"), [(23, 4, 25, 1), (8, 3, 20, 1), (9, 3, 5, 2)])
+def test_the_window_follows_mixgrpos_schedule_over_700_iterations(
+    end: int, size: int, every: int, stride: int
+) -> None:
+    states = MixGRPOStates(end, size, every, stride)
+    for k in range(700):
+        start, stop = sde_window(k, end, size, stride, every)
+        assert list(range(start, stop)) == states.window(), k
+        states.update()
+
+
+def test_the_window_shrinks_at_the_tail_empties_and_rolls_back() -> None:
+    """MixGRPO's own script (25 steps, a window of 4 moving 1 step every 25 iterations, roll_back)."""
+    assert sde_window(499, 23, 4, 1, 25) == (19, 23)
+    assert sde_window(500, 23, 4, 1, 25) == (20, 23)  # shrinks at the tail
+    assert sde_window(550, 23, 4, 1, 25) == (22, 23)
+    assert sde_window(575, 23, 4, 1, 25) == (23, 23)  # one group of iterations with no window
+    assert sde_window(600, 23, 4, 1, 25) == (0, 4)  # then back to the front
+    assert sde_window(123, 9, 0, 1, 1) == (0, 9)  # no window: every step before the end
     with pytest.raises(ValueError, match="window of 10 steps is larger than the 9"):
         sde_window(0, 9, 10, 1, 1)
+    # the sampler: MixGRPO's window covers steps 0 .. num_steps - 3 (its max_timesteps = steps - 2)
     steps = SDESampling(0.7, window_size=2, window_stride=1, window_every=1).steps(10, 3)
     assert steps.tolist() == [False, False, False, True, True, False, False, False, False, False]
+    assert SDESampling(0.7, 2).steps(10, 7).tolist() == [False] * 7 + [True, False, False]
+    assert not SDESampling(0.7, 2).steps(10, 8).any()
+
+
+def test_a_drawn_window_starts_anywhere_in_its_range_keyed_by_seed_and_step() -> None:
+    """Flow-GRPO-Fast: a window of 3 drawn in (0, 5) starts at 0, 1 or 2, the same for a (seed, step)."""
+    sampling = SDESampling(0.7, window_size=3, window_range=5, seed=4)
+    masks = [sampling.steps(10, step) for step in range(60)]
+    starts = {int(m.float().argmax()) for m in masks}
+    assert starts == {0, 1, 2} and all(int(m.sum()) == 3 for m in masks)
+    assert all(bool(m[int(m.float().argmax()) : int(m.float().argmax()) + 3].all()) for m in masks)
+    assert torch.equal(masks[7], sampling.steps(10, 7))
+    other_seed = SDESampling(0.7, window_size=3, window_range=5, seed=5)
+    assert any(not torch.equal(m, other_seed.steps(10, i)) for i, m in enumerate(masks))
+    fixed = SDESampling(0.7, window_size=2, window_range=2)  # a fixed early window
+    assert all(fixed.steps(10, i).tolist() == [True, True] + [False] * 8 for i in range(5))
+    with pytest.raises(ValueError, match="needs 0 < size <= range end"):
+        drawn_window(4, 3, torch.Generator())
 
 
 @pytest.mark.parametrize(
@@ -189,7 +249,12 @@ def test_the_window_slides_and_starts_over() -> None:
         (["algorithm.sde_noise=-0.5"], "algorithm.sde_noise"),
         (["algorithm.sde_noise=.nan"], "algorithm.sde_noise"),
         (["algorithm.sde_noise=.inf"], "algorithm.sde_noise: inf is not a finite number"),
-        (["algorithm.sde_window_size=10"], "algorithm.sde_window_size=10 is larger than the 9 steps"),
+        (["algorithm.sde_window_size=9"], "algorithm.sde_window_size=9 is larger than the 8 steps"),
+        (
+            ["algorithm.sde_window_size=3", "algorithm.sde_window_range=10"],
+            "algorithm.sde_window_range=10 draws a window of sde_window_size=3 steps: it needs 0 <",
+        ),
+        (["algorithm.sde_window_range=4"], "draws a window of sde_window_size=0 steps"),
         (["algorithm.clip_range=0"], "algorithm.clip_range"),
         (["algorithm.clip_range=-1e-4"], "algorithm.clip_range"),
         (["sampling.solver=heun"], "sampling.solver=heun has none; use one that does: euler"),
@@ -302,26 +367,38 @@ def test_guidance_is_refused_where_it_would_not_be_trained_and_a_guided_checkpoi
     assert sample_guidance(str(run / "checkpoints"), 1.0) == 1.0 and sample_guidance(None, None) == 1.0
 
 
+def _adam_steps_and_records(model_dir: Path, run_dir: Path, extra: list[str]) -> tuple[set[int], list[dict]]:
+    """A 2-step flow_grpo run: the optimizer steps its parameters took, and its step records."""
+    trainer = Trainer(
+        load_config(None, [*fast_overrides(model_dir, run_dir, 2), "algorithm.name=flow_grpo", *extra])
+    )
+    trainer.fit()
+    return {int(state["step"]) for state in trainer.learner.optimizer.state.values()}, step_records(run_dir)
+
+
 def test_several_updates_per_batch_step_the_optimizer_on_each_share(model_dir: Path, tmp_path: Path) -> None:
     """updates_per_batch=2: two optimizer steps per step of experience, each on half of the prompt
     groups; the second is off-policy by the first's change, so the logged gap is above 0."""
-    runs = {}
-    for updates in (1, 2):
-        overrides = [
-            *fast_overrides(model_dir, tmp_path / f"run{updates}", 2),
-            "algorithm.name=flow_grpo",
-            "train.eval_at_start_and_end=false",
-            f"algorithm.updates_per_batch={updates}",
-        ]
-        trainer = Trainer(load_config(None, overrides))
-        trainer.fit()
-        adam_steps = {int(state["step"]) for state in trainer.learner.optimizer.state.values()}
-        runs[updates] = (adam_steps, step_records(tmp_path / f"run{updates}"))
+    runs = {
+        updates: _adam_steps_and_records(
+            model_dir,
+            tmp_path / f"run{updates}",
+            ["train.eval_at_start_and_end=false", f"algorithm.updates_per_batch={updates}"],
+        )
+        for updates in (1, 2)
+    }
     assert runs[1][0] == {2} and runs[2][0] == {4}
     assert all(r["grpo/logp_gap"] < 1e-4 for r in runs[1][1])
     assert all(r["grpo/logp_gap"] > 1e-6 and math.isfinite(r["loss/total"]) for r in runs[2][1])
     with pytest.raises(ConfigError, match="algorithm.updates_per_batch=3 splits data.prompts_per_step=2"):
-        load_config(None, [*overrides[:-1], "algorithm.updates_per_batch=3"])
+        load_config(
+            None,
+            [
+                *fast_overrides(model_dir, tmp_path / "run3"),
+                "algorithm.name=flow_grpo",
+                "algorithm.updates_per_batch=3",
+            ],
+        )
 
 
 def test_a_window_trains_only_its_steps_and_records_them(model_dir: Path, tmp_path: Path) -> None:
@@ -335,16 +412,58 @@ def test_a_window_trains_only_its_steps_and_records_them(model_dir: Path, tmp_pa
     ]
     trainer = Trainer(load_config(None, overrides))
     experience = trainer.experience
-    for step, start in [(0, 0), (1, 1), (3, 3), (4, 0)]:  # 4 places for 2 of the 5 SDE-able steps
+    # MixGRPO's window covers steps 0-3 of 6: places 0, 1, 2, then 3 alone, then none, then 0 again
+    for step, window in [(0, [0, 1]), (1, [1, 2]), (3, [3]), (4, []), (5, [0, 1])]:
         rollout, scored = experience.make_step(step, PROMPTS, [0, 1])
         sde = rollout.extras[SDE_STEPS]
-        assert sde.sum(dim=1).tolist() == [2.0] * 4
-        assert sde[0, start : start + 2].tolist() == [1.0, 1.0]
+        assert sde.sum(dim=1).tolist() == [float(len(window))] * 4
+        assert sde[0].nonzero().flatten().tolist() == window
         logp = rollout.extras[BEHAVIOUR_LOGP]
         assert bool((logp[sde == 0] == 0).all()) and bool((logp[sde > 0] != 0).all())
         assert rollout.extras[STATES].shape[:2] == (4, 6) and not scored.failures
         trained = trained_sde_steps(rollout, 0, step, 1.0)
-        assert sorted(trained[0].tolist()) == [start, start + 1]  # only the window's steps are trained
+        assert sorted(trained[0].tolist()) == window  # only the window's steps are trained
+
+
+def test_zero_advantages_are_dropped_and_an_update_with_nothing_left_makes_no_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A reward equal on every sample makes every advantage 0: dropped as train_sd3.py drops them,
+    nothing is left and the optimizer never steps; kept, the update steps on them."""
+    from . import plugin_rewards  # noqa: F401 - registers test_constant
+
+    adam_steps, records = {}, {}
+    for drop in (True, False):
+        adam_steps[drop], records[drop] = _adam_steps_and_records(
+            model_dir,
+            tmp_path / f"run_{drop}",
+            ["reward.weights={test_constant: 1.0}", f"algorithm.drop_zero_advantage={str(drop).lower()}"],
+        )
+    assert adam_steps == {True: set(), False: {2}}
+    assert [(r["grpo/skipped"], r["grpo/trained_share"]) for r in records[True]] == [(1.0, 0.0)] * 2
+    assert all("grpo/skipped" not in r and r["grpo/trained_share"] == 1.0 for r in records[False])
+
+
+def test_detach_uncond_stops_the_gradient_through_the_unconditional_velocity() -> None:
+    """Guided velocity v_u + s (v_c - v_u): detached, its gradient reaches the conditional branch
+    only (scaled by s), not the unconditional one (1 - s)."""
+    from omni_diffusion_rl.experience.guidance import guided
+
+    class Branches:
+        def __init__(self) -> None:
+            self.weights = {k: torch.tensor(w, requires_grad=True) for k, w in (("c", 2.0), ("u", 3.0))}
+
+        def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+            return x * self.weights[cond["which"]]
+
+    x, t = torch.ones(2, 3), torch.ones(2)
+    for detach, expected_u in ((False, (1 - 4.0) * 6), (True, None)):
+        branches = Branches()
+        v = guided(branches, x, t, {"which": "c"}, {"which": "u"}, 4.0, detach_uncond=detach)  # type: ignore[arg-type]
+        v.sum().backward()
+        assert float(branches.weights["c"].grad) == 4.0 * 6
+        grad_u = branches.weights["u"].grad
+        assert (grad_u is None) if expected_u is None else float(grad_u) == expected_u
 
 
 def test_samples_with_non_finite_log_probabilities_fail_and_are_not_trained(

@@ -12,8 +12,10 @@ latent's entries (the reference's reduction, hence its small clip ranges).
 
 Conventions that differ from yifan123/flow_grpo (each is a choice of the caller, not of these
 functions): the reference also adds noise on the last step (to t = 0) and simply never trains it;
-our sampler keeps it deterministic. The reference's KL divides by 2 sigma^2; the closed-form KL of
-two Gaussian steps divides by 2 sigma^2 |dt|, which `FlowGRPO` passes (`kl_std`).
+our sampler keeps it deterministic. The reference's KL divides ||mean - mean_ref||^2 by 2 sigma_t^2
+(sigma_t alone, not the step's std), and so does `FlowGRPO`, so that `kl_coef` is in the reference's
+units (its `beta`); the closed-form KL of the two Gaussian steps divides by 2 sigma_t^2 |dt|, 1/|dt|
+times more.
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ def gaussian_step_kl(mean: torch.Tensor, mean_ref: torch.Tensor, kl_std: torch.T
     return ((mean - mean_ref.detach()) ** 2).flatten(1).mean(dim=1) / (2 * kl_std.flatten(1)[:, 0] ** 2)
 
 
+def step_kl(
+    mean: torch.Tensor, mean_ref: torch.Tensor, t: torch.Tensor, noise_level: float, t_cap: float
+) -> torch.Tensor:
+    """[B] flow_grpo's KL term of a step from t [B], in its `train.beta`'s units: the mean over
+    entries of ||mean - mean_ref||^2 / (2 sigma_t^2). The KL of the two Gaussian steps is this / |dt|."""
+    return gaussian_step_kl(mean, mean_ref, sde_sigma(_per_sample(t, mean), noise_level, t_cap))
+
+
 def clipped_policy_loss(
     log_prob: torch.Tensor,
     behaviour_log_prob: torch.Tensor,
@@ -103,16 +113,23 @@ def clipped_policy_loss(
     return loss, metrics
 
 
-def sde_window(step: int, sde_steps: int, size: int, stride: int, every: int) -> tuple[int, int]:
-    """MixGRPO's window at training `step`: [start, start + size) of the `sde_steps` steps that may
-    run the SDE, moving `stride` steps every `every` training steps and starting over at the front
-    when it would pass the end. size 0: every step (no window)."""
+def sde_window(step: int, end: int, size: int, stride: int, every: int) -> tuple[int, int]:
+    """MixGRPO's window at training `step`: [start, min(start + size, end)). The start moves `stride`
+    steps every `every` training steps; near the end the window shrinks, it is empty once the start
+    reaches `end`, and the start rolls back to 0 once it would pass `end` (MixGRPO's progressive
+    schedule with roll_back, `GRPOTrainingStates`). size 0: every step before `end` (no window)."""
     if size == 0:
-        return 0, sde_steps
-    if size > sde_steps:
-        raise ValueError(
-            f"an SDE window of {size} steps is larger than the {sde_steps} steps that may run one"
-        )
-    positions = sde_steps - size + 1
-    start = ((step // every) * stride) % positions
+        return 0, end
+    if size > end:
+        raise ValueError(f"an SDE window of {size} steps is larger than the {end} steps it may cover")
+    start = ((step // every) % (end // stride + 1)) * stride
+    return start, min(start + size, end)
+
+
+def drawn_window(size: int, range_end: int, generator: torch.Generator) -> tuple[int, int]:
+    """Flow-GRPO-Fast's window: [start, start + size) with start drawn uniformly from
+    0 .. range_end - size (flow_grpo's `sde_window_range` (0, range_end))."""
+    if not 0 < size <= range_end:
+        raise ValueError(f"a drawn SDE window needs 0 < size <= range end; got {size} and {range_end}")
+    start = int(torch.randint(0, range_end - size + 1, (), generator=generator))
     return start, start + size

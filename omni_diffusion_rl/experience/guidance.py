@@ -17,13 +17,16 @@ def guided(
     cond: Condition,
     empty: Condition | None,
     scale: float,
+    detach_uncond: bool = False,
 ) -> torch.Tensor:
     """The policy's velocity with classifier-free guidance toward `cond` away from `empty` (the empty
-    prompt's condition, one row per sample); scale 1 (or no `empty`) is one plain forward."""
+    prompt's condition, one row per sample); scale 1 (or no `empty`) is one plain forward.
+    detach_uncond: no gradient flows through the unconditional velocity."""
     v = policy.velocity(x_t, t, cond)
     if scale == 1.0 or empty is None:
         return v
-    return guided_velocity(v, policy.velocity(x_t, t, empty), scale)
+    uncond = policy.velocity(x_t, t, empty)
+    return guided_velocity(v, uncond.detach() if detach_uncond else uncond, scale)
 
 
 def checked_guidance(

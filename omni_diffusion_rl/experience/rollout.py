@@ -37,6 +37,7 @@ _STREAMS = {
     "answers": 7,
     "sde": 8,
     "completion": 9,
+    "sde_window": 10,
 }
 STATES, BEHAVIOUR_LOGP, SDE_STEPS = "states", "behaviour_logp", "sde_steps"
 """Extras of an SDE rollout: the visited states [N, T, *latent], each step's log-probability under
@@ -118,18 +119,29 @@ def stream_prompt(prompts: list[str], seed: int, position: int) -> str:
 @dataclass(frozen=True)
 class SDESampling:
     """How an algorithm that needs log-probabilities (Flow-GRPO) samples: the SDE's noise level and
-    MixGRPO's window (size 0: the SDE on every step but the last)."""
+    which steps run it: every step but the last (window_size 0), MixGRPO's sliding window, or
+    Flow-GRPO-Fast's window drawn at each step (window_range > 0, keyed by `seed` and the step)."""
 
     noise_level: float
     window_size: int = 0
     window_stride: int = 1
     window_every: int = 1
+    window_range: int = 0
+    seed: int = 0
 
     def steps(self, num_steps: int, step: int) -> torch.Tensor:
         """[num_steps] bool: the steps that run the SDE at training `step` (never the last)."""
-        from ..algorithms.flow_grpo import sde_window
+        from ..algorithms.flow_grpo import drawn_window, sde_window
 
-        start, stop = sde_window(step, num_steps - 1, self.window_size, self.window_stride, self.window_every)
+        if self.window_size == 0:
+            start, stop = 0, num_steps - 1
+        elif self.window_range:
+            generator = step_generator(self.seed, step, 0, "sde_window")
+            start, stop = drawn_window(self.window_size, self.window_range, generator)
+        else:  # MixGRPO's window ends before step num_steps - 2, as its max_timesteps = steps - 2 does
+            start, stop = sde_window(
+                step, num_steps - 2, self.window_size, self.window_stride, self.window_every
+            )
         mask = torch.zeros(num_steps, dtype=torch.bool)
         mask[start:stop] = True
         return mask

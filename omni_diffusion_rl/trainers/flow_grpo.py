@@ -4,14 +4,17 @@ The rollout side samples with the SDE (the `old` adapter) and records the states
 step's log-probability and which steps ran the SDE (experience/rollout.py: STATES, BEHAVIOUR_LOGP,
 SDE_STEPS). The update recomputes the log-probability of each recorded transition with the trained
 adapter on a `timestep_fraction` of the sample's SDE steps, takes the clipped PPO loss against the
-recorded (behaviour) log-probability with group-normalised advantages and, with kl_coef > 0, the
-closed-form KL of its step to the base model's, accumulates every chosen step of every sample and
-makes one optimizer step; `old` then follows the trained adapter. In the async modes a sample may
-be a few versions old: its ratio is against the log-probability its own weights recorded, and
-`grpo/logp_gap` reports how far the trained policy has moved from them.
+recorded (behaviour) log-probability with group-normalised advantages (samples at exactly 0 left
+out, as flow_grpo does) and, with kl_coef > 0, flow_grpo's KL term of its step to the base model's
+(in flow_grpo's units), accumulates every chosen step of every sample and makes one optimizer step;
+`old` then follows the trained adapter. In the async modes a sample may be a few versions old: its
+ratio is against the log-probability its own weights recorded, and `grpo/logp_gap` reports how far
+the trained policy has moved from them.
 
-MixGRPO (`sde_window_size` > 0): the SDE runs only on a window of steps that moves `sde_window_stride`
-steps every `sde_window_every` updates (the ODE elsewhere), and only the window's steps are trained.
+MixGRPO (`sde_window_size` > 0): the SDE runs only on a window of steps scheduled as MixGRPO's
+(it moves `sde_window_stride` steps every `sde_window_every` updates, shrinks at the end, is empty
+once, then rolls back), the ODE elsewhere, and only the window's steps are trained. Flow-GRPO-Fast
+(`sde_window_range` > 0): the window's start is drawn at each step instead.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..algorithms.flow_grpo import clipped_policy_loss, gaussian_step_kl, sde_step
+from ..algorithms.flow_grpo import clipped_policy_loss, sde_step, step_kl
 from ..config import ConfigError, ExperimentConfig, option
 from ..experience.guidance import encode_empty, guided
 from ..experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, Rollout, SDESampling, step_generator
@@ -57,11 +60,23 @@ class FlowGRPOOptions:
         5.0, "flow_grpo: advantages are clipped to [-adv_clip_max, adv_clip_max]", gt=0
     )
     per_group_std: bool = option(
-        True, "flow_grpo: normalise by each group's std (the reference's per-prompt stats)"
+        False,
+        "flow_grpo: normalise by each group's std (default: the whole batch's, flow_grpo's default "
+        "global_std=True)",
+    )
+    drop_zero_advantage: bool = option(
+        True, "flow_grpo: samples whose advantage is exactly 0 are left out of the loss, as train_sd3.py does"
+    )
+    detach_uncond: bool = option(
+        False,
+        "flow_grpo: under guidance, no gradient through the unconditional velocity (flow_grpo's July 2025 "
+        "train_sd3.py detached it; its current one does not)",
     )
     kl_coef: float = option(
         0.0,
-        "flow_grpo: weight of the KL of each trained step to the base model's (0 skips its forward)",
+        "flow_grpo: weight of each trained step's KL to the base model's, in flow_grpo's units (its "
+        "train.beta: ||mean - mean_ref||^2 / 2 sigma_t^2; the Gaussian steps' KL is that / |dt|); 0 skips "
+        "its forward",
         ge=0,
     )
     sde_window_size: int = option(
@@ -71,6 +86,12 @@ class FlowGRPOOptions:
     )
     sde_window_stride: int = option(1, "MixGRPO: steps the window moves each time", ge=1)
     sde_window_every: int = option(1, "MixGRPO: updates between moves of the window", ge=1)
+    sde_window_range: int = option(
+        0,
+        "Flow-GRPO-Fast: > 0 draws each step's window start from 0 .. this - sde_window_size (flow_grpo's "
+        "sde_window_range (0, this)) instead of sliding it",
+        ge=0,
+    )
     updates_per_batch: int = option(
         1,
         "flow_grpo: optimizer steps per step of experience, each on its share of the prompt groups (the "
@@ -106,16 +127,34 @@ class FlowGRPO(Algorithm):
                 f"algorithm.updates_per_batch={a.updates_per_batch} splits data.prompts_per_step="
                 f"{cfg.data.prompts_per_step} prompt groups: each update needs at least one; use fewer"
             )
-        if a.sde_window_size > s.num_steps - 1:
+        cls._check_window(a, s.num_steps)
+
+    @staticmethod
+    def _check_window(a: Any, num_steps: int) -> None:
+        if a.sde_window_range:
+            if not 0 < a.sde_window_size <= a.sde_window_range <= num_steps - 1:
+                raise ConfigError(
+                    f"algorithm.sde_window_range={a.sde_window_range} draws a window of sde_window_size="
+                    f"{a.sde_window_size} steps: it needs 0 < sde_window_size <= sde_window_range <= "
+                    f"{num_steps - 1} (the steps that may run the SDE at sampling.num_steps={num_steps})"
+                )
+        elif a.sde_window_size > num_steps - 2:
             raise ConfigError(
-                f"algorithm.sde_window_size={a.sde_window_size} is larger than the {s.num_steps - 1} steps "
-                f"that may run the SDE (sampling.num_steps={s.num_steps}, the last one deterministic)"
+                f"algorithm.sde_window_size={a.sde_window_size} is larger than the {num_steps - 2} steps "
+                f"MixGRPO's window covers (sampling.num_steps={num_steps}: its last two are never in it)"
             )
 
     @classmethod
     def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
         a = cfg.algorithm
-        return SDESampling(a.sde_noise, a.sde_window_size, a.sde_window_stride, a.sde_window_every)
+        return SDESampling(
+            a.sde_noise,
+            a.sde_window_size,
+            a.sde_window_stride,
+            a.sde_window_every,
+            a.sde_window_range,
+            cfg.train.seed,
+        )
 
     def metric_names(self) -> list[str]:
         names = ["loss/total", "loss/policy", "grpo/clip_fraction", "grpo/approx_kl", "grpo/logp_gap"]
@@ -123,39 +162,50 @@ class FlowGRPO(Algorithm):
 
     def update(self, batch: UpdateBatch) -> dict[str, float]:
         """`updates_per_batch` optimizer steps, each on its share of the step's prompt groups (in
-        the order of their ids, dealt round-robin); the metrics are their means weighted by samples."""
+        the order of their ids, dealt round-robin); the metrics are their means weighted by samples.
+        When nothing is trainable (every advantage 0, or MixGRPO's empty window) it makes no
+        optimizer step and logs grpo/skipped."""
         plan, parts = self.plan(batch), self.options.updates_per_batch
+        trainable = plan.data.pop("trainable")  # [N], every process's samples: all agree
+        if not bool(trainable.any()):
+            return {**plan.metrics, "grpo/skipped": 1.0}
         if parts == 1:
             return self.run(batch.rollout, batch.step, plan)
         _, order = torch.unique(batch.groups, return_inverse=True)  # every process agrees on it
         deal = order % parts
-        mine = plan.trained if plan.trained is not None else torch.ones(len(batch.rollout), dtype=torch.bool)
         totals: dict[str, float] = {}
         trained = 0
         for j in range(parts):
-            count = int((batch.keep & (deal == j)).sum())
+            count = int((trainable & (deal == j)).sum())
             if count == 0:  # every process skips it alike: nothing of this share is trainable
                 continue
-            sub = Plan(mine & (deal[batch.local] == j), plan.data, plan.passes, plan.metrics)
+            sub = Plan(plan.trained & (deal[batch.local] == j), plan.data, plan.passes, plan.metrics)
             for name, value in self.run(batch.rollout, batch.step, sub).items():
                 totals[name] = totals.get(name, 0.0) + value * count
             trained += count
         return {name: value / trained for name, value in totals.items()}
 
     def plan(self, batch: UpdateBatch) -> Plan:
+        """The trainable samples (scored, in a group of 2 or more, with an SDE step, and with an
+        advantage other than 0 under drop_zero_advantage), their advantages and trained steps."""
         rollout, cfg = batch.rollout, self.learner.cfg
         missing = [k for k in (STATES, BEHAVIOUR_LOGP, SDE_STEPS) if k not in rollout.extras]
         if missing:
             raise ValueError(f"a flow_grpo rollout lacks {', '.join(missing)} (sampled without the SDE?)")
         steps = trained_sde_steps(rollout, cfg.train.seed, batch.step, cfg.algorithm.timestep_fraction)
-        adv = batch.advantages(per_group_std=self.options.per_group_std)[batch.local]
-        mine = batch.mine
-        metrics = {"grpo/adv_abs": float(adv[mine].abs().mean()) if mine.any() else float("nan")}
+        adv_all = batch.advantages(per_group_std=self.options.per_group_std)
+        trainable = batch.keep & (adv_all != 0) if self.options.drop_zero_advantage else batch.keep.clone()
+        if steps.shape[1] == 0:  # MixGRPO's window is empty at this step: no step to train
+            trainable[:] = False
+        adv, mine = adv_all[batch.local], trainable[batch.local]
+        metrics = {
+            "grpo/adv_abs": float(adv[batch.mine].abs().mean()) if batch.mine.any() else float("nan"),
+            "grpo/trained_share": float(trainable.sum() / batch.keep.sum()) if batch.keep.any() else 0.0,
+        }
         if self.options.sde_window_size:
-            metrics["grpo/window_start"] = (
-                float(rollout.extras[SDE_STEPS][0].argmax()) if len(rollout) else 0.0
-            )
-        return Plan(mine, {"adv": adv, "steps": steps}, metrics=metrics)
+            sde = rollout.extras[SDE_STEPS]
+            metrics["grpo/window_start"] = float(sde[0].argmax()) if len(rollout) and sde.any() else -1.0
+        return Plan(mine, {"adv": adv, "steps": steps, "trainable": trainable}, metrics=metrics)
 
     def sweep(self, work: Work) -> Iterator[MicroBatch]:
         """One pass per trained step: every micro-batch of samples at their j-th chosen step."""
@@ -191,8 +241,8 @@ class FlowGRPO(Algorithm):
         x, x_next = d["x"].float(), d["x_next"].float()
         scale = learner.cfg.sampling.cfg_scale
         with learner.autocast():
-            v = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale)
-        _, logp, mean, std = sde_step(v.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next)
+            v = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale, a.detach_uncond)
+        _, logp, mean, _ = sde_step(v.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next)
         w = micro.weight(x.device)
         adv = micro.rows("adv").to(x.device)
         loss, metrics = clipped_policy_loss(logp, d["logp_old"], adv, a.clip_range, a.adv_clip_max, w)
@@ -203,7 +253,7 @@ class FlowGRPO(Algorithm):
             _, _, mean_ref, _ = sde_step(
                 v_ref.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next
             )
-            kl = gaussian_step_kl(mean, mean_ref, std)
+            kl = step_kl(mean, mean_ref, d["t"], a.sde_noise, t_cap)  # in flow_grpo's units
             kl = (kl if w is None else w * kl).mean()
             metrics["loss/kl"] = kl.detach()
             loss = loss + a.kl_coef * kl
@@ -222,16 +272,15 @@ class FlowGRPO(Algorithm):
 
 def trained_sde_steps(rollout: Rollout, seed: int, step: int, fraction: float) -> torch.Tensor:
     """[N, K]: each sample's trained steps, the first `fraction` of its SDE steps in a random order
-    keyed by (seed, step, prompt group); K = max(1, int(SDE steps * fraction)), the same for all."""
+    keyed by (seed, step, prompt group); K = max(1, int(SDE steps * fraction)), the same for all
+    (0 when no step ran the SDE: MixGRPO's window at its empty place)."""
     sde = rollout.extras[SDE_STEPS].cpu() > 0
     counts = sde.sum(dim=1)
     if len(rollout) and bool((counts != counts[0]).any()):
         raise ValueError(
             f"the samples of a flow_grpo batch ran different numbers of SDE steps: {counts.tolist()}"
         )
-    if len(rollout) and int(counts[0]) == 0:
-        raise ValueError("a flow_grpo rollout ran no SDE step: nothing to train")
-    num_train = max(1, int(int(counts[0]) * fraction)) if len(rollout) else 0
+    num_train = max(1, int(int(counts[0]) * fraction)) if len(rollout) and int(counts[0]) else 0
     chosen, generators = [], {}
     for i, group in enumerate(rollout.group_ids.tolist()):
         gen = generators.setdefault(group, step_generator(seed, step, group, "train"))
