@@ -792,17 +792,19 @@ def algorithm_section(data: Any, prefix: str = "algorithm") -> AlgorithmConfig:
 
 
 def _foreign(section: type, name: str, key: Any, value: Any, prefix: str) -> bool:
-    """True for an option of another algorithm at its default (to drop); a ConfigError for one at
-    any other value; False for a key of `section` or one no algorithm declares (_build judges it)."""
+    """True for an option of another algorithm at its default (at the default of any algorithm that
+    declares it: to drop); a ConfigError for one at any other value; False for a key of `section` or
+    one no algorithm declares (_build judges it)."""
     if key in _field_names(section):
         return False
     owners = declaring_algorithms(key)
     if not owners:
         return False
-    owner = algorithm_type(owners[0])
-    theirs = _build(_joined_section(_options_type(owner)), {"name": owners[0], key: value}, prefix)
-    if getattr(theirs, key) == getattr(theirs.__class__(), key):
-        return True
+    for owner in owners:  # several may declare it, each with its own default
+        theirs_type = _joined_section(_options_type(algorithm_type(owner)))
+        theirs = _build(theirs_type, {"name": owner, key: value}, prefix)  # a ConfigError if malformed
+        if getattr(theirs, key) == getattr(theirs_type(), key):
+            return True
     raise ConfigError(
         f"{prefix}.{key}={_shown(repr(value))} is an option of {' and '.join(owners)}, not of {name}: "
         f"{prefix}.name={name} would ignore it; set {prefix}.name={' or '.join(owners)} or leave it out"

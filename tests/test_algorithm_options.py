@@ -175,7 +175,7 @@ def test_train_help_lists_each_algorithms_options_under_its_name() -> None:
         odrl("train", "--help"), capture_output=True, text=True, env=ENV, timeout=300, check=True
     )
     blocks = _help_blocks(out.stdout)
-    assert set(blocks) == {"distill", "flow_grpo", "gspo", "nft", "raft"}
+    assert set(blocks) == {"awm", "distill", "flow_grpo", "gspo", "nft", "raft"}
     assert {"beta", "kl_coef", "decay_schedule"} <= blocks["nft"] and "raft_keep" not in blocks["nft"]
     assert blocks["raft"] == {"raft_keep"}
     assert {"adv_std", "max_new_tokens", "rollout_backend"} <= blocks["gspo"]

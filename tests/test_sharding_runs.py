@@ -186,9 +186,9 @@ BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
 
 @pytest.mark.parametrize(
     "algorithm",
-    ["distill", "distill@completion", "distill@contrast", "raft", "flow_grpo"],
+    ["distill", "distill@completion", "distill@contrast", "raft", "flow_grpo", "awm"],
 )
-def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_whole(
+def test_every_algorithm_with_dropped_samples_trains_sharded_as_whole(
     model_dir: Path, tmp_path: Path, algorithm: str
 ) -> None:
     """One process's prompt group fails to score at some steps (all its samples dropped): the
@@ -207,6 +207,7 @@ def test_distillation_raft_and_flow_grpo_with_dropped_samples_train_sharded_as_w
         "train.eval_at_start_and_end=false",
         "train.micro_batch_size=1",
         *(["algorithm.raft_keep=1"] if algorithm == "raft" else []),
+        *(["algorithm.timestep_fraction=1.0", "algorithm.awm_timesteps=2"] if algorithm == "awm" else []),
         *([f"algorithm.distill_target={target}", "algorithm.distill_completions=1"] if target else []),
     ]
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"

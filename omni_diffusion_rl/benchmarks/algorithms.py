@@ -47,6 +47,7 @@ THRESHOLDS = (0.5, 0.9)
 NFT_CONFIG = "recipes/configs/tiny_t2av_nft.yaml"
 FLOW_GRPO_CONFIG = "recipes/configs/tiny_t2av_flow_grpo.yaml"
 DISTILL_CONFIG = "recipes/configs/tiny_t2av_distill.yaml"
+AWM_CONFIG = "recipes/configs/tiny_t2av_awm.yaml"
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ CONTESTANTS = {
         ("algorithm.sde_window_size=3", "algorithm.sde_window_every=20", "algorithm.timestep_fraction=1.0"),
         "Flow-GRPO with MixGRPO's window: the SDE and training on 3 steps that slide",
     ),
+    "awm": Contestant(AWM_CONFIG, (), "AWM, the reference's GenEval values and NFT's learning rate"),
     "raft": Contestant(
         NFT_CONFIG,
         ("algorithm.name=raft", "optim.lr=3e-4"),  # at NFT's 2e-3 it wrecks the picture by step 60

@@ -181,6 +181,34 @@ def finite_if_dropped(values: torch.Tensor, weight: torch.Tensor | None) -> torc
     return torch.where(kept, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
+@dataclass(frozen=True)
+class NoisedRows:
+    """A micro-batch's rows of one pass over forward-noised inputs (the plan's data['inputs'][pass]
+    = (t, noise, x_t) for every sample): dropped samples' tensors made finite, `weight` their
+    weights (None unsharded)."""
+
+    t: torch.Tensor
+    noise: torch.Tensor
+    x_t: torch.Tensor
+    x0: torch.Tensor
+    cond: Any
+    weight: torch.Tensor | None
+
+    @classmethod
+    def of(cls, micro: MicroBatch) -> NoisedRows:
+        rollout, part = micro.work.rollout, micro.part
+        t, noise, x_t = (v[part] for v in micro.work.data["inputs"][micro.index])
+        w = micro.weight(rollout.x0.device)
+        return cls(
+            t,
+            finite_if_dropped(noise, w),
+            finite_if_dropped(x_t, w),
+            finite_if_dropped(rollout.x0[part], w),
+            index_condition(rollout.cond, part),
+            w,
+        )
+
+
 def micro_batches(count: int, size: int) -> list[slice]:
     """`count` samples in consecutive pieces of at most `size` (train.micro_batch_size; 0: one piece)."""
     size = size or count
@@ -208,6 +236,7 @@ class Algorithm:
     experience_kind = "media"  # what it learns from (experience_kinds.py): "media", or "answers" (GSPO)
     trains_guided = False  # True: its loss uses sampling.cfg_scale's guided velocity, so rollouts may use it
     uses_teacher = False  # True: its experience waits on a teacher (teacher.one_step_off may hide it)
+    rollout_on_policy = False  # True: rollouts sample with the trained adapter, not `old`
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
@@ -225,23 +254,27 @@ class Algorithm:
         the config loads. None by default."""
 
     # ------------------------------------------------------------------ the rollout weights
-    @staticmethod
-    def rollout_weights(transformer: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
+    @classmethod
+    def rollout_adapter(cls) -> str:
+        """The adapter rollouts sample with: `old` (default), or the trained one when
+        `rollout_on_policy` (AWM, whose `old` is a lagged copy for its penalty)."""
+        lora = _lora()
+        return lora.TRAINED if cls.rollout_on_policy else lora.OLD
+
+    @classmethod
+    def rollout_weights(cls, transformer: torch.nn.Module) -> contextlib.AbstractContextManager[object]:
         """A context in which the policy generates with the rollout side's weights."""
-        lora = _lora()
-        return lora.using_adapter(transformer, lora.OLD)
+        return _lora().using_adapter(transformer, cls.rollout_adapter())
 
-    @staticmethod
-    def rollout_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    @classmethod
+    def rollout_state(cls, transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The tensors a weight sync sends to the rollout processes."""
-        lora = _lora()
-        return lora.adapter_state_dict(transformer, lora.OLD)
+        return _lora().adapter_state_dict(transformer, cls.rollout_adapter())
 
-    @staticmethod
-    def load_rollout_state(transformer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    @classmethod
+    def load_rollout_state(cls, transformer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Load what `rollout_state` sent (on a rollout process)."""
-        lora = _lora()
-        lora.load_adapter_state_dict(transformer, lora.OLD, tensors)
+        _lora().load_adapter_state_dict(transformer, cls.rollout_adapter(), tensors)
 
     @classmethod
     def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
@@ -464,12 +497,8 @@ class DiffusionNFT(Algorithm):
     def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         a, learner, lora = self.options, self.learner, _lora()
         policy, transformer = learner.policy, learner.transformer
-        rollout, part = micro.work.rollout, micro.part
-        device = rollout.x0.device
-        t_all, _, x_all = micro.work.data["inputs"][micro.index]
-        w = micro.weight(device)
-        t, cond = t_all[part], index_condition(rollout.cond, part)
-        x_t, x0 = finite_if_dropped(x_all[part], w), finite_if_dropped(rollout.x0[part], w)
+        rows = NoisedRows.of(micro)
+        x_t, x0, t, cond, w = rows.x_t, rows.x0, rows.t, rows.cond, rows.weight
         with torch.no_grad(), learner.autocast():
             with lora.using_adapter(transformer, lora.OLD):
                 v_old = policy.velocity(x_t, t, cond).float()
@@ -479,7 +508,7 @@ class DiffusionNFT(Algorithm):
                     v_ref = policy.velocity(x_t, t, cond).float()
         with learner.autocast():
             v_theta = policy.velocity(x_t, t, cond)
-        r = micro.rows("r").to(device)
+        r = micro.rows("r").to(x0.device)
         loss, metrics = nft_loss(
             v_theta.float(), v_old, x_t, x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef, w
         )
@@ -874,15 +903,10 @@ class RewardRankedFineTuning(Algorithm):
         )
 
     def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        rollout, part = micro.work.rollout, micro.part
-        t, noise, x_t = (v[part] for v in micro.work.data["inputs"][micro.index])
-        w = micro.weight(rollout.x0.device)
+        rows = NoisedRows.of(micro)
         with self.learner.autocast():
-            v = self.learner.policy.velocity(
-                finite_if_dropped(x_t, w), t, index_condition(rollout.cond, part)
-            )
-        x0 = finite_if_dropped(rollout.x0[part], w)
-        loss = flow_matching_loss(v.float(), finite_if_dropped(noise, w), x0, w)
+            v = self.learner.policy.velocity(rows.x_t, rows.t, rows.cond)
+        loss = flow_matching_loss(v.float(), rows.noise, rows.x0, rows.weight)
         return loss, {"loss/flow_matching": loss.detach(), "loss/total": loss.detach()}
 
 
