@@ -55,7 +55,8 @@ def test_an_unknown_algorithm_and_a_keep_of_the_whole_group_are_refused(
 ) -> None:
     with pytest.raises(
         ConfigError,
-        match="algorithm.name: unknown algorithm 'nope'; registered: awm, distill, flow_grpo, gspo, nft, raft",
+        match="algorithm.name: unknown algorithm 'nope'; registered: awm, distill, flow_grpo, gspo, nft, "
+        "raft",
     ):
         load_config(None, [*fast_overrides(model_dir, tmp_path / "a"), "algorithm.name=nope"])
     with pytest.raises(ConfigError, match="algorithm.raft_keep=2 keeps every sample"):

@@ -5,6 +5,7 @@ world's clips lower its loss."""
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,16 @@ def test_the_recipe_is_ready_to_train_on_the_shipped_base() -> None:
     findings = preflight(load_config("recipes/configs/tiny_sync_nft.yaml", []))
     assert not [f for f in findings if f.status in FAILING], findings
     assert TinySyncPolicy.from_pretrained("builtin").transformer.config.dim == 96
+
+
+def test_a_prompt_longer_than_the_text_window_is_cut_with_one_warning() -> None:
+    from omni_diffusion_rl.models.tiny_av import HashedWordTokenizer
+
+    tokenizer = HashedWordTokenizer(vocab_size=64, max_tokens=3)
+    with pytest.warns(UserWarning, match="prompt of 4 words cut to the model's 3"):
+        ids, mask = tokenizer(["one two three four"])
+    assert mask.tolist() == [[True, True, True]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per tokenizer: a second long prompt is quiet
+        again, _ = tokenizer(["one two three four five"])
+    assert torch.equal(ids, again)

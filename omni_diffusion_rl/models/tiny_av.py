@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 import zlib
 from pathlib import Path
 
@@ -60,17 +61,26 @@ def model_folder(name: str | Path) -> Path:
 
 
 class HashedWordTokenizer:
-    """Words -> ids by a stable hash: works offline on any text, no vocabulary file."""
+    """Words -> ids by a stable hash: works offline on any text, no vocabulary file. Words past
+    `max_tokens` are dropped, with a warning (once per tokenizer) naming the prompt."""
 
     def __init__(self, vocab_size: int, max_tokens: int) -> None:
         self.vocab_size = vocab_size
         self.max_tokens = max_tokens
+        self.warned_truncation = False
 
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.zeros(len(prompts), self.max_tokens, dtype=torch.long)
         for i, prompt in enumerate(prompts):
-            words = re.findall(r"[a-z0-9]+", prompt.lower())[: self.max_tokens]
-            for j, word in enumerate(words):
+            words = re.findall(r"[a-z0-9]+", prompt.lower())
+            if len(words) > self.max_tokens and not self.warned_truncation:
+                self.warned_truncation = True
+                warnings.warn(
+                    f"prompt of {len(words)} words cut to the model's {self.max_tokens} "
+                    f"(max_text_tokens): {prompt!r}; the model never sees the rest",
+                    stacklevel=2,
+                )
+            for j, word in enumerate(words[: self.max_tokens]):
                 ids[i, j] = 1 + zlib.crc32(word.encode()) % (self.vocab_size - 1)
         return ids, ids != 0
 
