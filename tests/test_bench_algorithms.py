@@ -192,3 +192,15 @@ def test_a_short_race_writes_curves_a_table_and_a_plot(
         assert [p["step"] for p in curve[0]] == [0, 1, 2]  # the start, every step, the end
         assert [p["samples"] for p in curve[0]] == [0, 4, 8] and curve[0][-1]["seconds"] > 0
     assert output.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", sorted(CONTESTANTS))
+def test_every_contestants_config_loads_with_its_overrides(name: str) -> None:
+    from omni_diffusion_rl.config import load_config
+
+    entry = CONTESTANTS[name]
+    cfg = load_config(entry.config, list(entry.overrides))
+    if name == "flow_grpo_fast":  # flow_grpo's fast configs: 3 SDE steps drawn in the first half, no KL
+        a = cfg.algorithm
+        assert (a.sde_window_size, a.sde_window_range, a.kl_coef, a.per_group_std) == (3, 5, 0.0, False)
+        assert cfg.sampling.num_steps // 2 == a.sde_window_range

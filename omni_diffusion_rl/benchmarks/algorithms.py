@@ -67,6 +67,20 @@ CONTESTANTS = {
         ("algorithm.sde_window_size=3", "algorithm.sde_window_every=20", "algorithm.timestep_fraction=1.0"),
         "Flow-GRPO with MixGRPO's window: the SDE and training on 3 steps that slide",
     ),
+    "flow_grpo_fast": Contestant(
+        FLOW_GRPO_CONFIG,
+        (  # flow_grpo's fast configs: a window of 3 drawn in the first half, no KL, its normaliser
+            "algorithm.sde_window_size=3",
+            "algorithm.sde_window_range=5",
+            "algorithm.sde_noise=0.8",
+            "algorithm.clip_range=1e-5",
+            "algorithm.kl_coef=0",
+            "algorithm.timestep_fraction=1.0",
+            "algorithm.per_group_std=false",
+            "algorithm.drop_zero_advantage=true",
+        ),
+        "Flow-GRPO-Fast as flow_grpo's fast configs run it: the SDE on 3 steps drawn in the first half",
+    ),
     "awm": Contestant(AWM_CONFIG, (), "AWM, the reference's GenEval values and NFT's learning rate"),
     "raft": Contestant(
         NFT_CONFIG,
