@@ -13,6 +13,7 @@ import torch
 from omni_diffusion_rl.algorithms.awm import (
     awm_policy_loss,
     ema_decay,
+    matching_error,
     matching_log_likelihood,
     stratified_step_indices,
     velocity_gap,
@@ -78,7 +79,7 @@ def test_the_loss_and_its_gradient_equal_the_references_in_float64() -> None:
         else:  # one pass per timestep, averaged (the loop's passes)
             total = torch.zeros((), dtype=torch.float64)
             for j in range(steps):
-                ll = matching_log_likelihood(leaf[j], noise[j], x0, t[j])
+                ll = matching_log_likelihood(matching_error(leaf[j], noise[j], x0), t[j])
                 total = total + awm_policy_loss(ll, advantages, 5.0)
                 total = (
                     total
@@ -92,7 +93,9 @@ def test_the_loss_and_its_gradient_equal_the_references_in_float64() -> None:
     torch.testing.assert_close(grads["ours"][1], grads["reference"][1], rtol=0, atol=1e-12)
     # the check can fail: the plain error (uniform weighting) has another gradient
     leaf = v[0].clone().requires_grad_(True)
-    awm_policy_loss(matching_log_likelihood(leaf, noise[0], x0, t[0], "uniform"), advantages, 5.0).backward()
+    awm_policy_loss(
+        matching_log_likelihood(matching_error(leaf, noise[0], x0), t[0], "uniform"), advantages, 5.0
+    ).backward()
     assert (leaf.grad - grads["reference"][1][0] * steps).abs().max() > 1e-3
 
 
@@ -102,7 +105,9 @@ def test_a_positive_advantage_lowers_the_samples_matching_error() -> None:
     for sign in (1.0, -1.0):
         v.grad = None
         awm_policy_loss(
-            matching_log_likelihood(v, noise, x0, torch.tensor([0.5])), torch.tensor([sign]), 5.0
+            matching_log_likelihood(matching_error(v, noise, x0), torch.tensor([0.5])),
+            torch.tensor([sign]),
+            5.0,
         ).backward()
         step = -v.grad  # a gradient step's direction
         assert bool((torch.sign(step) == sign).all())  # towards the target for A > 0, away for A < 0

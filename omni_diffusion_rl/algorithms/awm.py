@@ -27,16 +27,15 @@ TIME_SAMPLINGS = ("discrete_wo_init", "discrete")
 _TINY = 1e-10  # the reference's floor inside the power
 
 
+def matching_error(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """[B] float64: m = mean over entries of (v - (noise - x0))^2, the flow-matching error at x_t."""
+    return ((v.double() - (noise.double() - x0.double())) ** 2).flatten(1).mean(dim=1)
+
+
 def matching_log_likelihood(
-    v: torch.Tensor,
-    noise: torch.Tensor,
-    x0: torch.Tensor,
-    t: torch.Tensor,
-    weighting: str = "ghuber",
-    power: float = 0.25,
+    error: torch.Tensor, t: torch.Tensor, weighting: str = "ghuber", power: float = 0.25
 ) -> torch.Tensor:
-    """[B] float64: AWM's log-likelihood surrogate of x0 under the velocity v at x_t (t [B])."""
-    error = ((v.double() - (noise.double() - x0.double())) ** 2).flatten(1).mean(dim=1)
+    """[B] float64: AWM's log-likelihood surrogate of x0 from its matching error m [B] at t [B]."""
     if weighting == "uniform":
         return -error
     if weighting == "ghuber":

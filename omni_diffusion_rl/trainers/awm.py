@@ -22,6 +22,7 @@ from ..algorithms.awm import (
     WEIGHTINGS,
     awm_policy_loss,
     ema_decay,
+    matching_error,
     matching_log_likelihood,
     stratified_step_indices,
     velocity_gap,
@@ -128,11 +129,12 @@ class AdvantageWeightedMatching(Algorithm):
                     penalties["loss/ema_kl"] = (a.awm_ema_kl_coef, policy.velocity(x_t, t, cond).float())
         with learner.autocast():
             v = policy.velocity(x_t, t, cond).float()
-        log_likelihood = matching_log_likelihood(v, noise, x0, t, a.awm_weighting, a.awm_ghuber_power)
+        error = matching_error(v, noise, x0)
+        log_likelihood = matching_log_likelihood(error, t, a.awm_weighting, a.awm_ghuber_power)
         adv = micro.rows("adv").to(x0.device)
         loss = awm_policy_loss(log_likelihood, adv, a.adv_clip_max, w).float()
-        error = ((v.detach() - (noise - x0)) ** 2).flatten(1).mean(dim=1)
-        metrics = {"loss/policy": loss.detach(), "awm/matching_error": _weighted_mean(error, w).detach()}
+        matching = _weighted_mean(error.detach().float(), w)
+        metrics = {"loss/policy": loss.detach(), "awm/matching_error": matching}
         for name, (coef, v_other) in penalties.items():
             gap = _weighted_mean(velocity_gap(v, v_other), w)
             metrics[name] = gap.detach()
