@@ -363,6 +363,11 @@ class RewardConfig:
     plugins: list[str] = _spec(
         [], "modules to import first: they register rewards with @rewards.register (e.g. my_pkg.rewards)"
     )
+    modalities: dict[str, str] = _spec(
+        {},
+        "reward name -> the modality it judges (video | audio | audio_video), over what the reward "
+        "declares (its `modality` attribute); algorithm.credit=per_modality routes by it",
+    )
     url: str = _spec(
         "",
         "reward server (odrl serve-reward), e.g. http://127.0.0.1:8400; rewards it serves are scored there",
@@ -924,12 +929,13 @@ def check_consistency(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"reward.weights.{name}: {weight} is negative; weights must be >= 0")
     if sum(cfg.reward.weights.values()) <= 0:
         raise ConfigError("reward.weights: the weights sum to 0; give at least one a positive weight")
-    for name in cfg.reward.options:
-        if name not in cfg.reward.weights:
-            raise ConfigError(
-                f"reward.options.{name}: options for a reward that reward.weights does not use "
-                f"({', '.join(cfg.reward.weights)})"
-            )
+    for section in ("options", "modalities"):
+        for name in getattr(cfg.reward, section):
+            if name not in cfg.reward.weights:
+                raise ConfigError(
+                    f"reward.{section}.{name}: {section} for a reward that reward.weights does not use "
+                    f"({', '.join(cfg.reward.weights)})"
+                )
     if cfg.execution.mode in ("separate", "hybrid", "auto"):
         ex = cfg.execution
         try:

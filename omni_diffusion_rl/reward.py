@@ -6,7 +6,9 @@ also carries named components [B] for logging. Register it with
 `@omni_diffusion_rl.registry.rewards.register("name")` or the `omni_diffusion_rl.rewards` entry points.
 A run's combined reward is built from its config by `reward_factory.reward_from_config`.
 A reward may declare `input_limits` (InputLimits), the largest sample it is meant for: a reward
-server refuses larger requests before the reward sees them.
+server refuses larger requests before the reward sees them. It may declare `modality`, what it
+judges ("video", "audio", or "audio_video" for synchrony): algorithm.credit=per_modality routes
+each modality's advantage from the rewards that judge it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .algorithms.credit import JUDGES
 from .media import MediaBatch
 from .registry import rewards as reward_registry
 
@@ -96,6 +99,12 @@ def samples_by_prompt(prompts: list[str]) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt, []).append(i)
     return list(groups.values())
+
+
+def declared_modality(reward: object) -> str | None:
+    """What a reward says it judges (its `modality` attribute), or None when it says nothing."""
+    value = getattr(reward, "modality", None)
+    return value if isinstance(value, str) else None
 
 
 def input_limits(reward: object) -> InputLimits:
@@ -205,6 +214,7 @@ class WeightedReward:
         weights: dict[str, float],
         retries: int = 1,
         max_failed_fraction: float = 0.25,
+        modalities: dict[str, str] | None = None,
     ) -> None:
         if set(components) != set(weights):
             raise ValueError(
@@ -217,11 +227,27 @@ class WeightedReward:
             raise ValueError(f"retries ({retries}) must be >= 0 and max_failed_fraction in [0, 1]")
         self.components = components
         self.weights = {k: w / total for k, w in weights.items()}
+        self.modality_overrides = dict(modalities or {})
+        for name, judged in self.modality_overrides.items():
+            if judged not in JUDGES:
+                raise ValueError(
+                    f"reward.modalities.{name}: '{judged}' is not a modality; choose one of "
+                    f"{', '.join(JUDGES)}"
+                )
         self.retries = retries
         self.max_failed_fraction = max_failed_fraction
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._component_names: dict[str, set[str]] = {name: set() for name in components}
+
+    @property
+    def modalities(self) -> dict[str, str | None]:
+        """Each reward's judged modality: the override given (reward.modalities, or a server's
+        declaration), else the reward's own `modality`; None where neither says."""
+        return {
+            name: self.modality_overrides.get(name) or declared_modality(reward)
+            for name, reward in self.components.items()
+        }
 
     @classmethod
     def from_registry(

@@ -22,6 +22,7 @@ def reward_from_config(cfg: RewardConfig) -> WeightedReward:
     the rest here (created from the registry with their `cfg.options`)."""
     import_plugins(cfg.plugins)
     served: list[str] = []
+    modalities: dict[str, str] = {}
     client_options: dict[str, Any] = {}
     if cfg.url:
         from .serving.client import RemoteReward  # imported only when a server is used
@@ -33,7 +34,9 @@ def reward_from_config(cfg: RewardConfig) -> WeightedReward:
         }
         probe = RemoteReward(cfg.url, "", wanted=list(cfg.weights), **client_options)
         try:
-            served = probe.info().get("rewards", [])
+            info = probe.info()
+            served = info.get("rewards", [])
+            modalities = {k: v for k, v in (info.get("modalities") or {}).items() if isinstance(v, str)}
         finally:
             probe.close()
         if not set(served) & set(cfg.weights):
@@ -56,6 +59,11 @@ def reward_from_config(cfg: RewardConfig) -> WeightedReward:
     local = sorted(set(cfg.weights) - set(served))
     if cfg.url and local:
         logger.warning("reward.url=%s serves %s; %s will be scored in this process", cfg.url, served, local)
+    modalities = {name: judged for name, judged in modalities.items() if name in served} | cfg.modalities
     return WeightedReward(
-        components, cfg.weights, retries=cfg.retries, max_failed_fraction=cfg.max_failed_fraction
+        components,
+        cfg.weights,
+        retries=cfg.retries,
+        max_failed_fraction=cfg.max_failed_fraction,
+        modalities={name: judged for name, judged in modalities.items() if name in cfg.weights},
     )

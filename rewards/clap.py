@@ -268,6 +268,7 @@ class ClapReward:
         meant_for="CLAP hears at most a 10 s window of each clip and reads no video: up to 10 minutes of "
         "stereo 48 kHz audio, video up to 2048 frames of 4096 x 4096",
     )
+    modality = "audio"
 
     def __init__(
         self,

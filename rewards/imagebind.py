@@ -73,6 +73,13 @@ INSTALL_COMMAND = (
 CHECKPOINT_URL = "https://dl.fbaipublicfiles.com/imagebind/imagebind_huge.pth"
 MODES = ("audio_video", "text_audio", "text_video", "all")
 COMPONENTS = ("audio_video", "text_audio", "text_video")
+JUDGED_BY_MODE = {
+    "audio_video": "audio_video",
+    "text_audio": "audio",
+    "text_video": "video",
+    "all": "audio_video",
+}
+"""The modality each mode judges (the reward's `modality`, for per-modality credit)."""
 MODEL_DEPENDENCIES = ("einops", "iopath", "ftfy", "regex")  # importable from sys.path
 SIDE_PACKAGES = ("imagebind", "timm")  # from the side folder when there is one, else sys.path
 BPE_FILE = os.path.join("bpe", "bpe_simple_vocab_16e6.txt.gz")
@@ -288,6 +295,7 @@ class ImageBindReward:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"reward 'imagebind': mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.modality = JUDGED_BY_MODE[mode]  # what per-modality credit routes it to
         if weights is not None and mode != "all":
             raise ValueError(f"reward 'imagebind': weights only apply to mode 'all'; the mode is {mode!r}")
         self.weights = {name: 1.0 for name in COMPONENTS}

@@ -36,6 +36,7 @@ from collections import Counter
 
 import torch
 
+from omni_diffusion_rl.algorithms.credit import JUDGES
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import InputLimits, samples_by_prompt
@@ -131,6 +132,7 @@ class SyncOnsetsReward:
     """Sound onsets on motion events: AV-Align's IoU, soft beyond one frame; [B] in [0, 1]."""
 
     input_limits = SYNC_CLIP_LIMITS
+    modality = "audio_video"
 
     def __init__(self, motion_columns: int = 1, reach_frames: float = SOFT_REACH) -> None:
         self.settings = _settings(motion_columns)
@@ -151,9 +153,11 @@ class SyncOnsetsReward:
 
 @rewards.register("strike_count")
 class StrikeCountReward:
-    """Each modality's event count against the prompt's: [B] in (0, 1]."""
+    """Each modality's event count against the prompt's, averaged: [B] in (0, 1]. `heard_count`
+    and `seen_count` score one modality each (per-modality credit routes them apart)."""
 
     input_limits = SYNC_CLIP_LIMITS
+    modality = "audio_video"
 
     def __init__(self, motion_columns: int = 1, per_source: bool = False) -> None:
         self.settings = _settings(motion_columns)
@@ -177,8 +181,24 @@ class StrikeCountReward:
                 wanted, (heard, seen) = per_object, source_counts(r, len(per_object), strips)
             else:  # the whole clip one source, asked the sum of the counts
                 wanted, heard, seen = [sum(per_object)], [r.audio_count], [r.visual_count]
-            scores.append(0.5 * counts_match(wanted, heard) + 0.5 * counts_match(wanted, seen))
+            by_modality = {"audio": counts_match(wanted, heard), "video": counts_match(wanted, seen)}
+            judged = [by_modality[m] for m in JUDGES[self.modality]]
+            scores.append(sum(judged) / len(judged))
         return torch.tensor(scores)
+
+
+@rewards.register("heard_count")
+class HeardCountReward(StrikeCountReward):
+    """strike_count on the sound alone: the heard events' count against the prompt's."""
+
+    modality = "audio"
+
+
+@rewards.register("seen_count")
+class SeenCountReward(StrikeCountReward):
+    """strike_count on the picture alone: the seen events' count against the prompt's."""
+
+    modality = "video"
 
 
 def chamfer_frames(a: list[float], b: list[float]) -> float:
@@ -208,6 +228,7 @@ class StrikeDiversityReward:
     group size)."""
 
     input_limits = SYNC_CLIP_LIMITS
+    modality = "video"
 
     def __init__(self, spread: float = 1.0, motion_columns: int = 1) -> None:
         if isinstance(spread, bool) or not isinstance(spread, int | float) or not 0 < spread <= 100:

@@ -122,6 +122,7 @@ class ColorMatchReward:
     how well each visible frame's foreground fits the world's shape sizes."""
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "video"
 
     def __init__(self, sigma: float = 0.25) -> None:
         self.sigma = sigma
@@ -144,6 +145,7 @@ class ShapeMatchReward:
     as the best mask of the other shape fits about as well (`margin` of IoU decides)."""
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "video"
 
     def __init__(self, margin: float = 0.08) -> None:
         self.margin = margin
@@ -169,6 +171,7 @@ class PitchMatchReward:
     """Share of the audio's spectral energy within 1/8 octave of the prompt's pitch."""
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "audio"
 
     def __init__(self, tolerance_octaves: float = 0.125) -> None:
         self.tolerance = tolerance_octaves
@@ -199,6 +202,7 @@ class TimingMatchReward:
     half - in the other half) / both, and the two multiplied. A tone for the whole clip scores 0."""
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "audio_video"
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         mono, video = _audio(media), _video(media)
@@ -217,6 +221,7 @@ class AVSyncReward:
     activity rises from 0 at `quiet_rms` to 1 at `loud_rms` (the world's tone is 0.35 RMS)."""
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "audio_video"
 
     def __init__(self, quiet_rms: float = 0.06, loud_rms: float = 0.2) -> None:
         self.quiet_rms, self.loud_rms = quiet_rms, loud_rms
@@ -242,6 +247,7 @@ class CleanBackgroundReward:
     pixels away from the shape: outside the best-fitting world mask, grown by one pixel."""
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "video"
 
     def __init__(self, tolerance: float = 0.1) -> None:
         self.tolerance = tolerance
@@ -277,6 +283,7 @@ class GroupDiversityReward:
     """
 
     input_limits = TINY_CLIP_LIMITS
+    modality = "video"
 
     def __init__(self, spread: float = 2.5) -> None:
         self.spread = spread

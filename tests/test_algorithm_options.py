@@ -72,6 +72,8 @@ ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defa
     "distill_completions": 3,
     "distill_contrast_from": 0.8,
     "distill_cond_coef": 0.0,
+    "credit": "global",
+    "credit_balance": "equal",
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},

@@ -120,7 +120,8 @@ def _payload(audio: torch.Tensor, prompts: list[str]) -> bytes:
 
 def test_served_rewards_score_exactly_like_in_process_ones(server: ServerProcess) -> None:
     media, prompts = _scene_media(24)
-    local = WeightedReward.from_registry(dict.fromkeys(TINY, 1.0))(media, prompts)
+    local_reward = WeightedReward.from_registry(dict.fromkeys(TINY, 1.0))
+    local = local_reward(media, prompts)
     remote_reward = reward_from_config(_reward_cfg(server.url))
     assert all(type(r).__name__ == "RemoteReward" for r in remote_reward.components.values())
     remote = remote_reward(media, prompts)
@@ -129,6 +130,10 @@ def test_served_rewards_score_exactly_like_in_process_ones(server: ServerProcess
     stats = remote_reward.components["color_match"].info()["stats"]["color_match"]
     assert stats["requests"] >= 3, (
         "24 tiny-world clips (28 KB each) exceed 256 KiB: the client must cut them into requests"
+    )
+    assert None not in local_reward.modalities.values(), local_reward.modalities
+    assert remote_reward.modalities == local_reward.modalities, (
+        "what each served reward judges reaches per-modality credit through the server's /info"
     )
     remote_reward.close()
 

@@ -204,3 +204,19 @@ def test_a_prompt_without_a_count_and_media_without_sound_are_errors() -> None:
     )
     with pytest.raises(ValueError, match="tiny sync world's clips"):
         rewards.create("tiny_sync_judge").score(other_size, [scenes[0].prompt])
+
+
+def test_heard_and_seen_count_score_one_modality_each_and_strike_count_is_their_mean() -> None:
+    """A picture striking three times under a sound striking twice, asked "twice": the sound's count
+    is right and the picture's one off; each single-modality reward sees only its own."""
+    seen = world.SyncScene((world.Bouncer("green", "small", 3, (4, 8, 12)),))
+    heard = world.SyncScene((world.Bouncer("green", "small", 3, (4, 12)),))
+    media = _batch([seen], audio=world.render_audio(world.render_envelope(heard)[None]))
+    asked = [heard.prompt]
+    scores = {
+        name: float(rewards.create(name).score(media, asked)[0]) for name in ("heard_count", "seen_count")
+    }
+    assert scores == {"heard_count": 1.0, "seen_count": 0.5}
+    assert float(rewards.create("strike_count").score(media, asked)[0]) == 0.75
+    declared = {name: rewards.create(name).modality for name in ("heard_count", "seen_count", "strike_count")}
+    assert declared == {"heard_count": "audio", "seen_count": "video", "strike_count": "audio_video"}

@@ -43,7 +43,7 @@ from torch import nn
 from ..media import MediaBatch
 from ..precision import base_weights_autocast
 from ..runtime.sharding import compute_device
-from .policy import Condition
+from .policy import Condition, split_entries
 from .vae_memory import configure_vae_memory, decode_into, stored_dtype
 
 TEXT, TEXT_LENGTH = "h3_text", "h3_text_length"
@@ -145,6 +145,10 @@ class MiniMaxH3Policy:
     @property
     def latent_shape(self) -> tuple[int, ...]:
         return (self.video_size + self.audio_size,)
+
+    def modality_entries(self) -> dict[str, torch.Tensor]:
+        """The flat latent is the video's tokens, then the audio's."""
+        return split_entries({"video": self.video_size, "audio": self.audio_size})
 
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()

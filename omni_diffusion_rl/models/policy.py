@@ -26,6 +26,23 @@ def cat_conditions(conds: list[Condition]) -> Condition:
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
 
 
+def modality_entries(policy: object) -> dict[str, torch.Tensor] | None:
+    """Where each modality lies in a policy's flat latent: {"video": index, "audio": index} (long
+    tensors), from the policy's own `modality_entries()`; None for a policy of one modality or
+    a latent it does not split (per-modality credit is then refused)."""
+    method = getattr(policy, "modality_entries", None)
+    return method() if callable(method) else None
+
+
+def split_entries(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Index tensors of consecutive spans of the given sizes, in order: a latent of parts laid end
+    to end."""
+    out, start = {}, 0
+    for name, size in sizes.items():
+        out[name], start = torch.arange(start, start + size), start + size
+    return out
+
+
 @runtime_checkable
 class FlowPolicy(Protocol):
     """A rectified-flow generator: x_t = (1 - t) x0 + t eps, velocity v = eps - x0.

@@ -138,6 +138,7 @@ class Block(nn.Module):
 
 PART_NAMES = ("picture", "visibility", "spectrum", "loudness")
 """The latent's parts, in order: the video's (picture, visibility) and the audio's (spectrum, loudness)."""
+MODALITY_PARTS = {"video": ("picture", "visibility"), "audio": ("spectrum", "loudness")}
 
 
 class LatentLayout:
@@ -358,6 +359,12 @@ class TinyAVPolicy(HashedPromptPolicy):
     @property
     def latent_shape(self) -> tuple[int, ...]:
         return (self.transformer.layout.dim,)
+
+    def modality_entries(self) -> dict[str, torch.Tensor]:
+        """The picture and visibility are the video; the spectrum and loudness the audio."""
+        parts = self.transformer.layout.parts()
+        spans = {m: [torch.arange(*parts[p]) for p in names] for m, names in MODALITY_PARTS.items()}
+        return {m: torch.cat(indices) for m, indices in spans.items()}
 
     def decode(self, x0: torch.Tensor) -> MediaBatch:
         video, amps = self.transformer.layout.decode(x0.float())

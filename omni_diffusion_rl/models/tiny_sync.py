@@ -125,6 +125,19 @@ class TinySyncPolicy(HashedPromptPolicy):
     def latent_shape(self) -> tuple[int, ...]:
         return (clip.LATENT_DIM,)
 
+    def modality_entries(self) -> dict[str, torch.Tensor]:
+        """In every slot, the colour, side, column and heights are the video; the spectrum and
+        loudness the audio."""
+        out = {}
+        for modality, names in clip.MODALITY_PARTS.items():
+            spans = [
+                torch.arange(slot * clip.SLOT_DIM + start, slot * clip.SLOT_DIM + start + length)
+                for slot in range(clip.SLOTS)
+                for start, length in (clip.PARTS[name] for name in names)
+            ]
+            out[modality] = torch.cat(spans)
+        return out
+
     def decode(self, x0: torch.Tensor) -> MediaBatch:
         latent = x0.float()
         return MediaBatch(

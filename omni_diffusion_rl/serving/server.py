@@ -47,7 +47,15 @@ import torch
 from aiohttp import web
 
 from ..media import MediaBatch
-from ..reward import Reward, RewardError, RewardOutput, call_reward, checked_output, input_limits
+from ..reward import (
+    Reward,
+    RewardError,
+    RewardOutput,
+    call_reward,
+    checked_output,
+    declared_modality,
+    input_limits,
+)
 from .teacher_wire import EXPECTS as STATES_EXPECTS
 from .teacher_wire import check_states_header, decode_states, encode_velocity
 from .wire import (
@@ -457,6 +465,7 @@ class _Service:
         }
         self.every_batcher: list[Batcher] = [*self.batchers.values(), *self.teacher_batchers.values()]
         self.limits = {name: input_limits(reward) for name, reward in rewards.items()}
+        self.modalities = {name: declared_modality(reward) for name, reward in rewards.items()}
         self.latents = {
             name: tuple(b.teacher.info().latent_shape) for name, b in self.teacher_batchers.items()
         }
@@ -484,6 +493,7 @@ class _Service:
                 "input_limits": {
                     name: lim.per_request(settings.max_batch) for name, lim in self.limits.items()
                 },
+                "modalities": self.modalities,
                 "max_in_flight": settings.max_in_flight,
                 "in_flight": self.in_flight,
                 "reading": self.reading,

@@ -29,7 +29,7 @@ declaration). Algorithms are registered by name (`algorithm.name`); RAFT below i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import ModuleType
 from typing import Any
@@ -55,6 +55,7 @@ from ..experience.teacher_targets import (
 )
 from ..models.policy import index_condition
 from ..registry import algorithms, teachers
+from .credit import CreditOptions, credit_entries, credit_metrics, modality_terms
 from .learner import Learner
 from .update_batch import UpdateBatch
 
@@ -247,6 +248,20 @@ class Algorithm:
             else self.options_type(**{f.name: getattr(section, f.name) for f in fields(self.options_type)})
         )
         self._metric_names: list[str] = []
+        self.entries: dict[str, torch.Tensor] | None = None  # per-modality credit: attach_rewards
+
+    def attach_rewards(self, modalities: Mapping[str, str | None], weights: Mapping[str, float]) -> None:
+        """Called once before the first step with what each reward judges and weighs: an algorithm
+        with a `credit` option finds its modalities' entries here, or refuses (ConfigError)."""
+        if isinstance(self.options, CreditOptions):
+            self.entries = credit_entries(self.options, self.learner.policy, modalities, weights)
+
+    def advantages_of(self, batch: UpdateBatch, **normalising: Any) -> torch.Tensor:
+        """This process's advantages: [n] (global credit) or [n, M] (per modality, in the order of
+        `entries`), normalised as `normalising` says (UpdateBatch.advantages' keywords)."""
+        if self.entries is None:
+            return batch.advantages(**normalising)[batch.local]
+        return batch.modality_advantages(list(self.entries), **normalising)[batch.local]
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
@@ -410,7 +425,7 @@ def noised_inputs(
 
 
 @dataclass
-class NFTOptions:
+class NFTOptions(CreditOptions):
     """DiffusionNFT's options (algorithm.name=nft), flat in the algorithm section."""
 
     beta: float = option(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
@@ -463,15 +478,18 @@ class DiffusionNFT(Algorithm):
         return sorted(["loss/total", *metrics])
 
     def optimality(self, batch: UpdateBatch) -> torch.Tensor:
-        """[n] r of this process's samples: their clipped group advantages mapped to [0, 1]."""
+        """r of this process's samples, [n] ([n, M] per modality): their clipped group advantages
+        mapped to [0, 1]."""
         a = self.options
-        adv = batch.advantages(per_group_std=a.per_group_std, per_reward=a.adv_per_reward)
-        return optimality_probability(adv[batch.local], a.adv_clip_max, a.adv_mode)
+        adv = self.advantages_of(batch, per_group_std=a.per_group_std, per_reward=a.adv_per_reward)
+        return optimality_probability(adv, a.adv_clip_max, a.adv_mode)
 
     def plan(self, batch: UpdateBatch) -> Plan:
         r, mine = self.optimality(batch), batch.mine
         plan = self.nft_plan(batch.rollout, r, batch.step, mine)
         plan.metrics["r/mean"] = float(r[mine].mean()) if mine.any() else float("nan")
+        if self.entries is not None and mine.any():
+            plan.metrics |= credit_metrics(r[mine], list(self.entries))
         return plan
 
     def nft_plan(self, rollout: Rollout, r: torch.Tensor, step: int, trained: torch.Tensor | None) -> Plan:
@@ -508,10 +526,19 @@ class DiffusionNFT(Algorithm):
                     v_ref = policy.velocity(x_t, t, cond).float()
         with learner.autocast():
             v_theta = policy.velocity(x_t, t, cond)
-        r = micro.rows("r").to(x0.device)
-        loss, metrics = nft_loss(
-            v_theta.float(), v_old, x_t, x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef, w
-        )
+        r, v_theta = micro.rows("r").to(x0.device), v_theta.float()
+        if self.entries is None:
+            loss, metrics = nft_loss(
+                v_theta, v_old, x_t, x0, t, r, a.beta, a.adv_clip_max, v_ref, a.kl_coef, w
+            )
+            return loss, {"loss/total": loss.detach(), **metrics}
+
+        def modality_loss(index: torch.Tensor, r_m: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            ref = None if v_ref is None else v_ref[:, index]
+            sliced = (v_theta[:, index], v_old[:, index], x_t[:, index], x0[:, index])
+            return nft_loss(*sliced, t, r_m, a.beta, a.adv_clip_max, ref, a.kl_coef, w)
+
+        loss, metrics = modality_terms(self.entries, r, a.credit_balance, modality_loss)
         return loss, {"loss/total": loss.detach(), **metrics}
 
     def old_decay(self, step: int) -> float:
@@ -625,6 +652,11 @@ class OnPolicyDistillation(DiffusionNFT):
             if name != NO_TEACHER:
                 check_registered_name(f"teacher.routes.{route}.name", name, teachers)
         a = cfg.algorithm
+        if a.credit != "global":
+            raise ConfigError(
+                "algorithm.credit=per_modality routes rewards' advantages; distillation learns from a "
+                "teacher (teacher.routes gives each part of the latent its own teacher): use credit: global"
+            )
         if a.distill_target in ("completion", "contrast") and a.distill_states != "visited":
             raise ConfigError(
                 f"algorithm.distill_target={a.distill_target} starts the teacher from the states the "

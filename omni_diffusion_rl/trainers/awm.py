@@ -31,10 +31,11 @@ from ..config import ExperimentConfig, option
 from ..experience.rollout import Rollout, step_generator
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, NoisedRows, Plan, UpdateBatch, _lora
+from .credit import CreditOptions, credit_metrics, modality_terms
 
 
 @dataclass
-class AWMOptions:
+class AWMOptions(CreditOptions):
     """AWM's options (algorithm.name=awm), flat in the algorithm section; defaults are the
     reference's GenEval configuration (config/dgx_awm.py)."""
 
@@ -106,12 +107,14 @@ class AdvantageWeightedMatching(Algorithm):
 
     def plan(self, batch: UpdateBatch) -> Plan:
         a, mine = self.options, batch.mine
-        adv = batch.advantages(per_group_std=a.per_group_std)[batch.local]
+        adv = self.advantages_of(batch, per_group_std=a.per_group_std)
         inputs = awm_inputs(self.learner.cfg, batch.rollout, batch.step)
         metrics = {
             "awm/adv_abs": float(adv[mine].abs().mean()) if mine.any() else float("nan"),
             "old_decay": self.old_decay(batch.step),
         }
+        if self.entries is not None and mine.any():
+            metrics |= credit_metrics(adv[mine], list(self.entries), centre=0.0)
         return Plan(mine, {"adv": adv, "inputs": inputs}, len(inputs), metrics)
 
     def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -129,16 +132,25 @@ class AdvantageWeightedMatching(Algorithm):
                     penalties["loss/ema_kl"] = (a.awm_ema_kl_coef, policy.velocity(x_t, t, cond).float())
         with learner.autocast():
             v = policy.velocity(x_t, t, cond).float()
-        error = matching_error(v, noise, x0)
-        log_likelihood = matching_log_likelihood(error, t, a.awm_weighting, a.awm_ghuber_power)
         adv = micro.rows("adv").to(x0.device)
-        loss = awm_policy_loss(log_likelihood, adv, a.adv_clip_max, w).float()
-        matching = _weighted_mean(error.detach().float(), w)
-        metrics = {"loss/policy": loss.detach(), "awm/matching_error": matching}
-        for name, (coef, v_other) in penalties.items():
-            gap = _weighted_mean(velocity_gap(v, v_other), w)
-            metrics[name] = gap.detach()
-            loss = loss + coef * gap
+
+        def awm_loss(index: slice | torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            """The policy loss and penalties on the latent's entries `index` with advantages adv [b]."""
+            error = matching_error(v[:, index], noise[:, index], x0[:, index])
+            log_likelihood = matching_log_likelihood(error, t, a.awm_weighting, a.awm_ghuber_power)
+            loss = awm_policy_loss(log_likelihood, adv, a.adv_clip_max, w).float()
+            matching = _weighted_mean(error.detach().float(), w)
+            metrics = {"loss/policy": loss.detach(), "awm/matching_error": matching}
+            for name, (coef, v_other) in penalties.items():
+                gap = _weighted_mean(velocity_gap(v[:, index], v_other[:, index]), w)
+                metrics[name] = gap.detach()
+                loss = loss + coef * gap
+            return loss, metrics
+
+        if self.entries is None:
+            loss, metrics = awm_loss(slice(None), adv)
+        else:
+            loss, metrics = modality_terms(self.entries, adv, a.credit_balance, awm_loss)
         return loss, {"loss/total": loss.detach(), **metrics}
 
     def old_decay(self, step: int) -> float:

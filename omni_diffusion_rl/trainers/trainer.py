@@ -114,6 +114,7 @@ class Trainer:
         learner = self.learner
         self.params, self.optimizer, self.autocast = learner.params, learner.optimizer, learner.autocast
         self.algorithm = build_algorithm(self.learner)
+        self.algorithm.attach_rewards(self.reward.modalities, self.reward.weights)
         self.kind = experience_kind(cfg, self.policy)  # media or answers: all that differs lives there
         self.experience = self.kind.make_experience(
             cfg, self.policy, self.reward, self.train_prompts, self.device, self.sharder
@@ -228,9 +229,8 @@ class Trainer:
         record_dropped(path, step, self.rank, rollout, scored, keep_all[local])
         all_parts = self.learner.gather_named(scored.parts)  # each reward's own scores ride along too
         if keep_all.any():
-            weights = self.reward.weights
-            parts = {name: all_parts[name] for name in weights if name in all_parts}
-            update = UpdateBatch(rollout, all_rewards, all_groups, keep_all, local, step, parts, weights)
+            scores = (all_rewards, all_groups, keep_all)
+            update = UpdateBatch.scored(rollout, *scores, local, step, all_parts, self.reward)
             metrics = self.algorithm.update(update)
         else:  # every process agrees (keep_all is gathered): nothing to learn from, no update at all
             metrics = {"step_skipped": 1.0}

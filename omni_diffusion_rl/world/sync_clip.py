@@ -39,6 +39,7 @@ PARTS = {  # (first index, length) of each part within a slot
     "loudness": (5 + FRAMES + AUDIO_BINS, AUDIO_FRAMES),
 }
 SLOT_DIM = 5 + FRAMES + AUDIO_BINS + AUDIO_FRAMES
+MODALITY_PARTS = {"video": ("color", "side", "column", "height"), "audio": ("spectrum", "loudness")}
 LATENT_DIM = SLOTS * SLOT_DIM
 
 

@@ -139,7 +139,15 @@ def _update_fn(trainer: Any, batch: Any) -> Callable[[], Any]:
     rewards = torch.rand(len(batch), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(len(batch), dtype=torch.bool)
     whole = UpdateBatch(
-        batch, rewards, batch.group_ids, keep, slice(0, len(batch)), 0, {"random": rewards}, {"random": 1.0}
+        batch,
+        rewards,
+        batch.group_ids,
+        keep,
+        slice(0, len(batch)),
+        0,
+        {"random": rewards},
+        {"random": 1.0},
+        {"random": "audio_video"},  # judges both, so that per-modality credit has each modality's
     )
     return lambda: trainer.algorithm.update(whole)
 

@@ -1,0 +1,92 @@
+"""Per-modality credit on the shared loop (algorithms/credit.py holds the math): the options a
+credit-aware algorithm takes, the check made before the first step, and each modality's loss.
+
+With algorithm.credit=per_modality, an update computes one advantage per modality (video, audio)
+from the rewards that judge it, and takes its loss on each modality's entries of the latent with
+that modality's advantage. The policy says where its modalities lie (`modality_entries`: the tiny
+models' parts, LTX-2's and MiniMax-H3's video tokens then audio tokens); the rewards say what they
+judge (their `modality`, or reward.modalities).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..algorithms.credit import (
+    BALANCES,
+    CREDITS,
+    MODALITIES,
+    LossTerm,
+    check_entries,
+    modality_routes,
+    per_modality_loss,
+)
+from ..config import ConfigError, option
+from ..models.policy import modality_entries
+
+
+@dataclass
+class CreditOptions:
+    """How an update assigns credit (algorithm.credit, algorithm.credit_balance)."""
+
+    credit: str = option(
+        "global",
+        "global (one advantage a sample, from the combined reward) | per_modality (OmniNFT's routing: "
+        "each modality's advantage from the rewards that judge it, applied to its entries of the latent)",
+        choices=CREDITS,
+    )
+    credit_balance: str = option(
+        "equal",
+        "per_modality: the modalities' losses combined as their mean (equal, OmniNFT's) or weighted by "
+        "their shares of the latent's entries (entries, as one global advantage weighs them)",
+        choices=BALANCES,
+    )
+
+
+def credit_entries(
+    options: CreditOptions, policy: object, modalities: Mapping[str, str | None], weights: Mapping[str, float]
+) -> dict[str, torch.Tensor] | None:
+    """Each modality's entries of the policy's flat latent for per-modality credit (None: global);
+    a ConfigError, before any step, when the policy or the rewards cannot give it."""
+    if options.credit == "global":
+        return None
+    entries = modality_entries(policy)
+    shape = tuple(getattr(policy, "latent_shape", ()))
+    if entries is None or len(shape) != 1:
+        raise ConfigError(
+            f"algorithm.credit=per_modality: {type(policy).__name__}'s latent {shape} does not say where its "
+            "video and its audio lie (modality_entries); per-modality credit needs an audio-video model "
+            "(tiny_av, tiny_sync, ltx2, minimax_h3). Use algorithm.credit=global"
+        )
+    try:
+        check_entries(entries, math.prod(shape))
+        modality_routes(modalities, tuple(entries), weights)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.credit=per_modality: {e}") from e
+    return {m: entries[m] for m in MODALITIES}
+
+
+def modality_terms(
+    entries: Mapping[str, torch.Tensor],
+    credit: torch.Tensor,
+    balance: str,
+    term: Callable[[torch.Tensor, torch.Tensor], LossTerm],
+) -> LossTerm:
+    """The loss over modalities: `term(index, credit_m)` on each modality's entries with its column of
+    `credit` [b, M] (moved to the index's device), combined as `balance` says."""
+    moved = {m: index.to(credit.device) for m, index in entries.items()}
+    return per_modality_loss(moved, credit, term, balance)
+
+
+def credit_metrics(credit: torch.Tensor, modalities: list[str], centre: float = 0.5) -> dict[str, float]:
+    """Of the trained samples' credit [k, M] (r, centred at 0.5, or advantages, at 0): each
+    modality's mean, and the share of samples whose modalities agree in sign (OmniNFT's advantage
+    inconsistency is 1 minus it)."""
+    out = {f"credit/{m}_mean": float(credit[:, i].mean()) for i, m in enumerate(modalities)}
+    signs = torch.sign(credit - centre)
+    out["credit/agreement"] = float((signs == signs[:, :1]).all(dim=1).float().mean())
+    return out

@@ -1,0 +1,251 @@
+"""Per-modality credit (algorithm.credit=per_modality): routes, entries, losses, and the runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.algorithms.advantages import group_advantages
+from omni_diffusion_rl.algorithms.awm import awm_policy_loss, matching_error, matching_log_likelihood
+from omni_diffusion_rl.algorithms.credit import (
+    check_entries,
+    modality_routes,
+    modality_weights,
+    per_modality_loss,
+)
+from omni_diffusion_rl.algorithms.nft import nft_loss
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.experience.rollout import Rollout
+from omni_diffusion_rl.models.policy import modality_entries
+from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
+from omni_diffusion_rl.models.tiny_sync import TinySyncPolicy
+from omni_diffusion_rl.reward_factory import reward_from_config
+from omni_diffusion_rl.trainers.trainer import Trainer
+from omni_diffusion_rl.trainers.update_batch import UpdateBatch
+
+from .helpers import step_records
+
+RECIPE = "recipes/configs/tiny_sync_nft_per_modality.yaml"
+DECLARED = {"sync": "audio_video", "heard": "audio", "seen": "video", "look": "video"}
+
+
+def test_a_synchrony_reward_feeds_both_modalities_and_each_other_only_its_own() -> None:
+    routes = modality_routes(DECLARED, ("video", "audio"))
+    assert routes == {"video": ["look", "seen", "sync"], "audio": ["heard", "sync"]}
+    weighted = modality_routes(DECLARED, ("video", "audio"), {"sync": 1, "heard": 1, "seen": 0, "look": 1})
+    assert weighted["video"] == ["look", "sync"], "a reward of weight 0 feeds no advantage"
+
+
+def test_a_reward_without_a_modality_or_a_modality_without_a_reward_is_named() -> None:
+    with pytest.raises(ValueError, match=r"mine \(None\).*`modality` attribute.*reward.modalities"):
+        modality_routes({**DECLARED, "mine": None}, ("video", "audio"))
+    with pytest.raises(ValueError, match=r"'sound'"):
+        modality_routes({"mine": "sound"}, ("video", "audio"))
+    with pytest.raises(ValueError, match="no reward judges the audio"):
+        modality_routes({"look": "video"}, ("video", "audio"))
+
+
+def test_entries_must_split_the_latent_once_each() -> None:
+    check_entries({"video": torch.arange(0, 3), "audio": torch.arange(3, 5)}, 5)
+    with pytest.raises(ValueError, match="cover the latent's 5 entries once each"):
+        check_entries({"video": torch.arange(0, 3), "audio": torch.arange(2, 5)}, 5)
+    with pytest.raises(ValueError, match="cover"):
+        check_entries({"video": torch.arange(0, 3), "audio": torch.arange(3, 4)}, 5)
+
+
+def _batch(scores: dict[str, list[float]], weights: dict[str, float], groups: list[int]) -> UpdateBatch:
+    parts = {name: torch.tensor(values) for name, values in scores.items()}
+    total = sum(weights[n] * parts[n] for n in weights) / sum(weights.values())
+    n = len(groups)
+    empty = Rollout([""] * n, torch.tensor(groups), torch.zeros(n, 1), {}, torch.zeros(2))
+    keep = torch.ones(n, dtype=torch.bool)
+    return UpdateBatch(empty, total, torch.tensor(groups), keep, slice(0, n), 0, parts, weights, DECLARED)
+
+
+def test_each_modalitys_advantage_is_that_of_the_rewards_judging_it() -> None:
+    gen = torch.Generator().manual_seed(0)
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    scores = {name: torch.rand(8, generator=gen).tolist() for name in DECLARED}
+    weights = {"sync": 1.0, "heard": 2.0, "seen": 0.5, "look": 1.5}
+    batch = _batch(scores, weights, groups)
+    got = batch.modality_advantages(["video", "audio"])
+    t = {name: torch.tensor(v) for name, v in scores.items()}
+    video = (1.0 * t["sync"] + 0.5 * t["seen"] + 1.5 * t["look"]) / 3.0
+    audio = (1.0 * t["sync"] + 2.0 * t["heard"]) / 3.0
+    assert torch.allclose(got[:, 0], group_advantages(video, torch.tensor(groups)), atol=1e-6)
+    assert torch.allclose(got[:, 1], group_advantages(audio, torch.tensor(groups)), atol=1e-6)
+    assert not torch.allclose(got[:, 0], got[:, 1]), "the two modalities were credited alike"
+
+
+def _nft_term(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, t: torch.Tensor):
+    def term(index: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return nft_loss(v[:, index], v_old[:, index], x_t[:, index], x0[:, index], t, r, 1.0, 5.0)
+
+    return term
+
+
+def test_a_modalitys_gradient_follows_its_own_credit_only() -> None:
+    """Changing the audio's credit moves the gradient on the audio entries and leaves the video's."""
+    gen = torch.Generator().manual_seed(1)
+    b, d = 4, 10
+    entries = {"video": torch.tensor([0, 1, 2, 7]), "audio": torch.tensor([3, 4, 5, 6, 8, 9])}
+    v_old, x_t, x0 = (torch.randn(b, d, generator=gen) for _ in range(3))
+    t = torch.rand(b, generator=gen)
+
+    def gradient(r: torch.Tensor) -> torch.Tensor:
+        v = (v_old + 0.1 * torch.randn(b, d, generator=torch.Generator().manual_seed(2))).requires_grad_()
+        loss, _ = per_modality_loss(entries, r, _nft_term(v, v_old, x_t, x0, t))
+        loss.backward()
+        return v.grad
+
+    video_r = torch.tensor([0.9, 0.1, 0.6, 0.3])
+    first = gradient(torch.stack([video_r, torch.tensor([0.2, 0.8, 0.5, 0.5])], dim=1))
+    second = gradient(torch.stack([video_r, torch.tensor([0.9, 0.1, 0.0, 1.0])], dim=1))
+    assert torch.equal(first[:, entries["video"]], second[:, entries["video"]])
+    assert not torch.allclose(first[:, entries["audio"]], second[:, entries["audio"]])
+
+
+def test_the_modalities_losses_are_their_mean_or_weighted_by_their_entries() -> None:
+    entries = {"video": torch.arange(0, 1), "audio": torch.arange(1, 4)}
+    assert modality_weights(entries, "equal") == {"video": 0.5, "audio": 0.5}
+    assert modality_weights(entries, "entries") == {"video": 0.25, "audio": 0.75}
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+
+    def mean_times_credit(index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return (a[:, None] * x[:, index]).mean(), {}
+
+    same = torch.tensor([[2.0, 2.0]])
+    by_entries, _ = per_modality_loss(entries, same, mean_times_credit, "entries")
+    assert by_entries == pytest.approx(float((2.0 * x).mean())), "one credit for both: the global mean"
+    equal, _ = per_modality_loss(entries, same, mean_times_credit, "equal")
+    assert equal == pytest.approx(0.5 * 2.0 * 1.0 + 0.5 * 2.0 * 3.0)
+
+
+def test_awm_per_modality_equals_its_loss_on_each_modalitys_entries() -> None:
+    gen = torch.Generator().manual_seed(3)
+    v, noise, x0 = (torch.randn(3, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    t, adv = torch.rand(3, generator=gen), torch.randn(3, 2, generator=gen)
+    entries = {"video": torch.tensor([0, 1]), "audio": torch.tensor([2, 3, 4, 5])}
+
+    def term(index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        likelihood = matching_log_likelihood(matching_error(v[:, index], noise[:, index], x0[:, index]), t)
+        return awm_policy_loss(likelihood, a, 5.0), {}
+
+    got, _ = per_modality_loss(entries, adv, term)
+    by_hand = 0.5 * term(entries["video"], adv[:, 0])[0] + 0.5 * term(entries["audio"], adv[:, 1])[0]
+    assert float(got) == pytest.approx(float(by_hand), rel=1e-12)
+
+
+def _ltx2() -> object:
+    from omni_diffusion_rl.models.ltx2 import LTX2Policy
+
+    from .ltx2_tiny import CLIP, tiny_ltx2_pipeline
+
+    return LTX2Policy(tiny_ltx2_pipeline(), **CLIP)
+
+
+def _h3() -> object:
+    from omni_diffusion_rl.models.minimax_h3 import MiniMaxH3Policy
+
+    from .h3_tiny import CLIP, tiny_h3_components
+
+    return MiniMaxH3Policy(tiny_h3_components(), **CLIP)
+
+
+POLICIES = {
+    "tiny_sync": lambda: TinySyncPolicy.from_pretrained("builtin"),
+    "tiny_av": lambda: TinyAVPolicy.from_pretrained("builtin"),
+    "ltx2": _ltx2,
+    "minimax_h3": _h3,
+}
+
+
+@pytest.mark.parametrize("family", sorted(POLICIES))
+def test_a_models_video_entries_draw_the_picture_and_its_audio_entries_the_sound(family: str) -> None:
+    """Negating one modality's entries changes that modality's decoded media and never the other's."""
+    policy = POLICIES[family]()
+    entries = modality_entries(policy)
+    check_entries(entries, policy.latent_shape[0])
+    x = torch.rand(2, *policy.latent_shape, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    base = policy.decode(x)
+    for moved, kept in (("video", "audio"), ("audio", "video")):
+        y = x.clone()
+        y[:, entries[moved]] = -y[:, entries[moved]]
+        media = policy.decode(y)
+        assert torch.equal(getattr(media, kept), getattr(base, kept)), f"{moved} entries changed the {kept}"
+        assert not torch.equal(getattr(media, moved), getattr(base, moved)), f"{moved} entries draw nothing"
+
+
+def test_the_recipes_rewards_declare_what_they_judge() -> None:
+    cfg = load_config(RECIPE, [])
+    reward = reward_from_config(cfg.reward)
+    assert reward.modalities == {"sync_onsets": "audio_video", "heard_count": "audio", "seen_count": "video"}
+    overridden = reward_from_config(load_config(RECIPE, ["reward.modalities={sync_onsets: audio}"]).reward)
+    assert overridden.modalities["sync_onsets"] == "audio"
+    with pytest.raises(ValueError, match="reward.modalities.sync_onsets: 'sound' is not a modality"):
+        reward_from_config(load_config(RECIPE, ["reward.modalities={sync_onsets: sound}"]).reward)
+    with pytest.raises(ConfigError, match="reward.modalities.clap: modalities for a reward"):
+        load_config(RECIPE, ["reward.modalities={clap: audio}"])
+
+
+def _quick(run: Path, steps: int = 2) -> list[str]:
+    return [
+        f"train.output_dir={run}",
+        f"train.steps={steps}",
+        "data.prompts_per_step=2",
+        "data.group_size=4",
+        "data.eval_samples=4",
+        "sampling.num_steps=4",
+        "sampling.eval_num_steps=4",
+        "train.preview_every=0",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+        "tracking.wandb=false",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+    ]
+
+
+def test_a_per_modality_run_trains_and_logs_each_modalitys_credit(tmp_path: Path) -> None:
+    cfg = load_config(RECIPE, _quick(tmp_path / "run"))
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.transformer.named_parameters() if v.requires_grad}
+    trainer.fit()
+    moved = [
+        k
+        for k, v in trainer.transformer.named_parameters()
+        if v.requires_grad and not torch.equal(v, before[k])
+    ]
+    assert moved, "the update moved no weight"
+    rows = [r for r in step_records(tmp_path / "run") if "loss/total" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert 0 <= row["credit/agreement"] <= 1
+        assert {"credit/video_mean", "credit/audio_mean"} <= set(row)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["reward.weights={seen_count: 1.0}"], "no reward judges the audio"),
+        (
+            ["reward.weights={sync_onsets: 0.0, heard_count: 0.0, seen_count: 1.0}"],
+            "no reward judges the audio",
+        ),
+    ],
+)
+def test_a_per_modality_run_without_a_reward_for_a_modality_stops_before_its_first_step(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    cfg = load_config(RECIPE, [*_quick(tmp_path / "run"), *overrides, "reward.options={}"])
+    with pytest.raises(ConfigError, match=message):
+        Trainer(cfg)
+
+
+def test_per_modality_credit_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="distillation learns from a teacher"):
+        load_config("recipes/configs/tiny_t2av_distill.yaml", ["algorithm.credit=per_modality"])
+    with pytest.raises(ConfigError, match="credit"):
+        load_config("recipes/configs/tiny_t2av_flow_grpo.yaml", ["algorithm.credit=per_modality"])
