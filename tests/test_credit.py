@@ -18,6 +18,7 @@ from omni_diffusion_rl.algorithms.credit import (
 from omni_diffusion_rl.algorithms.nft import nft_loss
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
+from omni_diffusion_rl.experience.sampling import sample_sde
 from omni_diffusion_rl.models.policy import modality_entries
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.models.tiny_sync import TinySyncPolicy
@@ -80,7 +81,7 @@ def test_each_modalitys_advantage_is_that_of_the_rewards_judging_it() -> None:
 
 
 def _nft_term(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, t: torch.Tensor):
-    def term(index: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def term(_: int, index: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return nft_loss(v[:, index], v_old[:, index], x_t[:, index], x0[:, index], t, r, 1.0, 5.0)
 
     return term
@@ -113,7 +114,7 @@ def test_the_modalities_losses_are_their_mean_or_weighted_by_their_entries() -> 
     assert modality_weights(entries, "entries") == {"video": 0.25, "audio": 0.75}
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
 
-    def mean_times_credit(index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def mean_times_credit(_: int, index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
         return (a[:, None] * x[:, index]).mean(), {}
 
     same = torch.tensor([[2.0, 2.0]])
@@ -129,12 +130,12 @@ def test_awm_per_modality_equals_its_loss_on_each_modalitys_entries() -> None:
     t, adv = torch.rand(3, generator=gen), torch.randn(3, 2, generator=gen)
     entries = {"video": torch.tensor([0, 1]), "audio": torch.tensor([2, 3, 4, 5])}
 
-    def term(index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def term(_: int, index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
         likelihood = matching_log_likelihood(matching_error(v[:, index], noise[:, index], x0[:, index]), t)
         return awm_policy_loss(likelihood, a, 5.0), {}
 
     got, _ = per_modality_loss(entries, adv, term)
-    by_hand = 0.5 * term(entries["video"], adv[:, 0])[0] + 0.5 * term(entries["audio"], adv[:, 1])[0]
+    by_hand = 0.5 * term(0, entries["video"], adv[:, 0])[0] + 0.5 * term(1, entries["audio"], adv[:, 1])[0]
     assert float(got) == pytest.approx(float(by_hand), rel=1e-12)
 
 
@@ -248,4 +249,42 @@ def test_per_modality_credit_is_refused_where_it_cannot_apply(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="distillation learns from a teacher"):
         load_config("recipes/configs/tiny_t2av_distill.yaml", ["algorithm.credit=per_modality"])
     with pytest.raises(ConfigError, match="credit"):
-        load_config("recipes/configs/tiny_t2av_flow_grpo.yaml", ["algorithm.credit=per_modality"])
+        load_config(None, ["algorithm.name=raft", "algorithm.credit=per_modality"])
+
+
+def test_each_modalitys_sde_log_probability_averages_its_own_entries() -> None:
+    """Per modality, a step's log-probabilities are the means over each modality's entries: weighted
+    by their entries they give back the one log-probability of the whole latent."""
+    gen = torch.Generator().manual_seed(5)
+    steps, d = 5, 7
+    groups = (torch.tensor([0, 1, 5]), torch.tensor([2, 3, 4, 6]))
+    grid = torch.linspace(1.0, 0.0, steps + 1)
+    sde_steps = torch.tensor([True, True, False, True, False])
+    noise, step_noise = torch.randn(3, d, generator=gen), torch.randn(3, 3, d, generator=gen)
+    velocity = lambda x, t: 0.3 * x - t.view(-1, 1)  # noqa: E731
+    x0, states, whole = sample_sde(velocity, noise, grid, 0.7, sde_steps, step_noise)
+    x0_g, states_g, per_group = sample_sde(velocity, noise, grid, 0.7, sde_steps, step_noise, groups)
+    assert torch.equal(x0, x0_g) and torch.equal(states, states_g), "the groups change only what is recorded"
+    assert per_group.shape == (3, steps, 2)
+    assert torch.allclose((3 * per_group[..., 0] + 4 * per_group[..., 1]) / 7, whole, atol=1e-6)
+    assert not torch.allclose(per_group[..., 0], per_group[..., 1])
+
+
+def test_flow_grpo_per_modality_trains_on_the_recorded_log_probabilities(tmp_path: Path) -> None:
+    """Flow-GRPO per modality on the sync world: each modality's ratio starts at 1 (its recorded
+    log-probability is the trained policy's), and the update moves the adapter."""
+    overrides = [
+        *_quick(tmp_path / "run"),
+        "algorithm={name: flow_grpo, credit: per_modality, kl_coef: 0.4}",
+        "sampling.solver=euler",
+    ]
+    cfg = load_config(RECIPE, overrides)
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.transformer.named_parameters() if v.requires_grad}
+    trainer.fit()
+    after = dict(trainer.transformer.named_parameters())
+    assert any(not torch.equal(after[k], v) for k, v in before.items()), "the update moved no weight"
+    rows = [r for r in step_records(tmp_path / "run") if "loss/total" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["grpo/logp_gap"] < 1e-4 and row["loss/kl"] >= 0 and 0 <= row["credit/agreement"] <= 1

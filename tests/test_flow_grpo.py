@@ -577,20 +577,25 @@ def test_flow_grpo_trains_every_model_family(family: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["separate", "hybrid"])
+@pytest.mark.parametrize(
+    ("mode", "credit", "port"),
+    [("separate", "global", 29633), ("hybrid", "global", 29634), ("separate", "per_modality", 29636)],
+)
 def test_flow_grpo_runs_in_the_async_modes_with_two_processes(
-    model_dir: Path, tmp_path: Path, mode: str
+    model_dir: Path, tmp_path: Path, mode: str, credit: str, port: int
 ) -> None:
-    """The behaviour log-probabilities travel with each group through the buffer; a group made with
-    older weights is trained against its own (the gap is reported). separate syncs the weights after
-    steps 2 and 4 only, so which steps train groups one version old is fixed, not timed: 2 and 4."""
+    """The behaviour log-probabilities (each modality's, per modality) travel with each group through
+    the buffer; a group made with older weights is trained against its own (the gap is reported).
+    separate syncs the weights after steps 2 and 4 only, so which steps train groups one version old
+    is fixed, not timed: 2 and 4."""
     from .test_separate import _launch
 
     run = tmp_path / "run"
     args = [*fast_overrides(model_dir, run, 4), "algorithm.name=flow_grpo", f"execution.mode={mode}"]
+    args.append(f"algorithm.credit={credit}")
     if mode == "separate":  # the rollout holds version 0 for steps 1-2 and version 2 for steps 3-4
         args += ["execution.sync_every=2", "execution.max_staleness=1", "execution.on_stale=wait"]
-    proc = _launch([*args, "execution.data_timeout_s=60"], 29633 if mode == "separate" else 29634)
+    proc = _launch([*args, "execution.data_timeout_s=60"], port)
     assert proc.returncode == 0, proc.stderr[-4000:]
     buf = last_json_line(proc.stdout)["execution"]["buffer"]
     assert buf["trained"] == 4 * 2 * 2

@@ -76,18 +76,19 @@ def check_entries(entries: Mapping[str, torch.Tensor], size: int) -> None:
 
 
 LossTerm = tuple[torch.Tensor, dict[str, torch.Tensor]]
+ModalityLoss = Callable[[int, torch.Tensor, torch.Tensor], LossTerm]
+"""(column, index, advantage [b]) -> one modality's loss and metrics: the modality's column in the
+advantages and in anything recorded per modality, its entries of the flat latent, its advantage."""
 
 
 def per_modality_loss(
     entries: Mapping[str, torch.Tensor],
     advantages: torch.Tensor,
-    modality_loss: Callable[[torch.Tensor, torch.Tensor], LossTerm],
+    modality_loss: ModalityLoss,
     balance: str = "equal",
 ) -> LossTerm:
-    """sum_m w_m L(entries_m, A[:, m]) with w from `modality_weights`: `modality_loss(index,
-    advantage)` takes one modality's entries of the flat latent and its advantage [b] and returns its
-    loss and metrics; advantages [b, M] holds the modalities in the order of `entries`. Metrics are
-    weighted alike."""
+    """sum_m w_m L(m, entries_m, A[:, m]) with w from `modality_weights`; advantages [b, M] holds
+    the modalities in the order of `entries`. Metrics are weighted alike."""
     if advantages.ndim != 2 or advantages.shape[1] != len(entries):
         raise ValueError(
             f"advantages {tuple(advantages.shape)} must be [b, {len(entries)}] for modalities {list(entries)}"
@@ -96,7 +97,7 @@ def per_modality_loss(
     total: torch.Tensor | None = None
     metrics: dict[str, torch.Tensor] = {}
     for column, (modality, index) in enumerate(entries.items()):
-        loss, own = modality_loss(index, advantages[:, column])
+        loss, own = modality_loss(column, index, advantages[:, column])
         total = shares[modality] * loss if total is None else total + shares[modality] * loss
         for name, value in own.items():
             metrics[name] = metrics.get(name, 0.0) + shares[modality] * value

@@ -45,8 +45,10 @@ def sde_step(
     t_cap: float,
     noise: torch.Tensor | None = None,
     x_next: torch.Tensor | None = None,
+    groups: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One SDE step from x at t [B] to t_next [B]; returns (x_next, log_prob [B], mean, std [B,1..]).
+    """One SDE step from x at t [B] to t_next [B]; returns (x_next, log_prob [B] ([B, G] with
+    `groups`, see gaussian_log_prob), mean, std [B,1..]).
 
     Give `x_next` to score a recorded step (training), or `noise` (z, like x) to take one (rollout).
     std is the transition's standard deviation sigma_t sqrt(-dt).
@@ -59,13 +61,19 @@ def sde_step(
     std = sigma * torch.sqrt(-dt)
     if x_next is None:
         x_next = mean + std * noise
-    return x_next, gaussian_log_prob(x_next.detach(), mean, std), mean, std
+    return x_next, gaussian_log_prob(x_next.detach(), mean, std, groups), mean, std
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """[B] log N(x; mean, std^2) averaged over each sample's entries."""
+def gaussian_log_prob(
+    x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, groups: tuple[torch.Tensor, ...] = ()
+) -> torch.Tensor:
+    """[B] log N(x; mean, std^2) averaged over each sample's entries; with `groups` (index tensors
+    over the flat entries, per-modality credit's modalities) [B, G], averaged over each group's."""
     log_density = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
-    return log_density.flatten(1).mean(dim=1)
+    flat = log_density.flatten(1)
+    if not groups:
+        return flat.mean(dim=1)
+    return torch.stack([flat[:, index.to(flat.device)].mean(dim=1) for index in groups], dim=1)
 
 
 def gaussian_step_kl(mean: torch.Tensor, mean_ref: torch.Tensor, kl_std: torch.Tensor) -> torch.Tensor:

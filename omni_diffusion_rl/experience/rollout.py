@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..models.policy import Condition, FlowPolicy, cat_conditions, index_condition, repeat_condition
+from ..algorithms.credit import MODALITIES
+from ..models.policy import (
+    Condition,
+    FlowPolicy,
+    cat_conditions,
+    index_condition,
+    modality_entries,
+    repeat_condition,
+)
 from ..named_batch import BatchSchema, NamedBatch
 from ..reward import ScoreResult, WeightedReward
 from ..runtime.sharding import compute_device
@@ -128,6 +136,7 @@ class SDESampling:
     window_every: int = 1
     window_range: int = 0
     seed: int = 0
+    per_modality: bool = False  # record each modality's log-probability (per-modality credit)
 
     def steps(self, num_steps: int, step: int) -> torch.Tensor:
         """[num_steps] bool: the steps that run the SDE at training `step` (never the last)."""
@@ -155,6 +164,7 @@ class SDEDraw:
     noise_level: float
     steps: torch.Tensor
     step_noise: torch.Tensor
+    log_prob_groups: tuple[torch.Tensor, ...] = ()  # entries each log-probability covers (): all
 
 
 def unusable_samples(rollout: Rollout) -> dict[int, str]:
@@ -305,7 +315,9 @@ def generate(
     if sde is not None:
         if solver != "euler":
             raise ValueError(f"the SDE sampler steps like euler; sampling.solver={solver} has no SDE form")
-        x0, visited, log_probs = sample_sde(velocity, noise, grid, sde.noise_level, sde.steps, sde.step_noise)
+        x0, visited, log_probs = sample_sde(
+            velocity, noise, grid, sde.noise_level, sde.steps, sde.step_noise, sde.log_prob_groups
+        )
         steps = sde.steps.float().to(device).expand(len(noise), -1).contiguous()
         extras = {STATES: visited, BEHAVIOUR_LOGP: log_probs, SDE_STEPS: steps}
     else:
@@ -457,7 +469,11 @@ class ExperienceMaker:
         step_noise = torch.cat(
             [torch.randn(shape, generator=step_generator(self.seed, key_step, g, "sde")) for g in group_ids]
         )
-        return SDEDraw(self.sde.noise_level, steps, step_noise)
+        groups = ()
+        if self.sde.per_modality:  # the algorithm checked before the first step that the policy has them
+            entries = modality_entries(self.policy) or {}
+            groups = tuple(entries[m] for m in MODALITIES)
+        return SDEDraw(self.sde.noise_level, steps, step_noise, groups)
 
     def make_group(self, position: int) -> tuple[Rollout, ScoreResult]:
         """The prompt group at stream `position`, generated and scored (noise keyed by position)."""

@@ -145,11 +145,13 @@ def sample_sde(
     noise_level: float,
     sde_steps: torch.Tensor,
     step_noise: torch.Tensor,
+    groups: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Euler with Flow-GRPO's SDE on the steps `sde_steps` ([T] bool; the last step must stay
     deterministic) and the ODE elsewhere. `step_noise` [B, number of SDE steps, *latent] is each SDE
     step's z, in order. Returns (x0, the visited states [B, T, *latent] (x_k at grid[k]), each
-    step's log-probability [B, T] under the sampling weights, 0 on the ODE steps)."""
+    step's log-probability [B, T] under the sampling weights, 0 on the ODE steps; [B, T, G] with
+    `groups`, one over each group's entries: per-modality credit's modalities)."""
     from ..algorithms.flow_grpo import sde_step
 
     steps = len(grid) - 1
@@ -163,14 +165,17 @@ def sample_sde(
         )
     x, batch, t_cap = noise, noise.shape[0], float(grid[1])
     grid = grid.to(noise.device)  # the policy's grid is made on the CPU
-    states, log_probs, used = [], torch.zeros(batch, steps, device=noise.device), 0
+    per_group = (len(groups),) if groups else ()
+    states, log_probs, used = [], torch.zeros(batch, steps, *per_group, device=noise.device), 0
     for i in range(steps):
         t, t_next = grid[i].expand(batch), grid[i + 1].expand(batch)
         states.append(x)
         v = velocity(x, t)
         if bool(sde_steps[i]):
             z = step_noise[:, used].to(device=x.device, dtype=torch.float32)
-            x, log_probs[:, i], _, _ = sde_step(v.float(), x.float(), t, t_next, noise_level, t_cap, noise=z)
+            x, log_probs[:, i], _, _ = sde_step(
+                v.float(), x.float(), t, t_next, noise_level, t_cap, noise=z, groups=groups
+            )
             used += 1
         else:
             x = x + (t_next[0] - t[0]).to(x.dtype) * v

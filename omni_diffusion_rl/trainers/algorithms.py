@@ -533,7 +533,9 @@ class DiffusionNFT(Algorithm):
             )
             return loss, {"loss/total": loss.detach(), **metrics}
 
-        def modality_loss(index: torch.Tensor, r_m: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        def modality_loss(
+            _: int, index: torch.Tensor, r_m: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
             ref = None if v_ref is None else v_ref[:, index]
             sliced = (v_theta[:, index], v_old[:, index], x_t[:, index], x0[:, index])
             return nft_loss(*sliced, t, r_m, a.beta, a.adv_clip_max, ref, a.kl_coef, w)

@@ -134,7 +134,9 @@ class AdvantageWeightedMatching(Algorithm):
             v = policy.velocity(x_t, t, cond).float()
         adv = micro.rows("adv").to(x0.device)
 
-        def awm_loss(index: slice | torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        def awm_loss(
+            _: int, index: slice | torch.Tensor, adv: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
             """The policy loss and penalties on the latent's entries `index` with advantages adv [b]."""
             error = matching_error(v[:, index], noise[:, index], x0[:, index])
             log_likelihood = matching_log_likelihood(error, t, a.awm_weighting, a.awm_ghuber_power)
@@ -148,7 +150,7 @@ class AdvantageWeightedMatching(Algorithm):
             return loss, metrics
 
         if self.entries is None:
-            loss, metrics = awm_loss(slice(None), adv)
+            loss, metrics = awm_loss(0, slice(None), adv)
         else:
             loss, metrics = modality_terms(self.entries, adv, a.credit_balance, awm_loss)
         return loss, {"loss/total": loss.detach(), **metrics}

@@ -11,7 +11,7 @@ judge (their `modality`, or reward.modalities).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from ..algorithms.credit import (
     CREDITS,
     MODALITIES,
     LossTerm,
+    ModalityLoss,
     check_entries,
     modality_routes,
     per_modality_loss,
@@ -74,10 +75,10 @@ def modality_terms(
     entries: Mapping[str, torch.Tensor],
     credit: torch.Tensor,
     balance: str,
-    term: Callable[[torch.Tensor, torch.Tensor], LossTerm],
+    term: ModalityLoss,
 ) -> LossTerm:
-    """The loss over modalities: `term(index, credit_m)` on each modality's entries with its column of
-    `credit` [b, M] (moved to the index's device), combined as `balance` says."""
+    """The loss over modalities: `term(column, index, credit_m)` on each modality's entries with its
+    column of `credit` [b, M] (the entries moved to its device), combined as `balance` says."""
     moved = {m: index.to(credit.device) for m, index in entries.items()}
     return per_modality_loss(moved, credit, term, balance)
 

@@ -41,13 +41,14 @@ from .algorithms import (
     finite_if_dropped,
     micro_batches,
 )
+from .credit import CreditOptions, credit_metrics, modality_terms
 
 SDE_SOLVERS = ("euler",)
 """The solvers whose steps have an SDE form (Flow-GRPO's sampler steps like Euler)."""
 
 
 @dataclass
-class FlowGRPOOptions:
+class FlowGRPOOptions(CreditOptions):
     """Flow-GRPO's options (algorithm.name=flow_grpo), flat in the algorithm section."""
 
     sde_noise: float = option(
@@ -154,6 +155,7 @@ class FlowGRPO(Algorithm):
             a.sde_window_every,
             a.sde_window_range,
             cfg.train.seed,
+            per_modality=a.credit == "per_modality",
         )
 
     def metric_names(self) -> list[str]:
@@ -193,8 +195,13 @@ class FlowGRPO(Algorithm):
         if missing:
             raise ValueError(f"a flow_grpo rollout lacks {', '.join(missing)} (sampled without the SDE?)")
         steps = trained_sde_steps(rollout, cfg.train.seed, batch.step, cfg.algorithm.timestep_fraction)
-        adv_all = batch.advantages(per_group_std=self.options.per_group_std)
-        trainable = batch.keep & (adv_all != 0) if self.options.drop_zero_advantage else batch.keep.clone()
+        if self.entries is None:
+            adv_all = batch.advantages(per_group_std=self.options.per_group_std)
+            nonzero = adv_all != 0
+        else:  # per modality: a sample is dropped when every modality's advantage is 0
+            adv_all = batch.modality_advantages(list(self.entries), per_group_std=self.options.per_group_std)
+            nonzero = (adv_all != 0).any(dim=1)
+        trainable = batch.keep & nonzero if self.options.drop_zero_advantage else batch.keep.clone()
         if steps.shape[1] == 0:  # MixGRPO's window is empty at this step: no step to train
             trainable[:] = False
         adv, mine = adv_all[batch.local], trainable[batch.local]
@@ -202,6 +209,8 @@ class FlowGRPO(Algorithm):
             "grpo/adv_abs": float(adv[batch.mine].abs().mean()) if batch.mine.any() else float("nan"),
             "grpo/trained_share": float(trainable.sum() / batch.keep.sum()) if batch.keep.any() else 0.0,
         }
+        if self.entries is not None and batch.mine.any():
+            metrics |= credit_metrics(adv[batch.mine], list(self.entries), centre=0.0)
         if self.options.sde_window_size:
             sde = rollout.extras[SDE_STEPS]
             metrics["grpo/window_start"] = float(sde[0].argmax()) if len(rollout) and sde.any() else -1.0
@@ -242,21 +251,37 @@ class FlowGRPO(Algorithm):
         scale = learner.cfg.sampling.cfg_scale
         with learner.autocast():
             v = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale, a.detach_uncond)
-        _, logp, mean, _ = sde_step(v.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next)
+        groups = () if self.entries is None else tuple(self.entries.values())
+        step = (d["t"], d["t_next"], a.sde_noise, t_cap)
+        _, logp, mean, _ = sde_step(v.float(), x, *step, x_next=x_next, groups=groups)
         w = micro.weight(x.device)
         adv = micro.rows("adv").to(x.device)
-        loss, metrics = clipped_policy_loss(logp, d["logp_old"], adv, a.clip_range, a.adv_clip_max, w)
+        mean_ref = None
         if a.kl_coef > 0:
             lora = _lora()
             with torch.no_grad(), learner.autocast(), lora.adapters_disabled(learner.transformer):
                 v_ref = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale)
-            _, _, mean_ref, _ = sde_step(
-                v_ref.float(), x, d["t"], d["t_next"], a.sde_noise, t_cap, x_next=x_next
-            )
-            kl = step_kl(mean, mean_ref, d["t"], a.sde_noise, t_cap)  # in flow_grpo's units
-            kl = (kl if w is None else w * kl).mean()
-            metrics["loss/kl"] = kl.detach()
-            loss = loss + a.kl_coef * kl
+            _, _, mean_ref, _ = sde_step(v_ref.float(), x, *step, x_next=x_next)
+
+        def policy_term(
+            column: int, index: slice | torch.Tensor, adv: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
+            """The clipped loss (and KL) of the entries `index`, whose log-probs are `column`'s."""
+            mine, old = (logp, d["logp_old"]) if not groups else (logp[:, column], d["logp_old"][:, column])
+            loss, metrics = clipped_policy_loss(mine, old, adv, a.clip_range, a.adv_clip_max, w)
+            if mean_ref is not None:
+                kl = step_kl(
+                    mean[:, index], mean_ref[:, index], d["t"], a.sde_noise, t_cap
+                )  # flow_grpo's units
+                kl = (kl if w is None else w * kl).mean()
+                metrics["loss/kl"] = kl.detach()
+                loss = loss + a.kl_coef * kl
+            return loss, metrics
+
+        if self.entries is None:
+            loss, metrics = policy_term(0, slice(None), adv)
+        else:
+            loss, metrics = modality_terms(self.entries, adv, a.credit_balance, policy_term)
         return loss, {"loss/total": loss.detach(), **metrics}
 
     _empty_row: Condition | None = None
