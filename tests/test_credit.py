@@ -19,6 +19,7 @@ from omni_diffusion_rl.algorithms.nft import nft_loss
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.sampling import sample_sde
+from omni_diffusion_rl.models.gradient_surgery import OMNINFT_LTX2_A2V_SCALES, block_scales
 from omni_diffusion_rl.models.policy import modality_entries
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.models.tiny_sync import TinySyncPolicy
@@ -288,3 +289,52 @@ def test_flow_grpo_per_modality_trains_on_the_recorded_log_probabilities(tmp_pat
     assert len(rows) == 2
     for row in rows:
         assert row["grpo/logp_gap"] < 1e-4 and row["loss/kl"] >= 0 and 0 <= row["credit/agreement"] <= 1
+
+
+def test_omninfts_gradient_surgery_parses_blocks_and_refuses_bad_ones() -> None:
+    assert block_scales({"0": 0.0, "1-3": 0.1, "7": 1}, 8) == {0: 0.0, 1: 0.1, 2: 0.1, 3: 0.1, 7: 1.0}
+    assert block_scales(OMNINFT_LTX2_A2V_SCALES, 48)[45] == 0.3
+    for spec, message in [
+        ({"0-8": 0.1}, "outside this model's 0-7"),
+        ({"0": 1.5}, r"must be in \[0, 1\]"),
+        ({"a": 0.1}, "not a block or a range"),
+        ({"1-3": 0.1, "3": 0.2}, "block 3 is named twice"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            block_scales(spec, 8)
+
+
+def test_gradient_surgery_keeps_ltx2s_forward_and_cuts_the_video_losss_gradient_into_the_audio_stream() -> (
+    None
+):
+    """With every block at 0, a loss on the video alone sends nothing to the audio stream's own
+    weights, while the cross-attention's weights keep their gradient; the forward is bit-equal."""
+    from omni_diffusion_rl.models.ltx2 import LTX2Policy
+
+    from .ltx2_tiny import CLIP, tiny_ltx2_pipeline
+
+    plain, cut = (
+        LTX2Policy(tiny_ltx2_pipeline(), **CLIP, a2v_gradient_scales=s) for s in (None, {"0-1": 0.0})
+    )
+    x = torch.randn(2, *plain.latent_shape, generator=torch.Generator().manual_seed(6))
+    t = torch.tensor([0.7, 0.3])
+
+    def video_loss_gradients(policy: LTX2Policy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        v = policy.velocity(x, t, policy.encode_prompts(["a drum", "a bell"]))
+        policy.transformer.zero_grad()
+        v[:, : policy.video_size].square().sum().backward()
+        named = dict(policy.transformer.named_parameters())
+        return v.detach(), {k: named[k].grad for k in named if "transformer_blocks" in k}
+
+    v_plain, plain_grads = video_loss_gradients(plain)
+    v_cut, cut_grads = video_loss_gradients(cut)
+    assert torch.equal(v_plain, v_cut)
+    audio_own = [k for k in cut_grads if ".audio_attn1.to_q.weight" in k]
+    a2v_keys = [k for k in cut_grads if ".audio_to_video_attn.to_k.weight" in k]
+    assert len(audio_own) == len(a2v_keys) == 2
+    for k in audio_own:
+        assert plain_grads[k].abs().sum() > 0 and cut_grads[k] is not None and not cut_grads[k].any(), k
+    for k in a2v_keys:
+        assert torch.equal(cut_grads[k], plain_grads[k]), (
+            "the cross-attention's own weights keep their gradient"
+        )

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..media import MediaBatch
 from ..precision import base_weights_autocast
+from .gradient_surgery import OMNINFT_LTX2_A2V_SCALES, block_scales, scale_a2v_gradients
 from .policy import Condition, split_entries
 from .vae_memory import configure_vae_memory, decode_into, stored_dtype
 
@@ -41,7 +42,9 @@ MAX_INDEX_BYTES = 64 << 10
 class LTX2Policy:
     """LTX-2 at a fixed clip size (height, width, frames, frame rate); see the module docstring.
     vae_tiling / vae_slicing: decode large frames tile by tile / a batch one clip at a time (None
-    keeps the VAE's default)."""
+    keeps the VAE's default). a2v_gradient_scales: OmniNFT's gradient surgery, {blocks: scale} for
+    the gradient the audio-to-video cross-attention sends back into the audio stream ("omninft":
+    its released LTX-2 setting; models/gradient_surgery.py)."""
 
     # the q/k/v/out projections of all six attention modules of every block (video and audio self-
     # attention, their prompt cross-attention, and the audio<->video cross-modal attention)
@@ -57,11 +60,22 @@ class LTX2Policy:
         max_sequence_length: int = 1024,
         vae_tiling: bool | None = None,
         vae_slicing: bool = False,
+        a2v_gradient_scales: dict[str, float] | str | None = None,
     ) -> None:
         if height % 32 or width % 32:
             raise ValueError(f"LTX-2 needs height and width divisible by 32; got {height} x {width}")
         self.pipeline = pipeline
         self.transformer: nn.Module = pipeline.transformer
+        self.surgery: list[Any] = []  # the gradient surgery's hooks (a2v_gradient_scales)
+        if a2v_gradient_scales:
+            spec = OMNINFT_LTX2_A2V_SCALES if a2v_gradient_scales == "omninft" else a2v_gradient_scales
+            if not isinstance(spec, dict):
+                raise ValueError(
+                    f"a2v_gradient_scales: {a2v_gradient_scales!r} is neither 'omninft' nor a mapping of "
+                    "blocks to scales like {'0': 0.0, '1-10': 0.1}"
+                )
+            blocks = self.transformer.transformer_blocks
+            self.surgery = scale_a2v_gradients(blocks, block_scales(spec, len(blocks)))
         for module in (pipeline.vae, pipeline.audio_vae, pipeline.vocoder, pipeline.text_encoder):
             module.requires_grad_(False)
         pipeline.connectors.requires_grad_(False)
