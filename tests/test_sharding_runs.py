@@ -186,7 +186,16 @@ BLUE = next(s.prompt for s in world.ALL_SCENES if s.color == "blue")
 
 @pytest.mark.parametrize(
     "algorithm",
-    ["distill", "distill@completion", "distill@contrast", "raft", "flow_grpo", "awm"],
+    [
+        "distill",
+        "distill@completion",
+        "distill@contrast",
+        "raft",
+        "flow_grpo",
+        "awm",
+        "nft@per_modality",
+        "flow_grpo@per_modality",
+    ],
 )
 def test_every_algorithm_with_dropped_samples_trains_sharded_as_whole(
     model_dir: Path, tmp_path: Path, algorithm: str
@@ -196,6 +205,8 @@ def test_every_algorithm_with_dropped_samples_trains_sharded_as_whole(
     teacher is sharded too (completion targets: each process's groups complete from other states,
     yet the teacher's forwards are the same on both)."""
     algorithm, _, target = algorithm.partition("@")
+    credit = ["algorithm.credit=per_modality", "reward.modalities={test_fails_on_red: audio_video}"]
+    credit, target = (credit, "") if target == "per_modality" else ([], target)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{RED}\n{BLUE}\n")
     extra = [
@@ -209,6 +220,7 @@ def test_every_algorithm_with_dropped_samples_trains_sharded_as_whole(
         *(["algorithm.raft_keep=1"] if algorithm == "raft" else []),
         *(["algorithm.timestep_fraction=1.0", "algorithm.awm_timesteps=2"] if algorithm == "awm" else []),
         *([f"algorithm.distill_target={target}", "algorithm.distill_completions=1"] if target else []),
+        *credit,
     ]
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     _train([*fast_overrides(model_dir, whole, 3), *extra])
