@@ -25,6 +25,10 @@ class ConfigError(ValueError):
     """A config value, key or file that cannot be used."""
 
 
+REWARD_MODALITIES = ("video", "audio", "audio_video")
+"""What a reward may judge (reward.modalities; algorithms/credit.py routes them)."""
+
+
 MAX_DEPTH = 32
 """Nesting levels a config may have, scalars included (`train: {steps: 3}` has 3; recipes have 4)."""
 _MERGE_TAG, _TIMESTAMP_TAG = "tag:yaml.org,2002:merge", "tag:yaml.org,2002:timestamp"
@@ -936,6 +940,12 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                     f"reward.{section}.{name}: {section} for a reward that reward.weights does not use "
                     f"({', '.join(cfg.reward.weights)})"
                 )
+    for name, judged in cfg.reward.modalities.items():
+        if judged not in REWARD_MODALITIES:
+            raise ConfigError(
+                f"reward.modalities.{name}: {judged!r} is not a modality; choose one of "
+                f"{', '.join(REWARD_MODALITIES)}"
+            )
     if cfg.execution.mode in ("separate", "hybrid", "auto"):
         ex = cfg.execution
         try:

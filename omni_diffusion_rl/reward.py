@@ -23,7 +23,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .algorithms.credit import JUDGES
 from .media import MediaBatch
 from .registry import rewards as reward_registry
 
@@ -227,13 +226,7 @@ class WeightedReward:
             raise ValueError(f"retries ({retries}) must be >= 0 and max_failed_fraction in [0, 1]")
         self.components = components
         self.weights = {k: w / total for k, w in weights.items()}
-        self.modality_overrides = dict(modalities or {})
-        for name, judged in self.modality_overrides.items():
-            if judged not in JUDGES:
-                raise ValueError(
-                    f"reward.modalities.{name}: '{judged}' is not a modality; choose one of "
-                    f"{', '.join(JUDGES)}"
-                )
+        self.modality_overrides = dict(modalities or {})  # checked where they are used (credit)
         self.retries = retries
         self.max_failed_fraction = max_failed_fraction
         self._executor: ThreadPoolExecutor | None = None

@@ -73,13 +73,15 @@ INSTALL_COMMAND = (
 CHECKPOINT_URL = "https://dl.fbaipublicfiles.com/imagebind/imagebind_huge.pth"
 MODES = ("audio_video", "text_audio", "text_video", "all")
 COMPONENTS = ("audio_video", "text_audio", "text_video")
-JUDGED_BY_MODE = {
+JUDGED_BY_MODE: dict[str, str | None] = {
     "audio_video": "audio_video",
     "text_audio": "audio",
     "text_video": "video",
-    "all": "audio_video",
+    "all": None,
 }
-"""The modality each mode judges (the reward's `modality`, for per-modality credit)."""
+"""The modality each mode judges (the reward's `modality`, for per-modality credit). Mode 'all'
+declares none: its text-video part would credit the sound and its text-audio part the picture, so
+per-modality credit refuses it unless reward.modalities says otherwise."""
 MODEL_DEPENDENCIES = ("einops", "iopath", "ftfy", "regex")  # importable from sys.path
 SIDE_PACKAGES = ("imagebind", "timm")  # from the side folder when there is one, else sys.path
 BPE_FILE = os.path.join("bpe", "bpe_simple_vocab_16e6.txt.gz")

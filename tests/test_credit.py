@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from omni_diffusion_rl.algorithms.advantages import group_advantages
-from omni_diffusion_rl.algorithms.awm import awm_policy_loss, matching_error, matching_log_likelihood
 from omni_diffusion_rl.algorithms.credit import (
+    JUDGES,
     check_entries,
     modality_routes,
     modality_weights,
     per_modality_loss,
 )
 from omni_diffusion_rl.algorithms.nft import nft_loss
-from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.config import REWARD_MODALITIES, ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.sampling import sample_sde
 from omni_diffusion_rl.models.gradient_surgery import OMNINFT_LTX2_A2V_SCALES, block_scales
@@ -24,6 +24,7 @@ from omni_diffusion_rl.models.policy import modality_entries
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.models.tiny_sync import TinySyncPolicy
 from omni_diffusion_rl.reward_factory import reward_from_config
+from omni_diffusion_rl.trainers.algorithms import Work, trained_rows
 from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.trainers.update_batch import UpdateBatch
 
@@ -125,21 +126,6 @@ def test_the_modalities_losses_are_their_mean_or_weighted_by_their_entries() -> 
     assert equal == pytest.approx(0.5 * 2.0 * 1.0 + 0.5 * 2.0 * 3.0)
 
 
-def test_awm_per_modality_equals_its_loss_on_each_modalitys_entries() -> None:
-    gen = torch.Generator().manual_seed(3)
-    v, noise, x0 = (torch.randn(3, 6, generator=gen, dtype=torch.float64) for _ in range(3))
-    t, adv = torch.rand(3, generator=gen), torch.randn(3, 2, generator=gen)
-    entries = {"video": torch.tensor([0, 1]), "audio": torch.tensor([2, 3, 4, 5])}
-
-    def term(_: int, index: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        likelihood = matching_log_likelihood(matching_error(v[:, index], noise[:, index], x0[:, index]), t)
-        return awm_policy_loss(likelihood, a, 5.0), {}
-
-    got, _ = per_modality_loss(entries, adv, term)
-    by_hand = 0.5 * term(0, entries["video"], adv[:, 0])[0] + 0.5 * term(1, entries["audio"], adv[:, 1])[0]
-    assert float(got) == pytest.approx(float(by_hand), rel=1e-12)
-
-
 def _ltx2() -> object:
     from omni_diffusion_rl.models.ltx2 import LTX2Policy
 
@@ -186,8 +172,9 @@ def test_the_recipes_rewards_declare_what_they_judge() -> None:
     assert reward.modalities == {"sync_onsets": "audio_video", "heard_count": "audio", "seen_count": "video"}
     overridden = reward_from_config(load_config(RECIPE, ["reward.modalities={sync_onsets: audio}"]).reward)
     assert overridden.modalities["sync_onsets"] == "audio"
-    with pytest.raises(ValueError, match="reward.modalities.sync_onsets: 'sound' is not a modality"):
-        reward_from_config(load_config(RECIPE, ["reward.modalities={sync_onsets: sound}"]).reward)
+    with pytest.raises(ConfigError, match="reward.modalities.sync_onsets: 'sound' is not a modality"):
+        load_config(RECIPE, ["reward.modalities={sync_onsets: sound}"])
+    assert set(JUDGES) == set(REWARD_MODALITIES), "the config's names are the routes' names"
     with pytest.raises(ConfigError, match="reward.modalities.clap: modalities for a reward"):
         load_config(RECIPE, ["reward.modalities={clap: audio}"])
 
@@ -210,8 +197,15 @@ def _quick(run: Path, steps: int = 2) -> list[str]:
     ]
 
 
-def test_a_per_modality_run_trains_and_logs_each_modalitys_credit(tmp_path: Path) -> None:
-    cfg = load_config(RECIPE, _quick(tmp_path / "run"))
+AWM = "algorithm={name: awm, credit: per_modality, timestep_fraction: 1.0, awm_timesteps: 2}"
+FLOW_GRPO = "algorithm={name: flow_grpo, credit: per_modality, kl_coef: 0.4}"
+
+
+@pytest.mark.parametrize("algorithm", [None, AWM])
+def test_a_per_modality_run_trains_and_logs_each_modalitys_credit(
+    tmp_path: Path, algorithm: str | None
+) -> None:
+    cfg = load_config(RECIPE, [*_quick(tmp_path / "run"), *([algorithm] if algorithm else [])])
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.transformer.named_parameters() if v.requires_grad}
     trainer.fit()
@@ -274,11 +268,7 @@ def test_each_modalitys_sde_log_probability_averages_its_own_entries() -> None:
 def test_flow_grpo_per_modality_trains_on_the_recorded_log_probabilities(tmp_path: Path) -> None:
     """Flow-GRPO per modality on the sync world: each modality's ratio starts at 1 (its recorded
     log-probability is the trained policy's), and the update moves the adapter."""
-    overrides = [
-        *_quick(tmp_path / "run"),
-        "algorithm={name: flow_grpo, credit: per_modality, kl_coef: 0.4}",
-        "sampling.solver=euler",
-    ]
+    overrides = [*_quick(tmp_path / "run"), FLOW_GRPO, "sampling.solver=euler"]
     cfg = load_config(RECIPE, overrides)
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.transformer.named_parameters() if v.requires_grad}
@@ -338,3 +328,68 @@ def test_gradient_surgery_keeps_ltx2s_forward_and_cuts_the_video_losss_gradient_
         assert torch.equal(cut_grads[k], plain_grads[k]), (
             "the cross-attention's own weights keep their gradient"
         )
+
+
+@pytest.mark.parametrize("algorithm", [None, AWM, FLOW_GRPO])
+def test_an_algorithms_loss_sends_each_modalitys_credit_to_its_own_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str | None
+) -> None:
+    """The same step scored twice, the sound's own reward (heard_count) redrawn: through the
+    algorithm's real plan and loss, the gradient reaching the velocity's video entries is the same
+    and the audio entries' is not."""
+    cfg = load_config(RECIPE, [*_quick(tmp_path / "run"), *([algorithm] if algorithm else [])])
+    trainer = Trainer(cfg)
+    prompts, ids = trainer.prompts_for_step(0)
+    rollout, scored = trainer.experience.make_step(0, prompts, ids)
+    n, keep = len(rollout), torch.ones(len(rollout), dtype=torch.bool)
+    redrawn = dict(scored.parts)
+    redrawn["heard_count"] = torch.rand(n, generator=torch.Generator().manual_seed(7))
+    policy, captured = trainer.policy, []
+    velocity = policy.velocity
+
+    def recorded(x: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        v = velocity(x, t, cond)
+        if v.requires_grad:
+            v.retain_grad()
+            captured.append(v)
+        return v
+
+    monkeypatch.setattr(policy, "velocity", recorded)
+    grads = []
+    for parts in (scored.parts, redrawn):
+        batch = UpdateBatch.scored(
+            rollout, scored.total, rollout.group_ids, keep, slice(0, n), 0, parts, trainer.reward
+        )
+        plan = trainer.algorithm.plan(batch)
+        plan.data.pop("trainable", None)
+        work = Work.of(rollout, plan, trained_rows(plan.trained, n, False))
+        loss, _ = trainer.algorithm.loss(next(iter(trainer.algorithm.sweep(work))))
+        loss.backward()
+        grads.append(captured[-1].grad)
+    entries = trainer.algorithm.entries
+    assert torch.equal(grads[0][:, entries["video"]], grads[1][:, entries["video"]])
+    assert not torch.allclose(grads[0][:, entries["audio"]], grads[1][:, entries["audio"]])
+
+
+def test_a_model_of_one_modality_or_imagebinds_mixed_mode_is_refused_before_any_step(tmp_path: Path) -> None:
+    from .helpers import tiny_sd3
+
+    tiny_sd3().save_pretrained(tmp_path / "sd3" / "transformer")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a bright sky at dawn\na dark room at night\n", encoding="utf-8")
+    overrides = [
+        "model.family=sd3",
+        f"model.pretrained={tmp_path / 'sd3'}",
+        f"data.prompts={prompts}",
+        f"data.eval_prompts={prompts}",
+        "eval.metrics=[]",
+        "reward.weights={color_match: 1.0}",
+        "reward.modalities={color_match: audio_video}",
+        "algorithm.credit=per_modality",
+        *_quick(tmp_path / "run"),
+    ]
+    with pytest.raises(ConfigError, match="does not say where its video and its audio lie"):
+        Trainer(load_config(None, overrides))
+    from rewards.imagebind import JUDGED_BY_MODE
+
+    assert JUDGED_BY_MODE["all"] is None and JUDGED_BY_MODE["text_audio"] == "audio"

@@ -205,7 +205,11 @@ def test_every_algorithm_with_dropped_samples_trains_sharded_as_whole(
     teacher is sharded too (completion targets: each process's groups complete from other states,
     yet the teacher's forwards are the same on both)."""
     algorithm, _, target = algorithm.partition("@")
-    credit = ["algorithm.credit=per_modality", "reward.modalities={test_fails_on_red: audio_video}"]
+    credit = [  # a reward for each modality, so that the two columns of credit differ
+        "algorithm.credit=per_modality",
+        "reward.modalities={test_fails_on_red: audio_video}",
+        "reward.weights={color_match: 1.0, pitch_match: 1.0, test_fails_on_red: 1.0}",
+    ]
     credit, target = (credit, "") if target == "per_modality" else ([], target)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{RED}\n{BLUE}\n")

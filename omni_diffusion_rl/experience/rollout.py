@@ -470,8 +470,13 @@ class ExperienceMaker:
             [torch.randn(shape, generator=step_generator(self.seed, key_step, g, "sde")) for g in group_ids]
         )
         groups = ()
-        if self.sde.per_modality:  # the algorithm checked before the first step that the policy has them
-            entries = modality_entries(self.policy) or {}
+        if self.sde.per_modality:
+            entries = modality_entries(self.policy)
+            if entries is None:
+                raise ValueError(
+                    f"per-modality credit: {type(self.policy).__name__} does not say where its video and "
+                    "audio lie (modality_entries); use algorithm.credit=global"
+                )
             groups = tuple(entries[m] for m in MODALITIES)
         return SDEDraw(self.sde.noise_level, steps, step_noise, groups)
 

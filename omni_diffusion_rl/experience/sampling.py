@@ -166,6 +166,7 @@ def sample_sde(
     x, batch, t_cap = noise, noise.shape[0], float(grid[1])
     grid = grid.to(noise.device)  # the policy's grid is made on the CPU
     per_group = (len(groups),) if groups else ()
+    groups = tuple(index.to(noise.device) for index in groups)  # moved once, not at every step
     states, log_probs, used = [], torch.zeros(batch, steps, *per_group, device=noise.device), 0
     for i in range(steps):
         t, t_next = grid[i].expand(batch), grid[i + 1].expand(batch)

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 RUNTIME_KNOBS = ("gradient_checkpointing",)
-RUNTIME_OPTIONS = ("vae_tiling", "vae_slicing", "offload_text_encoder")
+RUNTIME_OPTIONS = ("vae_tiling", "vae_slicing", "offload_text_encoder", "a2v_gradient_scales")
 DEFAULT_DROPPED = {"base_dtype": "fp32"}
 """Keys added after checkpoints existed, left out at their default so those checkpoints match."""
 

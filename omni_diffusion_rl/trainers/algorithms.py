@@ -55,6 +55,7 @@ from ..experience.teacher_targets import (
 )
 from ..models.policy import index_condition
 from ..registry import algorithms, teachers
+from ..reward import WeightedReward
 from .credit import CreditOptions, credit_entries, credit_metrics, modality_terms
 from .learner import Learner
 from .update_batch import UpdateBatch
@@ -254,14 +255,23 @@ class Algorithm:
         """Called once before the first step with what each reward judges and weighs: an algorithm
         with a `credit` option finds its modalities' entries here, or refuses (ConfigError)."""
         if isinstance(self.options, CreditOptions):
-            self.entries = credit_entries(self.options, self.learner.policy, modalities, weights)
+            entries = credit_entries(self.options, self.learner.policy, modalities, weights)
+            device = self.learner.device  # moved once: the losses index with them at every pass
+            self.entries = None if entries is None else {m: i.to(device) for m, i in entries.items()}
 
     def advantages_of(self, batch: UpdateBatch, **normalising: Any) -> torch.Tensor:
-        """This process's advantages: [n] (global credit) or [n, M] (per modality, in the order of
+        """Every process's advantages: [N] (global credit) or [N, M] (per modality, in the order of
         `entries`), normalised as `normalising` says (UpdateBatch.advantages' keywords)."""
         if self.entries is None:
-            return batch.advantages(**normalising)[batch.local]
-        return batch.modality_advantages(list(self.entries), **normalising)[batch.local]
+            return batch.advantages(**normalising)
+        return batch.modality_advantages(list(self.entries), **normalising)
+
+    def credit_metrics(self, batch: UpdateBatch, credit: torch.Tensor, centre: float) -> dict[str, float]:
+        """Per-modality credit's metrics over the step's trainable samples (every process's, so
+        every process logs the same); none under global credit."""
+        if self.entries is None or not batch.keep.any():
+            return {}
+        return credit_metrics(credit[batch.keep], list(self.entries), centre)
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
@@ -480,16 +490,20 @@ class DiffusionNFT(Algorithm):
     def optimality(self, batch: UpdateBatch) -> torch.Tensor:
         """r of this process's samples, [n] ([n, M] per modality): their clipped group advantages
         mapped to [0, 1]."""
+        return self.every_optimality(batch)[batch.local]
+
+    def every_optimality(self, batch: UpdateBatch) -> torch.Tensor:
+        """r of every process's samples, [N] ([N, M] per modality)."""
         a = self.options
         adv = self.advantages_of(batch, per_group_std=a.per_group_std, per_reward=a.adv_per_reward)
         return optimality_probability(adv, a.adv_clip_max, a.adv_mode)
 
     def plan(self, batch: UpdateBatch) -> Plan:
-        r, mine = self.optimality(batch), batch.mine
+        every, mine = self.every_optimality(batch), batch.mine
+        r = every[batch.local]
         plan = self.nft_plan(batch.rollout, r, batch.step, mine)
         plan.metrics["r/mean"] = float(r[mine].mean()) if mine.any() else float("nan")
-        if self.entries is not None and mine.any():
-            plan.metrics |= credit_metrics(r[mine], list(self.entries))
+        plan.metrics |= self.credit_metrics(batch, every, centre=0.5)
         return plan
 
     def nft_plan(self, rollout: Rollout, r: torch.Tensor, step: int, trained: torch.Tensor | None) -> Plan:
@@ -962,6 +976,9 @@ def algorithm_class(name: str) -> type[Algorithm]:
     return algorithms.get(name)
 
 
-def build_algorithm(learner: Learner) -> Algorithm:
-    """The algorithm `algorithm.name` names, for this learner."""
-    return algorithm_class(learner.cfg.algorithm.name)(learner)
+def build_algorithm(learner: Learner, reward: WeightedReward | None = None) -> Algorithm:
+    """The algorithm `algorithm.name` names, for this learner, told what `reward`'s rewards judge."""
+    algorithm = algorithm_class(learner.cfg.algorithm.name)(learner)
+    if reward is not None:
+        algorithm.attach_rewards(reward.modalities, reward.weights)
+    return algorithm

@@ -31,7 +31,7 @@ from ..config import ExperimentConfig, option
 from ..experience.rollout import Rollout, step_generator
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, NoisedRows, Plan, UpdateBatch, _lora
-from .credit import CreditOptions, credit_metrics, modality_terms
+from .credit import CreditOptions, modality_terms
 
 
 @dataclass
@@ -107,14 +107,14 @@ class AdvantageWeightedMatching(Algorithm):
 
     def plan(self, batch: UpdateBatch) -> Plan:
         a, mine = self.options, batch.mine
-        adv = self.advantages_of(batch, per_group_std=a.per_group_std)
+        every = self.advantages_of(batch, per_group_std=a.per_group_std)
+        adv = every[batch.local]
         inputs = awm_inputs(self.learner.cfg, batch.rollout, batch.step)
         metrics = {
             "awm/adv_abs": float(adv[mine].abs().mean()) if mine.any() else float("nan"),
             "old_decay": self.old_decay(batch.step),
+            **self.credit_metrics(batch, every, centre=0.0),
         }
-        if self.entries is not None and mine.any():
-            metrics |= credit_metrics(adv[mine], list(self.entries), centre=0.0)
         return Plan(mine, {"adv": adv, "inputs": inputs}, len(inputs), metrics)
 
     def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:

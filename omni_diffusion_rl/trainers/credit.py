@@ -48,6 +48,19 @@ class CreditOptions:
     )
 
 
+def check_credit_rewards(
+    section: object, modalities: Mapping[str, str | None], weights: Mapping[str, float]
+) -> None:
+    """Under algorithm.credit=per_modality, a ConfigError when a reward declares no modality or a
+    modality has no reward: checked before the model loads."""
+    if getattr(section, "credit", "global") != "per_modality":
+        return
+    try:
+        modality_routes(modalities, MODALITIES, weights)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.credit=per_modality: {e}") from e
+
+
 def credit_entries(
     options: CreditOptions, policy: object, modalities: Mapping[str, str | None], weights: Mapping[str, float]
 ) -> dict[str, torch.Tensor] | None:

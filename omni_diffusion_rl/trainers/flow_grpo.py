@@ -41,7 +41,7 @@ from .algorithms import (
     finite_if_dropped,
     micro_batches,
 )
-from .credit import CreditOptions, credit_metrics, modality_terms
+from .credit import CreditOptions, modality_terms
 
 SDE_SOLVERS = ("euler",)
 """The solvers whose steps have an SDE form (Flow-GRPO's sampler steps like Euler)."""
@@ -195,12 +195,10 @@ class FlowGRPO(Algorithm):
         if missing:
             raise ValueError(f"a flow_grpo rollout lacks {', '.join(missing)} (sampled without the SDE?)")
         steps = trained_sde_steps(rollout, cfg.train.seed, batch.step, cfg.algorithm.timestep_fraction)
-        if self.entries is None:
-            adv_all = batch.advantages(per_group_std=self.options.per_group_std)
-            nonzero = adv_all != 0
-        else:  # per modality: a sample is dropped when every modality's advantage is 0
-            adv_all = batch.modality_advantages(list(self.entries), per_group_std=self.options.per_group_std)
-            nonzero = (adv_all != 0).any(dim=1)
+        adv_all = self.advantages_of(batch, per_group_std=self.options.per_group_std)
+        nonzero = adv_all != 0
+        if nonzero.ndim == 2:  # per modality: a sample is dropped when every modality's advantage is 0
+            nonzero = nonzero.any(dim=1)
         trainable = batch.keep & nonzero if self.options.drop_zero_advantage else batch.keep.clone()
         if steps.shape[1] == 0:  # MixGRPO's window is empty at this step: no step to train
             trainable[:] = False
@@ -209,8 +207,7 @@ class FlowGRPO(Algorithm):
             "grpo/adv_abs": float(adv[batch.mine].abs().mean()) if batch.mine.any() else float("nan"),
             "grpo/trained_share": float(trainable.sum() / batch.keep.sum()) if batch.keep.any() else 0.0,
         }
-        if self.entries is not None and batch.mine.any():
-            metrics |= credit_metrics(adv[batch.mine], list(self.entries), centre=0.0)
+        metrics |= self.credit_metrics(batch, adv_all, centre=0.0)
         if self.options.sde_window_size:
             sde = rollout.extras[SDE_STEPS]
             metrics["grpo/window_start"] = float(sde[0].argmax()) if len(rollout) and sde.any() else -1.0

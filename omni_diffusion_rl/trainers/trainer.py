@@ -40,6 +40,7 @@ from ..reward_factory import reward_from_config
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from .accounting import count_samples, failures_path, record_dropped, reward_metrics, trainable_samples
 from .algorithms import build_algorithm
+from .credit import check_credit_rewards
 from .experience_kinds import experience_kind
 from .learner import build_learner, rank_and_size
 from .phases import LoopStart, ProcessPlace, StepPhases
@@ -104,6 +105,7 @@ class Trainer:
         self.train_prompts = load_prompts(cfg.data.prompts, "train", clip)
         self.eval_prompts = load_prompts(cfg.data.eval_prompts, "heldout", clip)
         self.reward = reward_from_config(cfg.reward)
+        check_credit_rewards(cfg.algorithm, self.reward.modalities, self.reward.weights)  # before the model
         self.sample_counts: dict[str, int] = {}
         self.device = accelerator.device if accelerator is not None else (device or torch.device("cpu"))
         self.learner, self.sharder, self.sharding = build_learner(
@@ -113,8 +115,7 @@ class Trainer:
         self.policy, self.transformer = self.learner.policy, self.learner.transformer
         learner = self.learner
         self.params, self.optimizer, self.autocast = learner.params, learner.optimizer, learner.autocast
-        self.algorithm = build_algorithm(self.learner)
-        self.algorithm.attach_rewards(self.reward.modalities, self.reward.weights)
+        self.algorithm = build_algorithm(self.learner, self.reward)
         self.kind = experience_kind(cfg, self.policy)  # media or answers: all that differs lives there
         self.experience = self.kind.make_experience(
             cfg, self.policy, self.reward, self.train_prompts, self.device, self.sharder
