@@ -333,10 +333,14 @@ def _pretrain_sync(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"odrl pretrain: {e}", file=sys.stderr)
         return 2
+    fillers, window = args.fillers or 0, args.text_window
+    if not 0 <= fillers <= 16 or (window is not None and not 8 <= window <= 64):
+        print("odrl pretrain: --fillers is 0 to 16 words, --text-window 8 to 64 words", file=sys.stderr)
+        return 2
+    size |= {} if window is None else {"max_text_tokens": window}
     steps = 6000 if args.steps is None else args.steps
-    print(
-        json.dumps(pretrain_sync_model(args.output or SYNC_BASE_WEIGHTS, steps=steps, seed=args.seed, **size))
-    )
+    output = args.output or SYNC_BASE_WEIGHTS
+    print(json.dumps(pretrain_sync_model(output, steps=steps, seed=args.seed, fillers=fillers, **size)))
     return 0
 
 
@@ -364,6 +368,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         return 0
     if args.encoder_steps is not None or args.align_steps is not None:
         print("odrl pretrain: --encoder-steps and --align-steps are stages of --omni", file=sys.stderr)
+        return 2
+    if not args.sync and (args.fillers is not None or args.text_window is not None):
+        print("odrl pretrain: --fillers and --text-window are options of --sync", file=sys.stderr)
         return 2
     if args.sync:
         return _pretrain_sync(args)
@@ -1052,6 +1059,17 @@ def _add_pretrain(sub: Subcommands) -> None:
         ("--heads", "attention heads (4); --dim must be a multiple"),
     ):
         pretrain.add_argument(flag, type=int, default=None, help=f"the model's {what}")
+    pretrain.add_argument(
+        "--fillers",
+        type=int,
+        default=None,
+        help="--sync: up to this many meaningless words at random places in each training prompt, so "
+        "that every attribute word is met at many positions (the shipped base: 0; tried: 8 with "
+        "--text-window 32, docs/sync.md)",
+    )
+    pretrain.add_argument(
+        "--text-window", type=int, default=None, help="--sync: the prompt words the model reads (24)"
+    )
     pretrain.add_argument(
         "--omni",
         action="store_true",

@@ -77,14 +77,16 @@ def test_odrl_pretrain_sync_writes_a_model_the_family_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "base"
-    size = ["--dim", "32", "--depth", "1", "--heads", "2"]
+    size = ["--dim", "32", "--depth", "1", "--heads", "2", "--fillers", "4", "--text-window", "32"]
     code, printed, err = odrl_main(capsys, "pretrain", "--sync", "--steps", "2", *size, "--output", str(out))
     assert code == 0, err
     assert '"steps": 2' in printed
     policy, _ = build_policy(ModelConfig(family="tiny_sync", pretrained=str(out)))
-    assert policy.transformer.config.dim == 32
+    assert policy.transformer.config.dim == 32 and policy.transformer.config.max_text_tokens == 32
     code, _, err = odrl_main(capsys, "pretrain", "--sync", "--teacher", "--output", str(out))
     assert code == 2 and "--sync takes no --teacher" in err
+    code, _, err = odrl_main(capsys, "pretrain", "--fillers", "4", "--output", str(out))
+    assert code == 2 and "options of --sync" in err
 
 
 def test_the_recipe_is_ready_to_train_on_the_shipped_base() -> None:

@@ -138,3 +138,28 @@ def test_the_base_noise_moves_the_sound_and_flips_counts() -> None:
     assert float(verdict["abs_offset_frames"].nanmedian()) >= 1.75
     assert float(verdict["matched_share"].mean()) <= 0.3
     assert float(verdict["count"].mean()) <= 0.35
+
+
+def test_fillers_keep_every_prompt_word_in_order_within_the_window_and_mean_nothing() -> None:
+    """The base's filler words: the prompt's own words stay, in order; the whole fits the window;
+    no filler is a word of either wording, or hashes to one at the model's vocabulary."""
+    import re
+    import zlib
+
+    rng = random.Random(3)
+    words = lambda text: re.findall(r"[a-z0-9]+", text.lower())  # noqa: E731 - the tokenizer's split
+    lengths = set()
+    for prompt in world.TRAIN_PROMPTS[:40]:
+        filled = world.with_fillers(rng, prompt, 8, 32)
+        added = [w for w in words(filled) if w in world.FILLER_WORDS]
+        assert [w for w in words(filled) if w not in world.FILLER_WORDS] == words(prompt)
+        assert len(added) <= 8 and len(words(filled)) <= 32
+        lengths.add(len(added))
+    assert len(lengths) >= 5, "filler counts are drawn, not fixed"
+    vocabulary = {w for p in world.TRAIN_PROMPTS + world.HELDOUT_PROMPTS for w in words(p)}
+    vocabulary |= {w for names in world.SIZE_WORDS.values() for w in names}
+    vocabulary |= {w for phrases in world.COUNT_PHRASES.values() for p in phrases for w in p.split()}
+    vocabulary |= {w for template in world.PARAPHRASES for w in words(template)}
+    hashed = lambda w: 1 + zlib.crc32(w.encode()) % 1023  # noqa: E731 - the tiny model's vocab_size 1024
+    assert not set(world.FILLER_WORDS) & vocabulary
+    assert not {hashed(w) for w in world.FILLER_WORDS} & {hashed(w) for w in vocabulary}

@@ -31,9 +31,11 @@ def pretrain_sync_model(
     ema_decay: float = 0.998,
     seed: int = 0,
     progress: bool = True,
+    fillers: int = 0,
     **model_config: object,
 ) -> dict[str, float]:
-    """Train from scratch and save the moving average with save_pretrained; returns summary numbers."""
+    """Train from scratch and save the moving average with save_pretrained; returns summary numbers.
+    `fillers`: up to that many filler words in each training prompt (tiny_sync.with_fillers)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -46,7 +48,13 @@ def pretrain_sync_model(
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, steps, lr)
-        prompts, x0 = world.training_batch(rng, batch_size, noise or world.BaseNoise())
+        prompts, x0 = world.training_batch(
+            rng,
+            batch_size,
+            noise or world.BaseNoise(),
+            fillers=fillers,
+            window=transformer.config.max_text_tokens,
+        )
         loss = flow_matching_step(policy, average, opt, prompts, x0, gen, ema_decay)
         loss_ema = loss if loss_ema is None else 0.98 * loss_ema + 0.02 * loss
         bar.set_postfix(loss=f"{loss_ema:.4f}")

@@ -336,11 +336,37 @@ def noisy_clip_latent(rng: random.Random, scene: SyncScene, noise: BaseNoise) ->
 
 
 def training_batch(
-    rng: random.Random, size: int, noise: BaseNoise, second_object: float = 0.5
+    rng: random.Random,
+    size: int,
+    noise: BaseNoise,
+    second_object: float = 0.5,
+    fillers: int = 0,
+    window: int = 24,
 ) -> tuple[list[str], torch.Tensor]:
-    """`size` prompts of the training split and their noisy clips' latents [size, LATENT_DIM]."""
+    """`size` prompts of the training split and their noisy clips' latents [size, LATENT_DIM]; with
+    `fillers`, each prompt gets up to that many filler words (`with_fillers`) within `window` words."""
     scenes = [random_scene(rng, second_object=second_object) for _ in range(size)]
-    return [s.prompt for s in scenes], torch.stack([noisy_clip_latent(rng, s, noise) for s in scenes])
+    prompts = [with_fillers(rng, s.prompt, fillers, window) if fillers else s.prompt for s in scenes]
+    return prompts, torch.stack([noisy_clip_latent(rng, s, noise) for s in scenes])
+
+
+FILLER_WORDS = (
+    "then", "now", "look", "here", "wow", "hmm", "watch", "next", "there", "this", "just", "well",
+    "oh", "okay", "yes", "right", "quite", "really", "very", "still", "again", "soon", "maybe", "later",
+    "you", "it", "our", "indeed", "scene", "shot", "clip", "frame", "slowly", "quickly", "below", "above",
+)  # fmt: skip
+"""Words that mean nothing in this world. Inserted at random places into the base's training
+prompts (`with_fillers`), they make a model of hashed words meet every attribute word at many
+positions, not only where the training wording puts it. None is a word of either wording."""
+
+
+def with_fillers(rng: random.Random, prompt: str, most: int, window: int) -> str:
+    """`prompt` with 0..`most` filler words at random places, the whole within `window` words."""
+    words = prompt.split()
+    room = max(0, min(most, window - len(" ".join(words).replace(",", " ").split())))
+    for _ in range(rng.randint(0, room)):
+        words.insert(rng.randint(0, len(words)), rng.choice(FILLER_WORDS))
+    return " ".join(words)
 
 
 # ---------------------------------------------------------------- prompts: wordings and splits
