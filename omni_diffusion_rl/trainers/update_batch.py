@@ -76,8 +76,9 @@ class UpdateBatch:
         names = sorted(self.weights if rewards is None else rewards)
         if not names or any(n not in self.parts or n not in self.weights for n in names):
             raise ValueError(
-                f"advantages from each reward need its weight and scores; the batch has scores of "
-                f"{sorted(self.parts)} and weights of {sorted(self.weights)}, asked for {names}"
+                f"{'per-reward' if per_reward else 'per-modality'} advantages need each weighted reward's "
+                f"scores and weight; the batch has scores of {sorted(self.parts)} and weights of "
+                f"{sorted(self.weights)}, asked for {names}"
             )
         parts = torch.stack([self.parts[n][self.keep] for n in names])
         weights = torch.tensor([float(self.weights[n]) for n in names], dtype=torch.float64)
