@@ -59,11 +59,13 @@ def reward_from_config(cfg: RewardConfig) -> WeightedReward:
     local = sorted(set(cfg.weights) - set(served))
     if cfg.url and local:
         logger.warning("reward.url=%s serves %s; %s will be scored in this process", cfg.url, served, local)
-    modalities = {name: judged for name, judged in modalities.items() if name in served} | cfg.modalities
+    served_here = {
+        name: judged for name, judged in modalities.items() if name in served and name in cfg.weights
+    }
     return WeightedReward(
         components,
         cfg.weights,
         retries=cfg.retries,
         max_failed_fraction=cfg.max_failed_fraction,
-        modalities={name: judged for name, judged in modalities.items() if name in cfg.weights},
+        modalities=served_here | cfg.modalities,  # the config's keys are weighted rewards (check_consistency)
     )

@@ -68,6 +68,7 @@ def credit_entries(
     a ConfigError, before any step, when the policy or the rewards cannot give it."""
     if options.credit == "global":
         return None
+    check_credit_rewards(options, modalities, weights)
     entries = modality_entries(policy)
     shape = tuple(getattr(policy, "latent_shape", ()))
     if entries is None or len(shape) != 1:
@@ -78,7 +79,6 @@ def credit_entries(
         )
     try:
         check_entries(entries, math.prod(shape))
-        modality_routes(modalities, tuple(entries), weights)
     except ValueError as e:
         raise ConfigError(f"algorithm.credit=per_modality: {e}") from e
     return {m: entries[m] for m in MODALITIES}

@@ -363,7 +363,7 @@ positions, not only where the training wording puts it. None is a word of either
 def with_fillers(rng: random.Random, prompt: str, most: int, window: int) -> str:
     """`prompt` with 0..`most` filler words at random places, the whole within `window` words."""
     words = prompt.split()
-    room = max(0, min(most, window - len(" ".join(words).replace(",", " ").split())))
+    room = max(0, min(most, window - len(prompt.replace(",", " ").split())))
     for _ in range(rng.randint(0, room)):
         words.insert(rng.randint(0, len(words)), rng.choice(FILLER_WORDS))
     return " ".join(words)
