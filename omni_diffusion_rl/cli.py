@@ -72,6 +72,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.config and _is_override(args.config):
         args.overrides.insert(0, args.config)  # no config file, only overrides
         args.config = None
+    if args.show_prompts and not args.check:
+        raise ConfigError(
+            "--show-prompts prints what --check reads: give both (odrl train CONFIG --check --show-prompts N)"
+        )
     machines = _machines(args)
     if (args.nproc > 1 or machines.count > 1) and "LOCAL_RANK" not in os.environ and not args.check:
         from .runtime.launch import run_launched, without_option
@@ -83,7 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     mark(STARTED)  # tells `odrl train`'s launcher that the machines joined
     cfg = load_config(args.config, args.overrides)
     if args.check:
-        return _preflight(args.config, cfg)
+        return _preflight(args.config, cfg, args.show_prompts)
     from .run_dir import prepare_run_dir
     from .trainers.trainer import Trainer
 
@@ -157,12 +161,18 @@ def _check_process_layout(cfg, processes: int) -> None:  # noqa: ANN001 - Experi
         )
 
 
-def _preflight(source: str | None, cfg) -> int:  # noqa: ANN001 - ExperimentConfig
-    """Print what the run needs and whether it is there; 1 when something is missing."""
+def _preflight(source: str | None, cfg, show_prompts: int = 0) -> int:  # noqa: ANN001 - ExperimentConfig
+    """Print what the run needs and whether it is there, and the first `show_prompts` prompts of each
+    split as the model reads them; 1 when something is missing."""
     from .benchmarks.memory import check_rollout_memory
-    from .preflight import FAILING, preflight, report
+    from .preflight import FAILING, preflight, prompts_as_read, report
 
-    findings = [*preflight(cfg), *check_rollout_memory(cfg)]
+    loaded: dict[str, list[str]] = {}
+    findings = [*preflight(cfg, loaded), *check_rollout_memory(cfg)]
+    for key, prompts in loaded.items() if show_prompts else ():
+        print(f"{key}: the first {min(show_prompts, len(prompts))} of {len(prompts)} as the model reads them")
+        for i, text in enumerate(prompts_as_read(cfg, prompts[:show_prompts]), 1):
+            print(f"  [{i}] " + text.replace("\n", "\n      "))
     missing = [f for f in findings if f.status in FAILING]
     print(
         f"{source or 'the default config'}: valid ({cfg.model.family}, {cfg.algorithm.name}, "
@@ -877,6 +887,14 @@ def _add_train(sub: Subcommands) -> None:
         action="store_true",
         help="validate the config and check what it needs (model files, reward checkpoints or server, "
         "prompt files) without loading weights; exit 1 when something is missing",
+    )
+    train.add_argument(
+        "--show-prompts",
+        type=_positive_int,
+        default=0,
+        metavar="N",
+        help="with --check: print the first N training and held-out prompts as the model reads them (a "
+        "question's options rendered by data.choice_format)",
     )
     train.add_argument(
         "--nproc",

@@ -345,6 +345,21 @@ class DataConfig:
     clip_channels: int = _spec(
         1, "question files: audio channels (files with another count are skipped)", ge=1
     )
+    audio_from_video: str = _spec(
+        "auto",
+        "question files: a line naming a video and no audio reads the video's own sound track (auto; a "
+        "file without one is skipped with its reason) or silence (never)",
+        choices=("auto", "never"),
+    )
+    choice_format: str = _spec(
+        "{question} options : {options}",
+        "question files: a multiple-choice line as the model reads it ({question}, {options})",
+    )
+    option_format: str = _spec("{text}", "question files: each option in choice_format ({letter}, {text})")
+    option_separator: str = _spec(" ", "question files: between two options in choice_format")
+    system_prompt: str | None = _spec(
+        None, "answering runs: a system turn before each question (a chat model's template; null: none)"
+    )
 
 
 @dataclass
@@ -912,6 +927,24 @@ def check_one_step_off(cfg: ExperimentConfig) -> None:
         )
 
 
+MAX_SYSTEM_PROMPT_CHARS = 4000
+
+
+def check_question_style(data: DataConfig) -> None:
+    """data.choice_format, option_format and option_separator make a QuestionStyle; the system
+    prompt is bounded."""
+    from .answer_data.style import QuestionStyle
+
+    try:
+        QuestionStyle.of(data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if data.system_prompt is not None and len(data.system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
+        raise ConfigError(
+            f"data.system_prompt has {len(data.system_prompt)} characters; at most {MAX_SYSTEM_PROMPT_CHARS}"
+        )
+
+
 def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
     if not cfg.train.output_dir.strip():
@@ -946,6 +979,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
                 f"reward.modalities.{name}: {judged!r} is not a modality; choose one of "
                 f"{', '.join(REWARD_MODALITIES)}"
             )
+    check_question_style(cfg.data)
     if cfg.execution.mode in ("separate", "hybrid", "auto"):
         ex = cfg.execution
         try:

@@ -153,7 +153,9 @@ def check_teachers(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Findin
     return findings
 
 
-def check_prompts(cfg: ExperimentConfig) -> list[Finding]:
+def check_prompts(cfg: ExperimentConfig, loaded: dict[str, list[str]] | None = None) -> list[Finding]:
+    """The training and held-out prompts, read as the run reads them (a question file's clips
+    decoded, its skipped lines counted by reason); each split's prompts go into `loaded`."""
     from .answer_data.question_file import QuestionFileError, is_question_file, load_question_file
     from .prompts import PromptFileError, clip_format_of, load_prompts
 
@@ -164,19 +166,96 @@ def check_prompts(cfg: ExperimentConfig) -> list[Finding]:
     ):
         try:
             if is_question_file(source):
-                report = load_question_file(source, split, clip_format_of(cfg.data))
-                count = len(report.keys)
+                sound = cfg.data.audio_from_video == "auto"
+                report = load_question_file(source, split, clip_format_of(cfg.data), sound)
+                prompts = report.keys
                 if report.skipped:
                     findings.append(Finding(NOTE, key, report.summary()))
             else:
-                count = len(load_prompts(source, split, clip_format_of(cfg.data)))
+                prompts = load_prompts(source, split, clip_format_of(cfg.data))
         except (PromptFileError, QuestionFileError) as e:
             findings.append(Finding(MISSING, key, str(e)))
             continue
-        status = OK if count >= least else MISSING
+        if loaded is not None:
+            loaded[key] = prompts
+        status = OK if len(prompts) >= least else MISSING
         need = f" (a step takes {least})" if key == "data.prompts" else ""
-        findings.append(Finding(status, key, f"{source}: {count} prompts{need}"))
+        findings.append(Finding(status, key, f"{source}: {len(prompts)} prompts{need}"))
     return findings
+
+
+def declared_clip_format(cfg: ExperimentConfig) -> object | None:
+    """The clip format the run's answering model reads, known without loading it (its family's
+    constants, or a Qwen folder's preprocessor_config.json and model.options); None if unknown."""
+    if cfg.model.family == "tiny_omni":
+        from .answer_data.clip_files import ClipFormat
+        from .world.tiny_clip import DURATION_S, FPS, SAMPLE_RATE, VIDEO_SIZE
+
+        return ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1, (VIDEO_SIZE, VIDEO_SIZE))
+    if cfg.model.family in ("qwen2_5_omni", "qwen3_omni"):
+        from .models.qwen_omni import declared_clip_format as qwen_clip_format
+
+        return qwen_clip_format(os.path.expanduser(cfg.model.pretrained), cfg.model.options)
+    return None
+
+
+def check_clip_format(cfg: ExperimentConfig) -> list[Finding]:
+    """Question files decoded at data.clip_* as the model reads them: the refusal a run would make
+    once its model loaded, made here from the model's settings files."""
+    from .prompts import clip_format_problem
+
+    try:
+        theirs = declared_clip_format(cfg)
+    except ValueError as e:
+        return [Finding(WRONG, f"model.pretrained ({cfg.model.family})", str(e))]
+    if theirs is None:
+        return []
+    problem = clip_format_problem(cfg.data, cfg.model.family, theirs)  # type: ignore[arg-type]
+    return [Finding(WRONG, "data.clip_*", problem)] if problem else []
+
+
+def check_gradable(cfg: ExperimentConfig, loaded: dict[str, list[str]]) -> list[Finding]:
+    """Every prompt gradable by every local reward that can tell (a reward class's `ungradable(prompt)`,
+    e.g. answer_exact on a rubric line): a prompt one reward cannot grade fails its samples at every
+    step, so it is WRONG here, with each reason counted. A reward server is asked nothing."""
+    from .answer_data.question_file import skip_kinds
+    from .registry import rewards
+
+    if cfg.reward.url:
+        return []
+    findings = []
+    for name in cfg.reward.weights:
+        ungradable = getattr(rewards.get(name), "ungradable", None)
+        if ungradable is None:
+            continue
+        for key, prompts in loaded.items():
+            faults = [(i, why) for i, p in enumerate(prompts, 1) if (why := ungradable(p)) is not None]
+            if faults:
+                kinds = "; ".join(f"{len(lines)}x {why}" for lines, why in skip_kinds(faults))
+                detail = f"{len(faults)} of {len(prompts)} prompts cannot be graded by {name}: {kinds}"
+                findings.append(Finding(WRONG, f"reward.weights.{name}", f"{key}: {detail}"))
+    return findings
+
+
+def prompts_as_read(cfg: ExperimentConfig, prompts: list[str]) -> list[str]:
+    """What the model reads for each prompt: an answering run's question with its options rendered
+    (data.choice_format, ...), a generator's prompt as it is."""
+    from .answer_data.questions import FileQuestion, is_file_key
+    from .answer_data.style import QuestionStyle
+    from .registry import question_sets
+
+    if cfg.algorithm.name != "gspo":
+        return list(prompts)
+    style, questions = QuestionStyle.of(cfg.data), None
+    out = []
+    for prompt in prompts:
+        if is_file_key(prompt):
+            question = FileQuestion.from_key(prompt)
+            out.append(style.text(question.question, question.choices))
+        else:  # a registered question set's prompt (tiny AVQA)
+            questions = questions or question_sets.get(cfg.data.questions)()
+            out.append(questions.text(prompt))
+    return out
 
 
 def check_output(cfg: ExperimentConfig) -> Finding:
@@ -285,8 +364,10 @@ def check_stored_dtypes(cfg: ExperimentConfig) -> list[Finding]:
     return findings
 
 
-def preflight(cfg: ExperimentConfig) -> list[Finding]:
-    """Every finding for `cfg`, model first."""
+def preflight(cfg: ExperimentConfig, loaded: dict[str, list[str]] | None = None) -> list[Finding]:
+    """Every finding for `cfg`, model first; the prompts read go into `loaded` (by config key)."""
+    loaded = {} if loaded is None else loaded
+    prompts = check_prompts(cfg, loaded)
     return [
         check_model(cfg.model.family, cfg.model.pretrained),
         check_options(cfg.model.family, cfg.model.options),
@@ -294,7 +375,9 @@ def preflight(cfg: ExperimentConfig) -> list[Finding]:
         *check_rollout_backend(cfg),
         *check_rewards(cfg),
         *check_teachers(cfg),
-        *check_prompts(cfg),
+        *prompts,
+        *check_clip_format(cfg),
+        *check_gradable(cfg, loaded),
         check_output(cfg),
     ]
 

@@ -37,15 +37,24 @@ def clip_format_of(data: DataConfig) -> ClipFormat:
     return ClipFormat(data.clip_fps, data.clip_sample_rate, data.clip_seconds, data.clip_channels)
 
 
-def load_prompts(source: str, split: str = "train", clip: ClipFormat | None = None) -> list[str]:
+def split_prompts(data: DataConfig, split: str) -> list[str]:
+    """A run's prompts of `split`: data.prompts' train lines or data.eval_prompts' heldout lines, a
+    question file's clips decoded at data.clip_* (and data.audio_from_video)."""
+    source = data.prompts if split == "train" else data.eval_prompts
+    return load_prompts(source, split, clip_format_of(data), data.audio_from_video == "auto")
+
+
+def load_prompts(
+    source: str, split: str = "train", clip: ClipFormat | None = None, sound_from_video: bool = True
+) -> list[str]:
     """Prompts from 'builtin:NAME' or a text file (blank lines and '#' comments are skipped), or the
     keys of a question file's `split` lines, their clips decoded at `clip` (bad lines skipped with
-    a logged reason; a split with none usable is an error)."""
+    a logged reason; a split with none usable is an error; `sound_from_video`: load_question_file)."""
     if is_question_file(source):
         if clip is None:
             raise PromptFileError(f"{source} is a question file: reading it needs the run's clip format")
         try:
-            return load_question_file(source, split, clip).keys
+            return load_question_file(source, split, clip, sound_from_video).keys
         except QuestionFileError as e:
             raise PromptFileError(str(e)) from e
     if source.startswith("builtin:"):
@@ -107,13 +116,22 @@ def refuse_question_files(data: DataConfig) -> None:
 def check_clip_format(data: DataConfig, family: str, policy: Any) -> None:
     """A run that reads question files decodes their clips at data.clip_*: refused unless that is the
     format the model reads (its `clip_format`)."""
+    problem = clip_format_problem(data, family, policy.model.clip_format)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def clip_format_problem(data: DataConfig, family: str, theirs: ClipFormat) -> str | None:
+    """Why question files decoded at data.clip_* do not suit a model reading `theirs` (None: they
+    do, or no question file is read). `odrl train --check` asks it too, before loading the model."""
     if not _question_files(data):
-        return
-    ours, theirs = clip_format_of(data), policy.model.clip_format
-    if ours.timing() != theirs.timing():
-        raise ConfigError(
-            f"data.clip_fps={ours.fps:g}, clip_sample_rate={ours.sample_rate}, "
-            f"clip_seconds={ours.seconds:g}, clip_channels={ours.channels}: model.family="
-            f"{family} reads clips at {theirs.fps:g} fps, {theirs.sample_rate} Hz, "
-            f"{theirs.seconds:g} s, {theirs.channels} channel(s); set data.clip_* to those"
-        )
+        return None
+    ours = clip_format_of(data)
+    if ours.timing() == theirs.timing():
+        return None
+    return (
+        f"data.clip_fps={ours.fps:g}, clip_sample_rate={ours.sample_rate}, "
+        f"clip_seconds={ours.seconds:g}, clip_channels={ours.channels}: model.family="
+        f"{family} reads clips at {theirs.fps:g} fps, {theirs.sample_rate} Hz, "
+        f"{theirs.seconds:g} s, {theirs.channels} channel(s); set data.clip_* to those"
+    )

@@ -3,10 +3,11 @@ reads `media.text` (the answers) and the data-stream prompt (the question's key,
 and options it carries), returns [B] in {0, 1}. They never open the files a key names, so they can be
 served (`odrl serve-reward answer_exact choice_letter`) and used through `reward.url`.
 
-- `answer_exact`: 1 when the normalised answer is the right one; for a multiple-choice question whose
-  right answer is given as a letter, also when the answer picks that option.
-- `choice_letter`: 1 when the option the answer picks (by letter, "the answer is B", or one option's
-  text) is the right one; a multiple-choice question only.
+- `answer_exact`: 1 when the normalised answer is the right one; for a multiple-choice question, when
+  it is exactly the right option's text or its letter alone, whichever the file gives as the answer.
+- `choice_letter`: for a multiple-choice question, 1 when the option the answer picks (by letter,
+  "the answer is B", or one option's text) is the right one; any other question it grades as
+  `answer_exact` does, so that a file mixing both kinds trains with either reward or both.
 
 A question without a right answer (a rubric-only line, for a judge), a prompt that names no question,
 or a batch without text is an error, never a score of 0. A judge of rubric lines is a reward of your
@@ -54,9 +55,22 @@ def _graded(question: FileQuestion) -> AskedQuestion:
     return AskedQuestion(question.question, question.answer, question.category, choices=question.choices)
 
 
+def _ungradable(prompt: str) -> str | None:
+    """Why a prompt's answers cannot be graded by matching (`odrl train --check` asks before a run)."""
+    try:
+        question = question_of(prompt)
+    except ValueError as e:
+        return str(e)
+    if question.answer is None:
+        return "a rubric line (no answer to match): grade it with a judge reward, or drop the line"
+    return None
+
+
 @rewards.register("answer_exact")
 class AnswerExactMatch:
     """1.0 for the right answer (normalised; or the right option's letter), else 0.0."""
+
+    ungradable = staticmethod(_ungradable)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         answers = _answers(media)
@@ -67,18 +81,19 @@ class AnswerExactMatch:
 
 @rewards.register("choice_letter")
 class ChoiceLetter:
-    """1.0 when the answer picks the right option of a multiple-choice question, else 0.0."""
+    """1.0 when the answer picks the right option of a multiple-choice question (a question without
+    choices: its exact answer), else 0.0."""
+
+    ungradable = staticmethod(_ungradable)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         out = []
         for answer, prompt in zip(_answers(media), prompts, strict=True):
             question = question_of(prompt)
+            graded = _graded(question)
             if not question.choices:
-                raise ValueError(
-                    f"choice_letter grades multiple-choice questions; {question.question[:80]!r} lists no "
-                    "choices (use answer_exact)"
-                )
-            _graded(question)
+                out.append(is_right(answer, graded))
+                continue
             right = reference_letter(question)
             out.append(float(chosen_letter(answer, question.choices) == right))
         return torch.tensor(out)

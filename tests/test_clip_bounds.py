@@ -110,13 +110,13 @@ def test_a_refused_file_is_refused_again_without_decoding_until_it_changes(
     lines.append({"audio": "ok.wav", "question": "which tone", "answer": "low"})
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert len(load_prompts(str(questions), "train", TINY)) == 1
+    assert len(load_prompts(str(questions), "train", TINY, sound_from_video=False)) == 1
     assert len(decoded) == 1, decoded
     with pytest.raises(ClipFileError, match="more than 240 a second"):
         decode_video(tmp_path / "clip.mp4", AT_16)  # at another size too: the file is refused
     assert len(decoded) == 1
     write_mp4(tmp_path / "clip.mp4", good.video, FPS)
-    assert len(load_prompts(str(questions), "train", TINY)) == 5 and len(decoded) == 2
+    assert len(load_prompts(str(questions), "train", TINY, sound_from_video=False)) == 5 and len(decoded) == 2
 
 
 def test_a_clip_past_the_decode_time_bound_is_refused(

@@ -182,7 +182,7 @@ def test_each_bad_line_is_skipped_with_its_reason(
 def test_a_file_of_only_bad_lines_and_a_missing_split_are_errors(tmp_path: Path) -> None:
     _clip_files(tmp_path)
     path = _write(tmp_path, GOOD | {"video": "a.mp4"}, GOOD | {"video": "b.mp4"})
-    with pytest.raises(QuestionFileError, match=r"2 lines skipped: .*a\.mp4 does not exist \(1x\)"):
+    with pytest.raises(QuestionFileError, match=r"2 lines skipped: .*a\.mp4 does not exist \(2x\)"):
         load_question_file(path, "train", TINY)
     with pytest.raises(QuestionFileError, match='mark held-out lines with "split": "heldout"'):
         load_question_file(_write(tmp_path, GOOD), "heldout", TINY)
@@ -242,7 +242,7 @@ def test_a_media_link_retargeted_after_loading_is_not_followed(tmp_path: Path) -
     write_mp4(tmp_path / "outside.mp4", outside.video, FPS)
     (tmp_path / "set" / "clip.mp4").symlink_to(tmp_path / "set" / "inside.mp4")
     path = _write(tmp_path / "set", GOOD | {"video": "clip.mp4", "audio": None})
-    (key,) = load_prompts(str(path), "train", TINY)
+    (key,) = load_prompts(str(path), "train", TINY, sound_from_video=False)  # a silent MP4
     (tmp_path / "set" / "clip.mp4").unlink()
     (tmp_path / "set" / "clip.mp4").symlink_to(tmp_path / "outside.mp4")
     video = FileQuestion.from_key(key).asked(TINY).video
@@ -296,12 +296,23 @@ def test_the_answer_rewards_grade_by_the_key_and_refuse_what_they_cannot_grade()
     def media(*texts: str) -> MediaBatch:
         return MediaBatch(audio=torch.zeros(len(texts), 1, 8), text=list(texts))
 
-    assert exact.score(media("Blue.", "B", "A dog!", "red"), [mc, mc, open_q, tiny]).tolist() == [1, 0, 1, 1]
+    mc_letter = FileQuestion("which colour", audio="/x.wav", answer="B", choices=("red", "blue")).key()
+    # exact: the right option's text or its letter alone, whichever form the file gives
+    graded = exact.score(
+        media("Blue.", "B", "(b)", "blue", "A dog!", "red"), [mc, mc, mc_letter, mc_letter, open_q, tiny]
+    )
+    assert graded.tolist() == [1, 1, 1, 1, 1, 1]
+    assert exact.score(media("the answer is b", "A", "red"), [mc, mc_letter, mc]).tolist() == [0, 0, 0]
     assert letter.score(media("the answer is b", "red"), [mc, mc]).tolist() == [1, 0]
-    with pytest.raises(ValueError, match="no answer \\(a rubric line\\)"):
-        exact.score(media("x"), [rubric])
-    with pytest.raises(ValueError, match="lists no choices"):
-        letter.score(media("x"), [open_q])
+    # a file mixing multiple-choice and open lines: choice_letter grades the open ones exactly
+    assert letter.score(media("a dog", "a cat", "it is blue"), [open_q, open_q, mc_letter]).tolist() == [
+        1,
+        0,
+        1,
+    ]
+    for reward in (exact, letter):
+        with pytest.raises(ValueError, match="no answer \\(a rubric line\\)"):
+            reward.score(media("x"), [rubric])
     with pytest.raises(ValueError, match="not valid JSON"):
         exact.score(media("x"), ["{oops"])
 
@@ -320,7 +331,7 @@ def test_a_served_answer_reward_grades_question_file_keys() -> None:
         client = RemoteReward(server.url, "answer_exact")
         scored = client.score(MediaBatch(audio=torch.zeros(3, 1, 8), text=["blue", "B", "red"]), [key] * 3)
         client.close()
-    assert scored.scores.tolist() == [1.0, 0.0, 0.0]  # exact: the letter of a text answer is not it
+    assert scored.scores.tolist() == [1.0, 1.0, 0.0]  # exact: the right option's text or its letter
 
 
 def _file_gspo(run: Path, steps: int, *extra: str) -> list[str]:

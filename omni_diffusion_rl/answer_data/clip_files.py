@@ -268,9 +268,16 @@ def _check_frame(path: str, clip: ClipFormat, frame: Any) -> None:
         )
 
 
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")
+"""Files whose sound is a video container's track (decoded by PyAV), not a sound file's samples."""
+
+
 def decode_audio(path: str | Path, clip: ClipFormat) -> torch.Tensor:
-    """The clip's first `clip.samples` samples [C, S] in [-1, 1] from a sound file, via soundfile."""
+    """The clip's first `clip.samples` samples [C, S] in [-1, 1] from a sound file, via soundfile, or
+    from a video file's own sound track (by its suffix: VIDEO_SUFFIXES; `decode_sound_track`)."""
     path = Path(path)
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        return decode_sound_track(path, clip)
     _checked_file(path)
     file = ("audio", str(path), _identity(path), clip.timing())
     return _remembered(file, None, lambda: _decode_audio(str(path), clip)).clone()

@@ -19,14 +19,15 @@ left with no usable line is an error that lists the reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections import Counter
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from tqdm import tqdm
 
-from .clip_files import ClipFileError, ClipFormat
+from .clip_files import ClipFileError, ClipFormat, decode_sound_track
 from .questions import MAX_KEY_CHARS, FileQuestion, checked_fields, parse_json_object, reference_letter
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ LINE_FIELDS = (*FileQuestion.__dataclass_fields__, "split", "id")
 MAX_FILE_BYTES = 64 << 20
 MAX_LINE_CHARS = 64 << 10
 MAX_LINES = 1_000_000
-SHOWN_REASONS = 5
+SHOWN_KINDS = 30  # kinds of reason in a report (each with its count); the rest are summed
+SHOWN_LINES = 8  # line numbers listed per kind
 MAX_CATEGORIES = 64
 PROGRESS_FROM = 500  # lines: a progress bar while a larger file's clips are decoded
 
@@ -57,10 +59,31 @@ class QuestionFileReport:
     categories: set[str] = field(default_factory=set)
 
     def summary(self) -> str:
+        """The questions kept, and every skipped line counted by kind of reason, most common first:
+        each kind with its count, its first line's reason and the lines it covers."""
         head = f"{self.path} ({self.split}): {len(self.keys)} questions, {len(self.skipped)} lines skipped"
-        reasons = [f"line {n}: {why}" for n, why in self.skipped[:SHOWN_REASONS]]
-        more = len(self.skipped) - SHOWN_REASONS
-        return "; ".join([head, *reasons, *([f"and {more} more"] if more > 0 else [])])
+        kinds = skip_kinds(self.skipped)
+        parts = [head]
+        for lines, example in kinds[:SHOWN_KINDS]:
+            listed = ", ".join(map(str, lines[:SHOWN_LINES])) + (", ..." if len(lines) > SHOWN_LINES else "")
+            parts.append(f"{len(lines)}x {example} (line{'s' if len(lines) > 1 else ''} {listed})")
+        rest = kinds[SHOWN_KINDS:]
+        if rest:
+            hidden = sum(len(lines) for lines, _ in rest)
+            parts.append(f"{hidden} lines for {len(rest)} other kinds of reason")
+        return "; ".join(parts)
+
+
+_SPECIFIC = re.compile(r"\S*[/\\]\S*|\d+(?:\.\d+)?")  # a path, a number: what differs between lines
+
+
+def skip_kinds(skipped: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
+    """Skipped lines grouped by their reason with paths and numbers set aside (two clips too short by
+    different amounts are one kind): each kind's line numbers and its first reason, most lines first."""
+    kinds: dict[str, tuple[list[int], str]] = {}
+    for number, why in skipped:
+        kinds.setdefault(_SPECIFIC.sub("#", why), ([], why))[0].append(number)
+    return sorted(kinds.values(), key=lambda kind: -len(kind[0]))
 
 
 def is_question_file(source: str) -> bool:
@@ -68,8 +91,13 @@ def is_question_file(source: str) -> bool:
     return source.lower().endswith(".jsonl")
 
 
-def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> QuestionFileReport:
-    """The keys of `split`'s usable questions in `path`, each line's media decoded at `clip`."""
+def load_question_file(
+    path: str | Path, split: str, clip: ClipFormat, sound_from_video: bool = True
+) -> QuestionFileReport:
+    """The keys of `split`'s usable questions in `path`, each line's media decoded at `clip`. With
+    `sound_from_video` (data.audio_from_video=auto), a line naming a video and no audio takes the
+    video file's own sound track as its audio (its key names the video file twice); a video without
+    one is skipped, with its reason."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: use one of {', '.join(SPLITS)}")
     path = Path(path)
@@ -86,12 +114,21 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
             raise QuestionFileError(f"question file {path} has over {MAX_LINES} lines; split it")
         if not line.strip() or line.lstrip().startswith(b"#"):
             continue
+        unreadable: ValueError | None = None
         try:
-            question, line_split = _parse_line(_utf8(line), path.parent)
-            if line_split != split:
-                report.other_split += 1
-                continue
+            raw, line_split = _split_of(_utf8(line))
+        except ValueError as e:  # no split to read: the default split's fault, listed there only
+            unreadable, line_split = e, "train"
+        if line_split != split:  # a line is checked, and its faults listed, under its own split only
+            report.other_split += 1
+            continue
+        try:
+            if unreadable is not None:
+                raise unreadable
+            question = _parse_line(raw, path.parent)
             question.check_media(clip)  # a bad file is found now (its refusal remembered for the run)
+            if sound_from_video and question.audio is None and question.video is not None:
+                question = _with_sound_track(question, clip)
         except (ValueError, ClipFileError) as e:
             report.skipped.append((number, str(e)))
             continue
@@ -105,8 +142,8 @@ def load_question_file(path: str | Path, split: str, clip: ClipFormat) -> Questi
     if report.skipped:
         logger.warning(report.summary())
     if not report.keys:
-        reasons = Counter(why for _, why in report.skipped)
-        listed = "; ".join(f"{why} ({n}x)" for why, n in reasons.most_common(SHOWN_REASONS))
+        kinds = skip_kinds(report.skipped)[:SHOWN_KINDS]
+        listed = "; ".join(f"{why} ({len(lines)}x)" for lines, why in kinds)
         raise QuestionFileError(
             f"question file {path} has no usable {split} question"
             + (f": {len(report.skipped)} lines skipped: {listed}" if report.skipped else "")
@@ -123,17 +160,35 @@ def _utf8(line: bytes) -> str:
         raise ValueError(f"the line is not UTF-8 text (byte {e.start + 1}: {e.reason})") from None
 
 
-def _parse_line(line: str, folder: Path) -> tuple[FileQuestion, str]:
+def _with_sound_track(question: FileQuestion, clip: ClipFormat) -> FileQuestion:
+    """The question with its video file as its audio too, when the file has a sound track; a
+    ClipFileError naming the choices when it has none."""
+    try:
+        decode_sound_track(str(question.video), clip)
+    except ClipFileError as e:
+        raise ClipFileError(
+            f'{e}; the line names no audio file and the model reads sound: give it an "audio" file, '
+            "or set data.audio_from_video=never to read silence"
+        ) from None
+    return dataclasses.replace(question, audio=question.video)
+
+
+def _split_of(line: str) -> tuple[object, str]:
+    """A line's JSON value and the split it belongs to. A line that is not a JSON object, or names no
+    valid split, is the train split's fault (the default split): raised only there."""
     if len(line) > MAX_LINE_CHARS:
         raise ValueError(f"the line has {len(line)} characters; at most {MAX_LINE_CHARS}")
     raw = parse_json_object(line)
-    if isinstance(raw, dict):
-        split = raw.pop("split", "train")
-        raw.pop("id", None)
-        if split not in SPLITS:
-            raise ValueError(f"split {split!r}: use one of {', '.join(SPLITS)}")
-    else:
-        split = "train"
+    if not isinstance(raw, dict):
+        return raw, "train"
+    split = raw.pop("split", "train")
+    raw.pop("id", None)
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: use one of {', '.join(SPLITS)}")
+    return raw, split
+
+
+def _parse_line(raw: object, folder: Path) -> FileQuestion:
     fields = checked_fields(raw, LINE_FIELDS)
     if fields.get("video") is None and fields.get("audio") is None:
         raise ValueError("the line names neither a video nor an audio file")
@@ -147,7 +202,7 @@ def _parse_line(line: str, folder: Path) -> tuple[FileQuestion, str]:
         reference_letter(question)  # an answer that is no option is refused here
     if len(question.key()) > MAX_KEY_CHARS:
         raise ValueError(f"the line's fields take {len(question.key())} characters; at most {MAX_KEY_CHARS}")
-    return question, split
+    return question
 
 
 def _inside(folder: Path, relative: str) -> Path:

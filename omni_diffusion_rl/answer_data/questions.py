@@ -17,6 +17,7 @@ import torch
 
 from ..bounded_json import nesting_depth
 from .clip_files import ClipFormat, check_video, decode_audio, decode_video
+from .style import PLAIN, QuestionStyle
 
 MAX_KEY_CHARS = 16384
 MAX_TEXT_CHARS = 2000
@@ -77,10 +78,10 @@ class FileQuestion:
         if self.audio is not None:
             decode_audio(self.audio, clip)
 
-    def asked(self, clip: ClipFormat) -> AskedQuestion:
-        """The question with its clip decoded at `clip`'s format."""
+    def asked(self, clip: ClipFormat, style: QuestionStyle = PLAIN) -> AskedQuestion:
+        """The question (its options rendered in `style`) with its clip decoded at `clip`'s format."""
         return AskedQuestion(
-            text=self.question,
+            text=style.text(self.question, self.choices),
             reference=self.answer,
             category=self.category,
             video=None if self.video is None else decode_video(self.video, clip),
@@ -198,10 +199,9 @@ def reference_letter(question: FileQuestion) -> str | None:
     option's text); None when the question has no choices or no answer."""
     if not question.choices or question.answer is None:
         return None
-    answer = normalise_answer(question.answer)
-    for i, choice in enumerate(question.choices):
-        if answer in (LETTERS[i].lower(), normalise_answer(choice)):
-            return LETTERS[i]
+    letter = _letter_of(question.answer, question.choices)
+    if letter is not None:
+        return letter
     raise ValueError(
         f"the answer {question.answer!r} is neither a letter nor the text of one of the choices "
         f"{list(question.choices)}"
@@ -209,13 +209,25 @@ def reference_letter(question: FileQuestion) -> str | None:
 
 
 def is_right(answer: str, question: AskedQuestion) -> float:
-    """1.0 when the normalised answer is the question's right answer (or, for a multiple-choice
-    question whose answer is a letter, picks that option), else 0.0."""
+    """1.0 when the normalised answer is the question's right answer, or, for a multiple-choice
+    question, exactly the right option's text or its letter alone ("B", "(b)", "b."), whichever of
+    the two the file gives as the answer; else 0.0. Reading an option out of a longer answer ("the
+    answer is B", "it is blue") is choice_letter's."""
     if question.reference is None:
         raise ValueError(f"the question {question.text!r} has no right answer to grade against")
-    if normalise_answer(answer) == normalise_answer(question.reference):
+    said = normalise_answer(answer)
+    if said == normalise_answer(question.reference):
         return 1.0
-    letter = normalise_answer(question.reference).upper()
-    if len(letter) != 1 or letter not in LETTERS[: len(question.choices)]:
+    right = _letter_of(question.reference, question.choices)
+    if right is None:
         return 0.0
-    return float(chosen_letter(answer, question.choices) == letter)
+    return float(said in (right.lower(), normalise_answer(question.choices[LETTERS.index(right)])))
+
+
+def _letter_of(reference: str, choices: tuple[str, ...]) -> str | None:
+    """The letter of the option `reference` names (a letter or an option's text); None if none."""
+    wanted = normalise_answer(reference)
+    for i, choice in enumerate(choices):
+        if wanted in (LETTERS[i].lower(), normalise_answer(choice)):
+            return LETTERS[i]
+    return None

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..answer_data.questions import AskedQuestion, is_right
+from ..answer_data.style import PLAIN, QuestionStyle
 from ..experience.rollout import step_generator
 from ..experience.text_rollout import DEFAULT_QUESTIONS, ask
 from ..experience.text_sampling import sample_answers
@@ -28,6 +29,7 @@ def answer_questions(
     max_new_tokens: int = 16,
     temperature: float = 1.0,
     questions: str = DEFAULT_QUESTIONS,
+    style: QuestionStyle = PLAIN,
 ) -> tuple[list[str], list[AskedQuestion], torch.Tensor, torch.Tensor]:
     """The model's answers to the questions `prompts` name (question-file keys, or prompts of the
     registered question set `questions`), the questions as asked, and the clips they are about
@@ -35,7 +37,7 @@ def answer_questions(
     `answer_batch` answers that many questions at a time (a real model's memory), the rest all at
     once."""
     gens = [step_generator(seed, 0, i, "eval") for i in range(len(prompts))]
-    asked = [ask(p, g, model.clip_format, questions) for p, g in zip(prompts, gens, strict=True)]
+    asked = [ask(p, g, model.clip_format, questions, style) for p, g in zip(prompts, gens, strict=True)]
     video, audio = model.clip_tensors(asked)
     size = getattr(model, "answer_batch", None) or len(prompts)
     texts: list[str] = []
@@ -84,6 +86,7 @@ def avqa_accuracy(
     seed: int = 0,
     max_new_tokens: int = 16,
     questions: str = DEFAULT_QUESTIONS,
+    style: QuestionStyle = PLAIN,
 ) -> dict[str, float]:
     """{greedy, sampled, greedy/<category>, sampled/<category>}: the share of right answers over the
     questions `prompts` name that have a right answer, each asked `repeats` times (a tiny AVQA
@@ -95,7 +98,9 @@ def avqa_accuracy(
     try:
         for mode in ("greedy", "sampled"):
             greedy = mode == "greedy"
-            answers, asked, _, _ = answer_questions(model, pool, seed, greedy, max_new_tokens, 1.0, questions)
+            answers, asked, _, _ = answer_questions(
+                model, pool, seed, greedy, max_new_tokens, 1.0, questions, style
+            )
             by_kind: dict[str, list[float]] = defaultdict(list)
             for q, a in zip(asked, answers, strict=True):
                 if q.reference is not None:
@@ -118,17 +123,20 @@ def evaluate_answering(
     seed: int,
     max_new_tokens: int,
     questions: str = DEFAULT_QUESTIONS,
+    style: QuestionStyle = PLAIN,
 ) -> dict[str, float]:
     """Held-out accuracy, greedy and sampled (accuracy/...), and the reward of the greedy answers
     (reward, reward/...; skipped when `reward` is None), about `samples` answers over `prompts`: the
     same questions, clips and random numbers at every call."""
     per_question = max(1, samples // len(prompts))
-    accuracy = avqa_accuracy(model, prompts, per_question, seed, max_new_tokens, questions)
+    accuracy = avqa_accuracy(model, prompts, per_question, seed, max_new_tokens, questions, style)
     out = {f"accuracy/{k}": v for k, v in accuracy.items()}
     if reward is None:
         return out
     chosen = [p for p in prompts for _ in range(per_question)]
-    answers, _, video, audio = answer_questions(model, chosen, seed, True, max_new_tokens, 1.0, questions)
+    answers, _, video, audio = answer_questions(
+        model, chosen, seed, True, max_new_tokens, 1.0, questions, style
+    )
     clip = model.clip_format
     media = MediaBatch(video=video, audio=audio, fps=clip.fps, sample_rate=clip.sample_rate, text=answers)
     scored = reward(media, chosen)
@@ -158,6 +166,7 @@ class TinyAVQAEvaluation:
             self.cfg.train.seed,
             self.cfg.algorithm.max_new_tokens,
             self.cfg.data.questions,
+            QuestionStyle.of(self.cfg.data),
         )
 
     def preview(self, folder: Path, shown: int) -> Path:
@@ -167,7 +176,9 @@ class TinyAVQAEvaluation:
         stride = max(1, n // shown)  # spread over the set, stepping one more each time to vary the kind
         chosen = [self.eval_prompts[(i * stride + i) % n] for i in range(min(shown, n))]
         questions = self.cfg.data.questions
-        answers, asked, video, audio = answer_questions(self.model, chosen, 0, True, questions=questions)
+        answers, asked, video, audio = answer_questions(
+            self.model, chosen, 0, True, questions=questions, style=QuestionStyle.of(self.cfg.data)
+        )
         pairs = list(zip(asked, answers, strict=True))
         titles = [f"Q: {q.text} | A: {a or '(empty)'} | right: {q.reference or '(judged)'}" for q, a in pairs]
         right = [is_right(a, q) if q.reference is not None else float("nan") for q, a in pairs]

@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..experience.rollout import generate_for_eval
 from ..media import MediaBatch
-from ..prompts import check_clip_format, clip_format_of, load_prompts
+from ..prompts import check_clip_format, load_prompts, split_prompts
 from ..reward_factory import reward_from_config
 from .heldout import MediaMaker, build_metrics, evaluate_heldout
 
@@ -180,7 +180,7 @@ def _questions(cfg: ExperimentConfig) -> list[str]:
     one that names none is refused by its line number, never echoed)."""
     from ..experience.text_rollout import question_text
 
-    prompts = load_prompts(cfg.data.eval_prompts, "heldout", clip_format_of(cfg.data))
+    prompts = split_prompts(cfg.data, "heldout")
     for i, prompt in enumerate(prompts, 1):
         try:
             question_text(prompt, cfg.data.questions)
@@ -198,6 +198,7 @@ def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = Tru
     """An answering policy's held-out accuracy, greedy and sampled, overall and per category
     (accuracy/...), and the training reward of its greedy answers (reward, reward/...): what the
     trainer logs as eval/..., on the same questions, clips and random numbers (train.seed)."""
+    from ..answer_data.style import QuestionStyle
     from .avqa import evaluate_answering
 
     if cfg.eval.metrics:
@@ -212,7 +213,14 @@ def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = Tru
         data = cfg.data
         limit = cfg.algorithm.max_new_tokens
         return evaluate_answering(
-            policy.model, prompts, reward, data.eval_samples, cfg.train.seed, limit, data.questions
+            policy.model,
+            prompts,
+            reward,
+            data.eval_samples,
+            cfg.train.seed,
+            limit,
+            data.questions,
+            QuestionStyle.of(data),
         )
     finally:
         if reward is not None:

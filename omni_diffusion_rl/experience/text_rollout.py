@@ -22,6 +22,7 @@ import torch
 
 from ..answer_data.clip_files import ClipFormat
 from ..answer_data.questions import AskedQuestion, FileQuestion, is_file_key
+from ..answer_data.style import PLAIN, QuestionStyle
 from ..config import ConfigError
 from ..media import MediaBatch
 from ..named_batch import BatchSchema, NamedBatch
@@ -131,20 +132,25 @@ def question_set(name: str) -> Any:
 
 
 def ask(
-    prompt: str, gen: torch.Generator, clip: ClipFormat, questions: str = DEFAULT_QUESTIONS
+    prompt: str,
+    gen: torch.Generator,
+    clip: ClipFormat,
+    questions: str = DEFAULT_QUESTIONS,
+    style: QuestionStyle = PLAIN,
 ) -> AskedQuestion:
     """The question a data-stream prompt names, with its clip: a question file's key is decoded from
-    its files at `clip`; any other prompt is asked by the registered question set `questions`
-    (tiny AVQA renders a fresh clip from `gen`)."""
+    its files at `clip` (its options rendered in `style`); any other prompt is asked by the
+    registered question set `questions` (tiny AVQA renders a fresh clip from `gen`)."""
     if is_file_key(prompt):
-        return FileQuestion.from_key(prompt).asked(clip)
+        return FileQuestion.from_key(prompt).asked(clip, style)
     return question_set(questions).ask(prompt, gen)
 
 
-def question_text(prompt: str, questions: str = DEFAULT_QUESTIONS) -> str:
+def question_text(prompt: str, questions: str = DEFAULT_QUESTIONS, style: QuestionStyle = PLAIN) -> str:
     """The question a prompt names, as the model reads it (nothing decoded or rendered)."""
     if is_file_key(prompt):
-        return FileQuestion.from_key(prompt).question
+        question = FileQuestion.from_key(prompt)
+        return style.text(question.question, question.choices)
     return question_set(questions).text(prompt)
 
 
@@ -184,9 +190,10 @@ class TextExperienceMaker:
         autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
         backend: AnswerBackend | None = None,
         questions: str = DEFAULT_QUESTIONS,
+        style: QuestionStyle = PLAIN,
     ) -> None:
         # a set that names no questions is refused now, not at the first step
-        texts = [question_text(p, questions) for p in prompts[:1000]]
+        texts = [question_text(p, questions, style) for p in prompts[:1000]]
         if min_new_tokens > max_new_tokens:
             raise ConfigError(
                 f"algorithm.min_new_tokens={min_new_tokens} is above "
@@ -210,6 +217,7 @@ class TextExperienceMaker:
         self.autocast = autocast  # sampling's precision: the trainer recomputes log-probs in the same one
         self.backend = backend or HfAnswers()  # what samples the answers (answer_backends.py)
         self.questions = questions  # the registered question set the prompts name (data.questions)
+        self.style = style  # how a question file's options are rendered (data.choice_format, ...)
         self.annotator = None
         self.last_pending = None
         self.generated_at = 0.0
@@ -231,7 +239,7 @@ class TextExperienceMaker:
         k = self.group_size
         clip = model.clip_format
         batch = [
-            ask(p, step_generator(self.seed, step, g, "rollout"), clip, self.questions)
+            ask(p, step_generator(self.seed, step, g, "rollout"), clip, self.questions, self.style)
             for p, g in zip(prompts, group_ids, strict=True)
         ]
         video, audio = model.clip_tensors(batch)

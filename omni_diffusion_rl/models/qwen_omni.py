@@ -536,15 +536,31 @@ PROCESSOR_BOUNDS = {
 MAX_PROCESSOR_CONFIG_BYTES = 1 << 20
 
 
-def check_preprocessor_config(source: str) -> None:
+def declared_clip_format(source: str, options: dict[str, Any]) -> ClipFormat | None:
+    """The clips the model in `source` will read, from model.options (or the model's defaults) and
+    preprocessor_config.json's sampling rate, without loading it; None when the file is not there
+    (the loaders then name what is missing). A ValueError when the file is out of bounds."""
+    import inspect
+
+    settings = check_preprocessor_config(source)
+    if settings is None or "sampling_rate" not in settings:
+        return None
+    defaults = {k: p.default for k, p in inspect.signature(QwenOmniModel.__init__).parameters.items()}
+    fps, seconds, size = (options.get(k, defaults[k]) for k in OPTIONS)
+    rate = int(settings["sampling_rate"])
+    return ClipFormat(float(fps), rate, float(seconds), 1, (int(size), int(size)))
+
+
+def check_preprocessor_config(source: str) -> dict[str, Any] | None:
     """A ValueError naming the first of preprocessor_config.json's numbers out of PROCESSOR_BOUNDS
-    (its size's edges included); a folder without the file is left to the loaders' own error."""
+    (its size's edges included); a folder without the file is left to the loaders' own error (None).
+    The checked settings otherwise."""
     from ..bounded_json import loads_bounded
     from ..checkpoint import read_bounded
 
     path = _folder_file(source, PROCESSOR_CONFIG)
     if path is None:
-        return
+        return None
     raw = loads_bounded(read_bounded(path, MAX_PROCESSOR_CONFIG_BYTES), 8, f"{PROCESSOR_CONFIG}")
     if not isinstance(raw, dict):
         raise ValueError(f"{PROCESSOR_CONFIG} is not a JSON object")
@@ -559,6 +575,7 @@ def check_preprocessor_config(source: str) -> None:
             raise ValueError(
                 f"{PROCESSOR_CONFIG}: {key}={str(value)[:40]} must be a whole number from {low} to {high}"
             )
+    return raw
 
 
 def _folder_file(source: str, name: str) -> Path | None:

@@ -159,6 +159,7 @@ class AnswerExperience(ExperienceKind):
         device: torch.device,
         sharder: Sharder | None = None,
     ) -> ExperienceMaker:
+        from ..answer_data.style import QuestionStyle
         from ..experience.answer_backends import answer_backend
         from ..experience.text_rollout import TextExperienceMaker
 
@@ -181,6 +182,7 @@ class AnswerExperience(ExperienceKind):
             autocast=autocast_factory(precision, device),
             backend=answer_backend(cfg, precision, lambda: algorithm.rollout_state(policy.transformer)),
             questions=cfg.data.questions,
+            style=QuestionStyle.of(cfg.data),
         )
 
     def held_out(

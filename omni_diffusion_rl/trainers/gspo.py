@@ -16,12 +16,15 @@ import torch
 
 from ..algorithms.advantages import STD_CORRECTIONS
 from ..algorithms.gspo import RATIO_LEVELS, policy_loss
-from ..config import option
+from ..config import ConfigError, ExperimentConfig, option
 from ..experience.answer_backends import ANSWER_BACKENDS
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, Plan, UpdateBatch, Work
 
 STAT_NAMES = ("clip_fraction", "ratio_mean", "ratio_max_dev")
+VLLM_REFUSED_FAMILIES = ("qwen2_5_omni", "qwen3_omni")
+"""Answering families vLLM cannot sample: their prompts carry positions of their own (3D rope), and
+vLLM's prompt embeddings take plain ones."""
 
 
 @dataclass
@@ -67,6 +70,18 @@ class GroupSequencePolicyOptimization(Algorithm):
     display_name = "GSPO"
     options_type = GSPOOptions
     experience_kind = "answers"
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig) -> None:
+        """A rollout backend that cannot sample the family is refused as the config loads (so
+        `--check` refuses it too), not at the first rollout."""
+        family = cfg.model.family
+        if cfg.algorithm.rollout_backend == "vllm" and family in VLLM_REFUSED_FAMILIES:
+            raise ConfigError(
+                f"algorithm.rollout_backend=vllm cannot sample model.family={family}: its prompts carry "
+                "their own positions (3D rope) and vLLM's prompt embeddings take plain ones; use "
+                "algorithm.rollout_backend=hf"
+            )
 
     def metric_names(self) -> list[str]:
         answers = ["answers/mean_tokens", "answers/truncated"]  # of the trained answers, in every mode

@@ -34,7 +34,7 @@ from ..config import ConfigError, ExperimentConfig
 from ..evaluation.heldout import before_after_summary
 from ..experience.rollout import ExperienceMaker, Rollout
 from ..models import build_nft_policy
-from ..prompts import clip_format_of, load_prompts
+from ..prompts import split_prompts
 from ..reward import ScoreResult
 from ..reward_factory import reward_from_config
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
@@ -74,7 +74,7 @@ def build_experience_maker(cfg: ExperimentConfig, device: torch.device) -> Exper
     """The policy, reward and prompt stream of a process that only makes experience (a rollout
     process): no optimizer, no eval metrics."""
     start_process(cfg)
-    prompts = load_prompts(cfg.data.prompts, "train", clip_format_of(cfg.data))
+    prompts = split_prompts(cfg.data, "train")
     reward = reward_from_config(cfg.reward)
     policy = build_nft_policy(cfg.model, device)
     return experience_kind(cfg, policy).make_experience(cfg, policy, reward, prompts, device)
@@ -101,9 +101,7 @@ class Trainer:
         self.rank, self.world_size = rank_and_size(accelerator, group)
         self.is_main = self.rank == 0
         start_process(cfg, self.world_size)
-        clip = clip_format_of(cfg.data)
-        self.train_prompts = load_prompts(cfg.data.prompts, "train", clip)
-        self.eval_prompts = load_prompts(cfg.data.eval_prompts, "heldout", clip)
+        self.train_prompts, self.eval_prompts = (split_prompts(cfg.data, s) for s in ("train", "heldout"))
         self.reward = reward_from_config(cfg.reward)
         check_credit_rewards(cfg.algorithm, self.reward.modalities, self.reward.weights)  # before the model
         self.sample_counts: dict[str, int] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..answer_data.questions import AskedQuestion, normalise_answer
+from ..answer_data.style import PLAIN
 from ..registry import question_sets
 from .tiny_clip import synthesize_audio
 from .tiny_world import (
@@ -43,11 +44,15 @@ class Question:
     kind: str
 
     @property
+    def question(self) -> str:
+        """The question alone, without its options (what a question file's line holds)."""
+        return "describe the clip" if self.kind == "describe" else f"{_ASK[self.kind]} ?"
+
+    @property
     def text(self) -> str:
-        """The question as the model reads it (multiple choice lists the options)."""
-        if self.kind == "describe":
-            return "describe the clip"
-        return f"{_ASK[self.kind]} ? options : {' '.join(answer_options(self.kind))}"
+        """The question as the model reads it: multiple choice lists the options, in the default
+        style of a question file's lines (answer_data/style.py), so both read alike."""
+        return PLAIN.text(self.question, self.choices)
 
     @property
     def choices(self) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ def question_lines(clip: ExampleClip) -> list[dict[str, object]]:
         line: dict[str, object] = {
             "video": f"clips/{clip.name}.mp4",
             "audio": f"clips/{clip.name}.wav",
-            "question": q.text,
+            "question": q.question,  # its options are rendered from choices (data.choice_format)
             "answer": q.answer,
         }
         if q.choices:

@@ -1,0 +1,236 @@
+"""What an answering model is shown for a question file's line, and what `--check` finds before a run:
+multiple-choice options rendered into the prompt (data.choice_format), both answer forms graded, a
+file mixing question kinds training with either answer reward, lines the rewards cannot grade
+refused by --check, and the skip report counted by kind, each line under its own split."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_diffusion_rl.answer_data.question_file import load_question_file
+from omni_diffusion_rl.answer_data.questions import FileQuestion
+from omni_diffusion_rl.answer_data.style import QuestionStyle
+from omni_diffusion_rl.config import ConfigError, load_config
+from omni_diffusion_rl.experience.text_rollout import ask
+from omni_diffusion_rl.world.avqa_files import QUESTION_FILE, example_clips
+from omni_diffusion_rl.world.tiny_clip import DURATION_S, FPS, SAMPLE_RATE
+
+from .helpers import REPO
+from .test_question_files import GOOD, TINY, _clip_files, _file_gspo, _write
+
+SHIPPED = REPO / "recipes" / "data" / "tiny_avqa_files" / QUESTION_FILE
+LETTERED = QuestionStyle("{question}\n{options}\nAnswer with the letter.", "{letter}. {text}", "\n")
+
+
+def _mixed_file(folder: Path) -> Path:
+    _clip_files(folder)
+    choice = GOOD | {"question": "which shape ?", "choices": ["circle", "square"], "answer": "A"}
+    return _write(folder, GOOD, choice, choice | {"answer": "square", "split": "heldout"})
+
+
+def test_a_multiple_choice_line_shows_its_options_in_the_configured_format(tmp_path: Path) -> None:
+    keys = load_question_file(_mixed_file(tmp_path), "train", TINY).keys
+    gen = torch.Generator().manual_seed(0)
+    plain = [ask(k, gen, TINY).text for k in keys]
+    assert plain == ["which shape is shown", "which shape ? options : circle square"]
+    lettered = ask(keys[1], gen, TINY, style=LETTERED).text
+    assert lettered == "which shape ?\nA. circle\nB. square\nAnswer with the letter."
+
+
+def test_the_model_reads_the_options_in_its_rollout_tokens(tmp_path: Path) -> None:
+    """Through the real experience maker: the question tokens of every answer hold the options."""
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    trainer = Trainer(load_config(None, _file_gspo(tmp_path / "run", 1)))
+    maker = trainer.experience
+    prompts = [k for k in maker.prompts if FileQuestion.from_key(k).choices][:2]
+    rollout = maker.generate(prompts, [0, 1], 1)
+    tokenizer = maker.policy.tokenizer
+    read = {
+        tokenizer.decode(row[m].tolist())
+        for row, m in zip(rollout.questions, rollout.question_mask, strict=True)
+    }
+    for key in prompts:
+        question = FileQuestion.from_key(key)
+        assert f"{question.question} options : {' '.join(question.choices)}" in read
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.choice_format='{question} {choices}'", "names \\['choices'\\]"),
+        ("data.choice_format='{question}'", "must name \\{options\\} exactly once"),
+        ("data.option_format='{letter}'", "must name \\{text\\} exactly once"),
+        ("data.option_format='{text:>1000000}'", "no conversion or format spec"),
+        ("data.option_format='{text.__class__}'", "names \\['text.__class__'\\]"),
+        ("data.choice_format='{question} {options} {'", "is not a format string"),
+    ],
+)
+def test_a_bad_choice_format_is_refused_as_the_config_loads(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_check_shows_each_prompt_as_the_model_reads_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from omni_diffusion_rl.cli import main
+
+    monkeypatch.chdir(REPO)
+    recipe = ["train", "recipes/configs/tiny_avqa_files_gspo.yaml", f"train.output_dir={tmp_path}"]
+    assert main([*recipe, "--check", "--show-prompts", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data.prompts: the first 2 of 60 as the model reads them" in out
+    assert "[1] what colour is the shape ? options : red green blue yellow purple cyan" in out
+    assert "data.eval_prompts: the first 2 of 20" in out
+    lettered = ["data.option_format='{letter}) {text}'", "data.option_separator=' | '"]
+    assert main([*recipe, *lettered, "--check", "--show-prompts", "1"]) == 0
+    assert "options : A) red | B) green | C) blue" in capsys.readouterr().out
+    assert main([*recipe, "--show-prompts", "1"]) == 2
+    assert "--show-prompts prints what --check reads: give both" in capsys.readouterr().err
+
+
+def test_a_file_mixing_open_and_multiple_choice_lines_trains_with_choice_letter(tmp_path: Path) -> None:
+    """The shipped set holds open lines (describe) beside multiple-choice ones; with choice_letter in
+    the weights no sample fails to be scored, and the reward moves the adapter."""
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import step_records
+
+    run = tmp_path / "run"
+    weights = "reward.weights={answer_exact: 1.0, choice_letter: 1.0}"
+    overrides = _file_gspo(run, 2, weights, "train.eval_at_start_and_end=false")
+    summary = Trainer(load_config(None, overrides)).fit()
+    assert summary["samples"]["dropped/reward_failed"] == 0
+    assert summary["samples"]["trained"] == 16
+    assert any(r["grad_norm"] > 0 for r in step_records(run))  # a right answer moved the adapter
+
+
+def test_check_refuses_lines_the_rewards_cannot_grade(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A rubric line under answer_exact fails its samples at every step: --check says so first."""
+    from omni_diffusion_rl.cli import main
+
+    _clip_files(tmp_path)
+    rubric = GOOD | {"rubric": "names the shape"}
+    del rubric["answer"]
+    path = _write(
+        tmp_path, GOOD, GOOD | {"question": "which shape now"}, rubric, rubric | {"question": "and now"}
+    )
+    monkeypatch.chdir(REPO)
+    recipe = ["train", "recipes/configs/tiny_avqa_files_gspo.yaml", f"train.output_dir={tmp_path / 'run'}"]
+    files = [f"data.prompts={path}", "data.prompts_per_step=2", f"data.eval_prompts={SHIPPED}"]
+    assert main([*recipe, *files, "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "WRONG" in out and "reward.weights.answer_exact" in out
+    assert "data.prompts: 2 of 4 prompts cannot be graded by answer_exact: 2x a rubric line" in out
+
+
+def test_the_skip_report_counts_every_reason_by_kind_and_each_line_under_its_split(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _clip_files(tmp_path)
+    missing = [GOOD | {"video": f"gone_{i}.mp4"} for i in range(9)]
+    others = [GOOD | {"lable": str(i)} for i in range(3)] + ['{"question": ', GOOD | {"answer": "?!"}]
+    heldout_bad = GOOD | {"video": "elsewhere.mp4", "split": "heldout"}
+    kinds = [*missing, *others, GOOD | {"split": "heldout"}, heldout_bad]
+    path = _write(
+        tmp_path, GOOD, *kinds, *[GOOD | {"answer": "x" * 10, "question": f"q{i}"} for i in range(2)]
+    )
+    with caplog.at_level(logging.WARNING):
+        train = load_question_file(path, "train", TINY)
+    summary = train.summary()
+    assert "14 lines skipped" in summary
+    assert "9x " in summary and "gone_0.mp4 does not exist (lines 2, 3, 4, 5, 6, 7, 8, 9, ...)" in summary
+    assert "3x unknown fields ['lable']" in summary
+    assert "1x " in summary and "is not valid JSON" in summary and "has no letter or digit" in summary
+    assert " more" not in summary  # nothing hidden behind "and N more"
+    assert "elsewhere.mp4" not in summary  # a held-out line's fault is the held-out split's
+    heldout = load_question_file(path, "heldout", TINY)
+    assert len(heldout.keys) == 1 and [why for _, why in heldout.skipped] == [
+        f"{(tmp_path / 'elsewhere.mp4').resolve()} does not exist"
+    ]
+
+
+def test_the_files_recipe_reads_what_it_read_before_choices_were_rendered() -> None:
+    """The shipped set's lines hold the bare question; rendered in the default style they read as
+    tiny AVQA's own questions, which the tiny omni base was trained on."""
+    from omni_diffusion_rl.world.avqa import Question
+
+    lines = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
+    clips = {c.name: c for c in example_clips(12, 4)}
+    for line in lines:
+        clip = clips[Path(line["video"]).stem]
+        shown = QuestionStyle().text(line["question"], tuple(line.get("choices", ())))
+        assert shown == Question(clip.scene, line["category"]).text
+    assert (FPS, SAMPLE_RATE, DURATION_S) == (TINY.fps, TINY.sample_rate, TINY.seconds)
+
+
+def test_check_refuses_a_clip_format_the_model_does_not_read(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The refusal a run makes once its model has loaded, made by --check from the model's settings:
+    the tiny omni model's constants, and a Qwen folder's preprocessor_config.json and model.options."""
+    from omni_diffusion_rl.cli import main
+
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+
+    monkeypatch.chdir(REPO)
+    recipe = ["train", "recipes/configs/tiny_avqa_files_gspo.yaml", f"train.output_dir={tmp_path / 'run'}"]
+    assert main([*recipe, "data.clip_fps=4", "--check"]) == 1
+    assert "WRONG    data.clip_*" in capsys.readouterr().out
+    qwen = save_tiny_qwen_omni(tmp_path / "qwen")  # reads 8 kHz sound (its feature extractor)
+    as_qwen = [
+        "model.family=qwen2_5_omni",
+        f"model.pretrained={qwen}",
+        "model.options={fps: 6.0, seconds: 0.5, frame_size: 28}",
+    ]
+    assert main([*recipe, *as_qwen, "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "data.clip_fps=8, clip_sample_rate=8000" in out and "reads clips at 6 fps, 8000 Hz" in out
+    assert main([*recipe, *as_qwen, "model.options={fps: 8.0, seconds: 0.5, frame_size: 28}", "--check"]) == 0
+
+
+def test_a_rollout_backend_that_cannot_sample_the_family_is_refused_as_the_config_loads() -> None:
+    qwen = ["model.family=qwen2_5_omni", "algorithm.name=gspo", "algorithm.rollout_backend=vllm"]
+    for family in ("qwen2_5_omni", "qwen3_omni"):
+        with pytest.raises(
+            ConfigError, match=f"vllm cannot sample model.family={family}.*rollout_backend=hf"
+        ):
+            load_config(None, [*qwen, f"model.family={family}"])
+
+
+def test_a_video_line_reads_the_mp4s_own_sound_track_and_one_without_is_skipped(tmp_path: Path) -> None:
+    """data.audio_from_video=auto: a line naming only an MP4 hears its AAC track (here a non-square
+    clip); an MP4 without a track is a counted skip that says what to do, not silence; never: silence."""
+    from omni_diffusion_rl.media import save_mp4
+    from omni_diffusion_rl.prompts import split_prompts
+
+    clip = example_clips(1, 0)[0]
+    frames = clip.video[..., 2:14, :]  # 12 x 16
+    save_mp4(tmp_path / "with.mp4", frames, FPS, clip.wave, SAMPLE_RATE, scale=3)
+    save_mp4(tmp_path / "mute.mp4", frames, FPS, scale=3)
+    line = {"question": "which shape is shown", "answer": "circle"}
+    path = _write(tmp_path, line | {"video": "with.mp4"}, line | {"video": "mute.mp4"})
+    report = load_question_file(path, "train", TINY)
+    (key,) = report.keys
+    question = FileQuestion.from_key(key)
+    assert question.audio == question.video and question.video.endswith("with.mp4")
+    assert [n for n, _ in report.skipped] == [2]
+    assert "mute.mp4 has no sound track" in report.skipped[0][1]
+    assert "data.audio_from_video=never" in report.skipped[0][1]
+    heard = question.asked(TINY).audio
+    assert heard.shape == clip.wave.shape
+    halves = [w.reshape(1, 2, -1).pow(2).mean(-1) for w in (heard, clip.wave)]
+    louder = [int(h[0, 1] > h[0, 0]) for h in halves]
+    assert louder[0] == louder[1]  # the tone where the clip has it (start or end)
+    assert halves[0].sum() > 0.5 * halves[1].sum()  # through AAC at 48 kHz and back to 8 kHz
+    overrides = [f"data.prompts={path}", "data.audio_from_video=never"]
+    silent = [FileQuestion.from_key(k) for k in split_prompts(load_config(None, overrides).data, "train")]
+    assert [q.audio for q in silent] == [None, None]
