@@ -113,6 +113,25 @@ def refuse_question_files(data: DataConfig) -> None:
         )
 
 
+def ready_to_answer(data: DataConfig, family: str, policy: Any) -> None:
+    """What every process does to an answering model before it reads a question: its clip format
+    checked against data.clip_* (check_clip_format), and data.system_prompt set as its system turn
+    (a model without a chat template to hold one is refused)."""
+    check_clip_format(data, family, policy)
+    if data.system_prompt is None:
+        return
+    use = getattr(policy.model, "use_system_prompt", None)
+    if use is None:
+        raise ConfigError(
+            f"data.system_prompt: model.family={family} has no chat template to hold a system turn (the "
+            "tiny omni model reads the question alone); drop it, or use a chat model (qwen2_5_omni)"
+        )
+    try:
+        use(data.system_prompt)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def check_clip_format(data: DataConfig, family: str, policy: Any) -> None:
     """A run that reads question files decodes their clips at data.clip_*: refused unless that is the
     format the model reads (its `clip_format`)."""

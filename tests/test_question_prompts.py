@@ -234,3 +234,29 @@ def test_a_video_line_reads_the_mp4s_own_sound_track_and_one_without_is_skipped(
     overrides = [f"data.prompts={path}", "data.audio_from_video=never"]
     silent = [FileQuestion.from_key(k) for k in split_prompts(load_config(None, overrides).data, "train")]
     assert [q.audio for q in silent] == [None, None]
+
+
+def test_a_system_prompt_opens_every_qwen_prompt_and_the_trainer_reads_the_same(tmp_path: Path) -> None:
+    """data.system_prompt is the system turn of every rollout prompt and of the trainer's recomputed
+    log-probs (their gap stays at rounding); the tiny omni model, with no template, refuses it."""
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import step_records
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+    from .test_qwen_omni import MOVING, overrides
+
+    model_dir = save_tiny_qwen_omni(tmp_path / "qwen")
+    run = tmp_path / "run"
+    said = "You answer with one word."
+    config = load_config(None, overrides(model_dir, run, 1, MOVING, f"data.system_prompt='{said}'"))
+    trainer = Trainer(config)
+    model = trainer.policy.model
+    head = model.tokenizer.decode(model._prompt_ids([], 1, 1))  # noqa: SLF001 - the rendered layout
+    assert head.startswith(f"<|im_start|>system\n{said}<|im_end|>") and "helpful assistant" not in head
+    trainer.fit()
+    (row,) = step_records(run)
+    assert row["gspo/logp_gap"] < 1e-4, row
+    plain = Trainer(load_config(None, overrides(model_dir, tmp_path / "plain", 1, MOVING))).policy.model
+    assert "You are a helpful assistant." in plain.tokenizer.decode(plain._prompt_ids([], 1, 1))  # noqa: SLF001
+    with pytest.raises(ConfigError, match="tiny omni model has no chat template"):
+        load_config(None, _file_gspo(tmp_path / "tiny", 1, "data.system_prompt=hello"))

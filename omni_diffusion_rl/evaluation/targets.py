@@ -32,7 +32,7 @@ from ..config import (
 )
 from ..experience.rollout import generate_for_eval
 from ..media import MediaBatch
-from ..prompts import check_clip_format, load_prompts, split_prompts
+from ..prompts import load_prompts, ready_to_answer, split_prompts
 from ..reward_factory import reward_from_config
 from .heldout import MediaMaker, build_metrics, evaluate_heldout
 
@@ -206,7 +206,7 @@ def evaluate_answers(policy: Any, cfg: ExperimentConfig, with_reward: bool = Tru
             f"eval.metrics={cfg.eval.metrics}: an answering model is scored by its exact answers; media "
             "metrics do not apply (set eval.metrics=[])"
         )
-    check_clip_format(cfg.data, cfg.model.family, policy)
+    ready_to_answer(cfg.data, cfg.model.family, policy)
     prompts = _questions(cfg)
     reward = reward_from_config(cfg.reward) if with_reward else None
     try:

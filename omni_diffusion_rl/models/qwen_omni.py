@@ -172,6 +172,7 @@ class QwenOmniModel(nn.Module):
                 f"the tokenizer has {len(tokenizer)} tokens, the thinker {text.vocab_size} embeddings"
             )
         self._vocabulary = vocabulary_fingerprint(tokenizer)
+        self.system_prompt: str | None = None  # data.system_prompt (use_system_prompt); None: the template's
         self._head, self._tail = self._template_ids()
         special = {int(i) for i in tokenizer.all_special_ids} | set(self._placeholder_ids())
         special |= {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -235,15 +236,28 @@ class QwenOmniModel(nn.Module):
             out.append(ids)
         return out
 
+    def use_system_prompt(self, text: str | None) -> None:
+        """Every prompt from now on opens with `text` as its system turn (data.system_prompt; None:
+        the template's own default). A text holding a special token is a ValueError."""
+        if text is not None:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if QUESTION in text or any(i in self._special_set for i in ids):
+                raise ValueError("data.system_prompt holds a special token of the Qwen tokenizer")
+        self.system_prompt = text
+        self._head, self._tail = self._template_ids()
+        self._media_tokens = None
+
     def _template_ids(self) -> tuple[list[int], list[int]]:
-        """The chat template's token ids before and after the question, one placeholder each. The
-        template is the model folder's (untrusted): rendered within TEMPLATE_RENDER_S seconds and
-        MAX_TEMPLATE_BYTES characters, and whatever fails in it or in the tokenizer is a ValueError."""
+        """The chat template's token ids before and after the question, one placeholder each (a
+        system turn first when one is set). The template is the model folder's (untrusted): rendered
+        within TEMPLATE_RENDER_S seconds and MAX_TEMPLATE_BYTES characters, and whatever fails in it
+        or in the tokenizer is a ValueError."""
         content = [{"type": "video"}, {"type": "audio"}, {"type": "text", "text": QUESTION}]
+        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}],
+                [*system, {"role": "user", "content": content}],
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=True,

@@ -25,7 +25,7 @@ from ..config import ConfigError, ExperimentConfig
 from ..experience.guidance import checked_guidance
 from ..experience.rollout import ExperienceMaker, score
 from ..precision import autocast_factory, resolve_mixed_precision
-from ..prompts import check_clip_format, refuse_question_files
+from ..prompts import ready_to_answer, refuse_question_files
 from ..reward import WeightedReward
 from ..runtime.sharding import Sharder
 from .algorithms import algorithm_class
@@ -165,7 +165,7 @@ class AnswerExperience(ExperienceKind):
 
         algorithm = algorithm_class(cfg.algorithm.name)
         checked_guidance(policy, cfg.sampling.cfg_scale, cfg.algorithm.name, algorithm.trains_guided)
-        check_clip_format(cfg.data, cfg.model.family, policy)
+        ready_to_answer(cfg.data, cfg.model.family, policy)
         a = cfg.algorithm
         precision = resolve_mixed_precision(cfg.train.mixed_precision)
         return TextExperienceMaker(  # type: ignore[return-value]
@@ -194,7 +194,7 @@ class AnswerExperience(ExperienceKind):
         output_dir: Path,
         sharded: bool,
     ) -> HeldOut:
-        check_clip_format(cfg.data, cfg.model.family, learner.policy)
+        ready_to_answer(cfg.data, cfg.model.family, learner.policy)
         return super().held_out(cfg, learner, reward, eval_prompts, output_dir, sharded)
 
     def cost_length(self, trainer: Any, prompts: list[str], groups: int, steps: int) -> float | None:

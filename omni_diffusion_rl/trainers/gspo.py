@@ -73,9 +73,14 @@ class GroupSequencePolicyOptimization(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        """A rollout backend that cannot sample the family is refused as the config loads (so
-        `--check` refuses it too), not at the first rollout."""
+        """A rollout backend that cannot sample the family, or a system prompt the family cannot hold,
+        is refused as the config loads (so `--check` refuses it too), not at the first rollout."""
         family = cfg.model.family
+        if cfg.data.system_prompt is not None and family == "tiny_omni":
+            raise ConfigError(
+                "data.system_prompt: the tiny omni model has no chat template to hold a system turn (it "
+                "reads the question alone); drop it, or use a chat model (qwen2_5_omni)"
+            )
         if cfg.algorithm.rollout_backend == "vllm" and family in VLLM_REFUSED_FAMILIES:
             raise ConfigError(
                 f"algorithm.rollout_backend=vllm cannot sample model.family={family}: its prompts carry "
