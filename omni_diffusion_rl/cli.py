@@ -29,6 +29,7 @@ from .runtime.lifeline import exit_with_parent
 from .runtime.startup import TRAINING_STACK, import_frozen
 
 if TYPE_CHECKING:
+    from .answer_data.clip_files import ClipFormat
     from .serving.server import ServeSettings
 
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -169,16 +170,18 @@ def _preflight(source: str | None, cfg, show_prompts: int = 0) -> int:  # noqa: 
 
     loaded: dict[str, list[str]] = {}
     findings = [*preflight(cfg, loaded), *check_rollout_memory(cfg)]
-    for key, prompts in loaded.items() if show_prompts else ():
-        print(f"{key}: the first {min(show_prompts, len(prompts))} of {len(prompts)} as the model reads them")
-        for i, text in enumerate(prompts_as_read(cfg, prompts[:show_prompts]), 1):
-            print(f"  [{i}] " + text.replace("\n", "\n      "))
     missing = [f for f in findings if f.status in FAILING]
     print(
         f"{source or 'the default config'}: valid ({cfg.model.family}, {cfg.algorithm.name}, "
         f"{cfg.data.prompts_per_step} prompts x {cfg.data.group_size} samples per step)"
     )
     print(report(findings))
+    if show_prompts and cfg.data.system_prompt is not None:
+        print(f"the system turn of every prompt: {cfg.data.system_prompt}")
+    for key, prompts in loaded.items() if show_prompts else ():
+        print(f"{key}: the first {min(show_prompts, len(prompts))} of {len(prompts)} as the model reads them")
+        for i, text in enumerate(prompts_as_read(cfg, prompts[:show_prompts]), 1):
+            print(f"  [{i}] " + text.replace("\n", "\n      "))
     print(f"{len(missing)} to fix first (the lines marked MISSING or WRONG)" if missing else "ready to train")
     return 1 if missing else 0
 
@@ -858,6 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_probe_rewards,
         _add_pretrain,
         _add_avqa_files,
+        _add_tiny_qwen,
         _add_serve_reward,
         _add_serve_teacher,
         _add_export,
@@ -1168,7 +1172,14 @@ def cmd_avqa_files(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        path = write_example_set(output, args.train_clips, args.heldout_clips, args.seed)
+        clip = _example_format(args)
+    except ValueError as e:
+        print(f"odrl avqa-files: {e}", file=sys.stderr)
+        return 2
+    try:
+        path = write_example_set(
+            output, args.train_clips, args.heldout_clips, args.seed, clip, args.sound_in_mp4
+        )
     except OSError as e:
         print(
             f"odrl avqa-files: cannot write the example set into {output}: {e.strerror or e}", file=sys.stderr
@@ -1176,6 +1187,47 @@ def cmd_avqa_files(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps({"question_file": str(path), "clips": args.train_clips + args.heldout_clips}))
     return 0
+
+
+def _example_format(args: argparse.Namespace) -> ClipFormat:
+    """The clip format --fps, --seconds, --sample-rate and --size ask for (a ValueError saying why
+    one cannot be written)."""
+    from .answer_data.clip_files import ClipFormat
+    from .world.avqa_files import TINY_FORMAT
+
+    width, _, height = args.size.partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise ValueError(f"--size {args.size!r}: give WIDTHxHEIGHT in pixels, e.g. 84x56")
+    if args.fps != round(args.fps):
+        raise ValueError(f"--fps {args.fps:g}: an MP4 is written at a whole number of frames a second")
+    clip = ClipFormat(args.fps, args.sample_rate, args.seconds, 1, (int(height), int(width)))
+    if clip.frames * clip.frame_size[0] * clip.frame_size[1] * 3 > 64 << 20:  # type: ignore[index]
+        raise ValueError(f"{clip.frames} frames of {args.size} are over 64 MiB a clip; lower --fps or --size")
+    return TINY_FORMAT if clip == TINY_FORMAT else clip
+
+
+def cmd_tiny_qwen(args: argparse.Namespace) -> int:
+    from .benchmarks.tiny_qwen import save_tiny_qwen_omni
+
+    output = Path(args.output)
+    if output.exists() and any(output.iterdir()) and not args.overwrite:
+        print(f"odrl tiny-qwen: {output} is not empty; give another --output or --overwrite", file=sys.stderr)
+        return 2
+    save_tiny_qwen_omni(output)
+    print(json.dumps({"model": str(output), "family": "qwen2_5_omni", "sample_rate": 8000}))
+    return 0
+
+
+def _add_tiny_qwen(sub: Subcommands) -> None:
+    """`odrl tiny-qwen`: a tiny random-init Qwen2.5-Omni thinker, to try the Qwen path offline."""
+    tiny = sub.add_parser(
+        "tiny-qwen",
+        help="write a tiny random-init Qwen2.5-Omni thinker (qwen2_5_omni family, 8 kHz sound) to try the "
+        "Qwen path with no download; its answers mean nothing",
+    )
+    tiny.add_argument("--output", required=True, help="folder for the model")
+    tiny.add_argument("--overwrite", action="store_true", help="write into a folder that is not empty")
+    tiny.set_defaults(func=cmd_tiny_qwen)
 
 
 def _add_avqa_files(sub: Subcommands) -> None:
@@ -1188,6 +1240,19 @@ def _add_avqa_files(sub: Subcommands) -> None:
     files.add_argument("--train-clips", type=_positive_int, default=12, help="clips of training scenes (12)")
     files.add_argument("--heldout-clips", type=_positive_int, default=4, help="clips of held-out scenes (4)")
     files.add_argument("--seed", type=int, default=0)
+    files.add_argument(
+        "--fps", type=float, default=8.0, help="frames a second (8: the tiny world's; Qwen: 2)"
+    )
+    files.add_argument("--seconds", type=float, default=0.5, help="clip length (0.5; Qwen's recipe: 4)")
+    files.add_argument(
+        "--sample-rate", type=_positive_int, default=8000, help="sound samples a second (8000; Qwen: 16000)"
+    )
+    files.add_argument("--size", default="16x16", help="frame WIDTHxHEIGHT (16x16; may be non-square)")
+    files.add_argument(
+        "--sound-in-mp4",
+        action="store_true",
+        help="the sound as each MP4's own AAC track (lines name the video alone) instead of WAV files",
+    )
     files.add_argument(
         "--overwrite", action="store_true", help="replace questions.jsonl and clips/ already in --output"
     )

@@ -260,3 +260,31 @@ def test_a_system_prompt_opens_every_qwen_prompt_and_the_trainer_reads_the_same(
     assert "You are a helpful assistant." in plain.tokenizer.decode(plain._prompt_ids([], 1, 1))  # noqa: SLF001
     with pytest.raises(ConfigError, match="tiny omni model has no chat template"):
         load_config(None, _file_gspo(tmp_path / "tiny", 1, "data.system_prompt=hello"))
+
+
+def test_the_example_set_is_written_at_qwens_clip_format_with_its_sound_in_the_mp4s(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """odrl avqa-files --fps 2 --seconds 4 --sample-rate 16000 --size 84x56 --sound-in-mp4: the same
+    scenes, every line usable at that format, the picture non-square, the tone in its half."""
+    from omni_diffusion_rl.answer_data.clip_files import ClipFormat
+    from omni_diffusion_rl.cli import main
+
+    args = ["avqa-files", "--output", str(tmp_path / "set"), "--train-clips", "2", "--heldout-clips", "1"]
+    qwen = ["--fps", "2", "--seconds", "4", "--sample-rate", "16000", "--size", "84x56", "--sound-in-mp4"]
+    assert main([*args, *qwen]) == 0
+    path = tmp_path / "set" / QUESTION_FILE
+    clip = ClipFormat(2.0, 16000, 4.0)
+    train = load_question_file(path, "train", clip)
+    assert len(train.keys) == 2 * 5 and not train.skipped
+    question = FileQuestion.from_key(train.keys[0])
+    assert question.audio == question.video  # the MP4's own track
+    asked = question.asked(clip)
+    assert asked.video.shape == (8, 3, 56, 84) and asked.audio.shape == (1, 64000)
+    (scene_clip,) = example_clips(1, 0)
+    early = scene_clip.scene.when == "early"
+    energy = asked.audio.reshape(2, -1).pow(2).mean(-1)
+    assert (energy[0] > energy[1]) == early  # the tone in the half the scene has it
+    assert main([*args, "--size", "84", "--overwrite"]) == 2
+    assert "give WIDTHxHEIGHT" in capsys.readouterr().err
+    assert main([*args, "--fps", "2.5", "--overwrite"]) == 2
