@@ -288,3 +288,47 @@ def test_the_example_set_is_written_at_qwens_clip_format_with_its_sound_in_the_m
     assert main([*args, "--size", "84", "--overwrite"]) == 2
     assert "give WIDTHxHEIGHT" in capsys.readouterr().err
     assert main([*args, "--fps", "2.5", "--overwrite"]) == 2
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
+def test_qwen_gradient_checkpointing_recomputes_the_decoder_and_leaves_the_step_unchanged(
+    tmp_path: Path, family: str
+) -> None:
+    """model.gradient_checkpointing=true on the Qwen families: the language model's layers run
+    through the checkpoint in the trainer's recompute (also after an evaluation's eval()), and two
+    steps give the same losses and adapter within 1e-5."""
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import step_records
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+    from .test_qwen_omni import MOVING, overrides
+
+    if family == "qwen3_omni":
+        from .qwen3_omni_tiny import save_tiny_qwen3_omni as save
+    else:
+        save = save_tiny_qwen_omni
+    model_dir = save(tmp_path / "model")
+    runs = {}
+    for name, extra in (("plain", []), ("ckpt", ["model.gradient_checkpointing=true"])):
+        config = overrides(model_dir, tmp_path / name, 2, MOVING, f"model.family={family}", *extra)
+        trainer = Trainer(load_config(None, config))
+        layers = trainer.policy.model._decoder_layers()  # noqa: SLF001
+        calls: list[int] = []
+        if extra:
+            recompute = layers[0]._gradient_checkpointing_func  # noqa: SLF001
+
+            def counting(*args, _recompute=recompute, _calls=calls, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                _calls.append(1)
+                return _recompute(*args, **kwargs)
+
+            for layer in layers:
+                layer._gradient_checkpointing_func = counting  # noqa: SLF001
+        trainer.fit()
+        runs[name] = (trainer, step_records(tmp_path / name), len(calls))
+    assert runs["ckpt"][2] >= 2 * len(layers), "each step's recompute ran the layers through the checkpoint"
+    assert runs["plain"][2] == 0
+    for a, b in zip(runs["plain"][1], runs["ckpt"][1], strict=True):
+        assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] > 0
+    for p, q in zip(runs["plain"][0].params, runs["ckpt"][0].params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

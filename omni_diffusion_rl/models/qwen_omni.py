@@ -49,6 +49,7 @@ LoRA) is written for LoRA on linear modules, and nothing here tests LoRA on para
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -60,6 +61,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..answer_data.clip_files import ClipFormat
@@ -181,6 +183,36 @@ class QwenOmniModel(nn.Module):
         self.register_buffer("suppressed", torch.tensor(sorted(never), dtype=torch.long), persistent=False)
         self._special_set = frozenset(never | {self.eos_id})  # what a question may not hold
         self._media_tokens: int | None = None
+        self._checkpointing = False
+
+    # ---- memory -------------------------------------------------------------------------------
+    def enable_gradient_checkpointing(self) -> None:
+        """model.gradient_checkpointing: the language model's decoder layers recompute their
+        activations in the backward pass (torch's non-reentrant checkpoint) instead of keeping them.
+        transformers recomputes only a layer in training mode, so these layers stay in it whatever
+        train() or eval() says; they hold no dropout (checked), so that changes nothing else. The
+        frozen towers are left as they are."""
+        text = self.thinker.config.get_text_config()
+        if float(getattr(text, "attention_dropout", 0.0) or 0.0) != 0.0:
+            raise ValueError(
+                f"its language model has attention_dropout={text.attention_dropout}: a recompute would "
+                "draw other dropout masks"
+            )
+        checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        for layer in self._decoder_layers():
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = checkpoint
+        self._checkpointing = True
+        self.train(self.training)
+
+    def _decoder_layers(self) -> list[nn.Module]:
+        return list(self.thinker.model.language_model.layers)
+
+    def train(self, mode: bool = True) -> QwenOmniModel:
+        super().train(mode)
+        for layer in self._decoder_layers() if self._checkpointing else ():
+            layer.training = True  # recomputed in the backward pass (enable_gradient_checkpointing)
+        return self
 
     # ---- identity -----------------------------------------------------------------------------
     @property
