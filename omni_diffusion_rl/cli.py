@@ -472,6 +472,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .benchmarks.startup import run_startup_bench
 
         run_startup_bench(output, args.config, repeats=repeats or 5)
+    elif args.name == "qwen-cost":
+        from .benchmarks.qwen_cost import run_qwen_cost_bench
+
+        run_qwen_cost_bench(output, rounds=repeats or 5)
     elif args.name == "reward-server":
         from .benchmarks.reward_server import run_reward_server_bench
 
@@ -1319,7 +1323,8 @@ def _add_bench(sub: Subcommands) -> None:
         "sharding (2 processes, train.sharding=fsdp against none: seconds per step), "
         "algorithms (a race of nft, flow_grpo, mixgrpo, raft, distill on the tiny world: held-out judge "
         "accuracy against training seconds and samples, over seeds), "
-        "startup (a training process's imports and a 2-step run, garbage collector on vs paused and frozen)",
+        "startup (a training process's imports and a 2-step run, garbage collector on vs paused and frozen), "
+        "qwen-cost (a Qwen rollout's sound features and towers, before against now)",
     )
     bench.add_argument(
         "name",
@@ -1334,6 +1339,7 @@ def _add_bench(sub: Subcommands) -> None:
             "sharding",
             "algorithms",
             "startup",
+            "qwen-cost",
         ),
     )
     _add_bench_options(bench)

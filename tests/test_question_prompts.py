@@ -332,3 +332,78 @@ def test_qwen_gradient_checkpointing_recomputes_the_decoder_and_leaves_the_step_
         assert a["grad_norm"] > 0
     for p, q in zip(runs["plain"][0].params, runs["ckpt"][0].params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_qwen_sound_features_padded_to_the_clip_are_the_processors_where_the_towers_read(
+    tmp_path: Path,
+) -> None:
+    """Features padded to the longest clip (not the extractor's chunk_length) hold the frames the
+    processor's max-length call makes, bit for bit, where the mask keeps them; the audio tower's output
+    is the same; and the padded width is the clip's, not the chunk's."""
+    from omni_diffusion_rl.models.qwen_omni import QwenOmniModel
+
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+
+    model = QwenOmniModel.from_pretrained(
+        save_tiny_qwen_omni(tmp_path / "m"), fps=8.0, seconds=0.5, frame_size=28
+    )
+    fe = model.feature_extractor
+    fe.chunk_length, fe.n_samples, fe.nb_max_frames = (
+        4,
+        4 * fe.sampling_rate,
+        4 * fe.sampling_rate // fe.hop_length,
+    )
+    waves = torch.randn(3, 1, 4000, generator=torch.Generator().manual_seed(0)) * 0.2
+    ours = model._audio_inputs(waves)  # noqa: SLF001
+    theirs = fe(
+        [w.mean(0).numpy() for w in waves],
+        sampling_rate=fe.sampling_rate,
+        return_attention_mask=True,
+        padding="max_length",
+        truncation=True,
+        return_tensors="pt",
+    )
+    assert torch.equal(ours["feature_attention_mask"].sum(1), theirs["attention_mask"].sum(1))
+    kept = int(ours["feature_attention_mask"].sum(1).max())
+    assert ours["input_features"].shape[-1] == kept < theirs["input_features"].shape[-1] // 4
+    assert torch.equal(ours["input_features"], theirs["input_features"][..., :kept])
+    tower = model.thinker.model.get_audio_features
+    with torch.no_grad():
+        a = tower(ours["input_features"], ours["feature_attention_mask"], return_dict=True).last_hidden_state
+        b = tower(theirs["input_features"], theirs["attention_mask"], return_dict=True).last_hidden_state
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
+def test_a_rollout_runs_the_towers_once_per_clip_and_answers_as_before(tmp_path: Path, family: str) -> None:
+    """A group's k answers share one pass of the audio and vision towers (not k), and the sampler's
+    log-probs still equal the trainer's recompute from each answer's own prompt."""
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import step_records
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+    from .test_qwen_omni import MOVING, overrides
+
+    if family == "qwen3_omni":
+        from .qwen3_omni_tiny import save_tiny_qwen3_omni as save
+    else:
+        save = save_tiny_qwen_omni
+    run = tmp_path / "run"
+    config = overrides(save(tmp_path / "m"), run, 1, MOVING, f"model.family={family}")
+    trainer = Trainer(load_config(None, [*config, "train.eval_at_start_and_end=false"]))
+    inner = trainer.policy.model.thinker.model
+    seen: dict[str, list[int]] = {"audio": [], "video": []}
+    for kind in seen:
+        tower = getattr(inner, f"get_{kind}_features")
+
+        def counted(features, *args, _tower=tower, _seen=seen[kind], _kind=kind, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            grid = args[0] if args else kwargs.get("video_grid_thw")
+            _seen.append(len(features) if _kind == "audio" else len(grid))
+            return _tower(features, *args, **kwargs)
+
+        setattr(inner, f"get_{kind}_features", counted)
+    maker = trainer.experience
+    maker.generate(maker.prompts[:2], [0, 1], 1)
+    assert seen == {"audio": [2], "video": [2]}  # 2 clips, 4 answers each
+    trainer.fit()
+    assert step_records(run)[0]["gspo/logp_gap"] < 1e-4

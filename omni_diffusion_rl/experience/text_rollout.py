@@ -243,14 +243,20 @@ class TextExperienceMaker:
             for p, g in zip(prompts, group_ids, strict=True)
         ]
         video, audio = model.clip_tensors(batch)
-        video, audio = video.repeat_interleave(k, 0), audio.repeat_interleave(k, 0)
-        ids = [q for q in model.tokenize([x.text for x in batch]) for _ in range(k)]
+        questions = model.tokenize([x.text for x in batch])
         gens = [
             step_generator(self.seed, step, g * 65536 + j, "answers") for g in group_ids for j in range(k)
         ]
         device = next(model.parameters()).device
-        with self.rollout_weights(), self.autocast():
-            prompted = model.prompt(video.to(device), audio.to(device), ids)
+        with self.rollout_weights(), self.autocast():  # the towers once per clip, then k answers to each
+            prompted = model.prompt(video.to(device), audio.to(device), questions)
+            if hasattr(prompted, "repeated"):
+                prompted = prompted.repeated(k)
+            else:  # a model of the user's own whose prompts cannot be repeated: each answer's own prompt
+                repeat = [q for q in questions for _ in range(k)]
+                prompted = model.prompt(
+                    video.repeat_interleave(k, 0).to(device), audio.repeat_interleave(k, 0).to(device), repeat
+                )
             out = self.backend.sample(
                 model,
                 prompted.embeds,
@@ -261,6 +267,8 @@ class TextExperienceMaker:
                 self.min_new_tokens,
                 model.sampling_options(prompted),
             )
+        video, audio = video.repeat_interleave(k, 0), audio.repeat_interleave(k, 0)
+        ids = [q for q in questions for _ in range(k)]
         width = max(len(q) for q in ids)
         return TextRollout(
             prompts=[p for p in prompts for _ in range(k)],

@@ -132,6 +132,24 @@ class QwenPrompted:
     visual_mask: torch.Tensor | None = None
     deepstack: tuple[torch.Tensor, ...] = ()
 
+    def repeated(self, k: int) -> QwenPrompted:
+        """Each prompt k times in a row (a group's answers to one question about one clip): the
+        towers' work done once per clip, not once per answer."""
+        deepstack = self.deepstack
+        if deepstack and self.visual_mask is not None:  # rows of each prompt's video positions, in order
+            counts = self.visual_mask.sum(1).tolist()
+            deepstack = tuple(
+                torch.cat([part.repeat(k, 1) for part in level.split(counts)]) for level in deepstack
+            )
+        return QwenPrompted(
+            self.embeds.repeat_interleave(k, 0),
+            self.mask.repeat_interleave(k, 0),
+            self.positions.repeat_interleave(k, 1),
+            self.next_positions.repeat_interleave(k, 0),
+            None if self.visual_mask is None else self.visual_mask.repeat_interleave(k, 0),
+            deepstack,
+        )
+
 
 class QwenOmniModel(nn.Module):
     """The thinker, with its tokenizer, feature extractor and image processor attached."""
@@ -372,20 +390,15 @@ class QwenOmniModel(nn.Module):
         }
 
     def _audio_inputs(self, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
-        """input_features [B, mels, T] and feature_attention_mask [B, T] (the Qwen processor's call)."""
-        sounds = [w.detach().float().mean(0).cpu().numpy() for w in waveform]
-        with torch.autocast("cpu", enabled=False):  # the extractor's own torch STFT, in fp32
-            out = self.feature_extractor(
-                sounds,
-                sampling_rate=self.feature_extractor.sampling_rate,
-                return_attention_mask=True,
-                padding="max_length",
-                truncation=True,
-                return_tensors="pt",
-            )
+        """input_features [B, mels, T] and feature_attention_mask [B, T]: the Qwen processor's call,
+        padded to the longest clip of the batch (and half an FFT window of silence, which the last real
+        frames' windows reach into) rather than to the extractor's chunk_length: 300 s for the 7B
+        model, 30,000 mel frames a clip. The frames the mask keeps, all the towers read, are the same
+        bit for bit (the extractor's per-clip maximum is a real frame's either way)."""
+        features, mask = sound_features(self.feature_extractor, waveform)
         return {
-            "input_features": out["input_features"].to(waveform.device, self.thinker.dtype),
-            "feature_attention_mask": out["attention_mask"].to(waveform.device),
+            "input_features": features.to(waveform.device, self.thinker.dtype),
+            "feature_attention_mask": mask.to(waveform.device),
         }
 
     @property
@@ -580,6 +593,25 @@ PROCESSOR_BOUNDS = {
     "max_pixels": (1, 1 << 28),
 }
 MAX_PROCESSOR_CONFIG_BYTES = 1 << 20
+
+
+def sound_features(feature_extractor: Any, waveform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whisper features [B, mels, T] of waveforms [B, C, S] (channels mixed) and their mask [B, T],
+    padded to the longest clip plus half an FFT window of silence (QwenOmniModel._audio_inputs)."""
+    fe = feature_extractor
+    sounds = [w.detach().float().mean(0).cpu().numpy() for w in waveform]
+    silence = int(fe.n_fft) // 2
+    with torch.autocast("cpu", enabled=False):  # the extractor's own torch STFT, in fp32
+        out = fe(
+            [np.pad(s, (0, silence)) for s in sounds],
+            sampling_rate=fe.sampling_rate,
+            padding="longest",
+            return_tensors="pt",
+        )
+    hop = int(fe.hop_length)
+    frames = torch.tensor([-(-len(s) // hop) for s in sounds])  # as the extractor's own mask counts
+    mask = (torch.arange(int(frames.max()))[None] < frames[:, None]).long()
+    return out["input_features"][..., : mask.shape[1]], mask
 
 
 def declared_clip_format(source: str, options: dict[str, Any]) -> ClipFormat | None:

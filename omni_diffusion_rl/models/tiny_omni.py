@@ -129,6 +129,10 @@ class Prompted:
     def positions(self) -> torch.Tensor:
         return (self.mask.long().cumsum(-1) - 1).clamp(min=0)
 
+    def repeated(self, k: int) -> Prompted:
+        """Each prompt k times in a row (a group's answers to one question about one clip)."""
+        return Prompted(self.embeds.repeat_interleave(k, 0), self.mask.repeat_interleave(k, 0))
+
 
 class TinyOmniModel(nn.Module):
     """The LM and its media encoder; `tokenizer` is attached (not a module)."""
