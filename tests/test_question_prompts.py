@@ -407,3 +407,27 @@ def test_a_rollout_runs_the_towers_once_per_clip_and_answers_as_before(tmp_path:
     assert seen == {"audio": [2], "video": [2]}  # 2 clips, 4 answers each
     trainer.fit()
     assert step_records(run)[0]["gspo/logp_gap"] < 1e-4
+
+
+def test_the_qwen_head_runs_only_where_log_probs_are_read(tmp_path: Path) -> None:
+    """Full-vocabulary logits at the prompt's last position when sampling and at the answer's
+    positions in the recompute, never over the whole prompt (hundreds of media positions)."""
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    from .helpers import step_records
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+    from .test_qwen_omni import MOVING, overrides
+
+    run = tmp_path / "run"
+    config = overrides(
+        save_tiny_qwen_omni(tmp_path / "m"), run, 1, MOVING, "train.eval_at_start_and_end=false"
+    )
+    trainer = Trainer(load_config(None, config))
+    model = trainer.policy.model
+    widths: list[int] = []
+    model.thinker.lm_head.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[1]))
+    trainer.fit()
+    limit = trainer.cfg.algorithm.max_new_tokens
+    assert step_records(run)[0]["grad_norm"] > 0  # the recompute ran, and trained
+    assert widths[0] == 1  # the sampler's first call: the prompt's last position
+    assert max(widths) <= limit + 1 < model.media_tokens, (widths, model.media_tokens)

@@ -72,6 +72,8 @@ def sample_answers(
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_name = _cache_name(lm)
     prompt = prompt_inputs or {}
+    if "logits_to_keep" in inspect.signature(lm.forward).parameters:  # the head on the last position only
+        prompt = {**prompt, "logits_to_keep": 1}
     out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True, **prompt)
     cache: Any = getattr(out, cache_name)
     logits = out.logits[:, -1]

@@ -32,7 +32,7 @@ function, not the tower's method), the image processor's patch (16, read from it
 its vision tower's *deepstack* features (one per `deepstack_visual_indexes` entry), which the text
 model adds to the hidden states at the video positions after its first layers. Those cannot go in
 through the thinker's own forward with `inputs_embeds` (it would set them from pixel values), so
-the Qwen3 policy's `lm` (`DeepstackThinker`) runs the thinker's text model and head directly,
+the policies' `lm` (`ThinkerHead`) runs the thinker's text model and head directly,
 with the deepstack features on the prompt's forward (`sample_answers(prompt_inputs=...)`) and on
 the teacher-forced recompute; answer tokens get none. Its 3D positions are the thinker's own
 `get_rope_index` (floats: a temporal patch of 0.25 s is 6.25 position ids at the config's
@@ -234,9 +234,10 @@ class QwenOmniModel(nn.Module):
 
     # ---- identity -----------------------------------------------------------------------------
     @property
-    def lm(self) -> nn.Module:
-        """What samples: the thinker (inputs_embeds, attention_mask, 2D or 3D position_ids, a cache)."""
-        return self.thinker
+    def lm(self) -> ThinkerHead:
+        """What samples: the thinker's text model and head (inputs_embeds, attention_mask, 2D or 3D
+        position_ids, a cache, logits_to_keep; Qwen3's deepstack features on the prompt)."""
+        return ThinkerHead(self.thinker)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -513,11 +514,15 @@ class QwenOmniModel(nn.Module):
         if prompted.deepstack:  # the answer tokens are no video positions
             visual = torch.cat([prompted.visual_mask, torch.zeros_like(answer_mask, dtype=torch.bool)], 1)
             extra = {"visual_pos_masks": visual, "deepstack_visual_embeds": list(prompted.deepstack)}
-        logits = self.lm(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False, **extra
+        logits = self.lm(  # the head on the answer's positions only (and the prompt's last)
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=length + 1,
+            **extra,
         ).logits
-        p = prompted.embeds.shape[1]
-        logits = logits[:, p - 1 : -1].float()
+        logits = logits[:, :-1].float()
         logits[..., self.suppressed] = float("-inf")
         if min_new_tokens > 0:
             logits[:, :min_new_tokens, self.eos_id] = float("-inf")
@@ -726,11 +731,13 @@ class QwenOmniPolicy:
         return self
 
 
-class DeepstackThinker:
-    """Qwen3-Omni's thinker as the sampler and the recompute call it: its text model and head on
-    `inputs_embeds` (or answer token ids), with the deepstack features at the video positions
-    when given (the prompt's forward), a KV cache, and `.logits` / `.cache` out. Not a module of its
-    own: the thinker's parameters stay the thinker's (LoRA, checkpoints, export see them there)."""
+class ThinkerHead:
+    """A Qwen thinker as the sampler and the recompute call it: its text model on `inputs_embeds` (or
+    answer token ids), with Qwen3-Omni's deepstack features at the video positions when given (the
+    prompt's forward), a KV cache, and `.logits` / `.cache` out; the head (full-vocabulary logits)
+    only on the last `logits_to_keep` positions when that is given (the sampler needs the prompt's
+    last, the recompute the answer's). Not a module of its own: the thinker's parameters stay the
+    thinker's (LoRA, checkpoints, export see them there)."""
 
     def __init__(self, thinker: nn.Module) -> None:
         self.thinker = thinker
@@ -752,7 +759,11 @@ class DeepstackThinker:
         cache: Any = None,
         visual_pos_masks: torch.Tensor | None = None,
         deepstack_visual_embeds: list[torch.Tensor] | None = None,
+        logits_to_keep: int = 0,
     ) -> SimpleNamespace:
+        extra = {}
+        if deepstack_visual_embeds is not None:
+            extra = {"visual_pos_masks": visual_pos_masks, "deepstack_visual_embeds": deepstack_visual_embeds}
         out = self.thinker.model.language_model(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
@@ -760,10 +771,10 @@ class DeepstackThinker:
             position_ids=position_ids,
             use_cache=use_cache,
             cache=cache,
-            visual_pos_masks=visual_pos_masks,
-            deepstack_visual_embeds=deepstack_visual_embeds,
+            **extra,
         )
-        return SimpleNamespace(logits=self.thinker.lm_head(out.last_hidden_state), cache=out.cache)
+        hidden = out.last_hidden_state
+        return SimpleNamespace(logits=self.thinker.lm_head(hidden[:, -logits_to_keep:]), cache=out.cache)
 
 
 class Qwen3OmniModel(QwenOmniModel):
@@ -772,11 +783,6 @@ class Qwen3OmniModel(QwenOmniModel):
 
     family: ClassVar[str] = "qwen3_omni"
     thinker_class: ClassVar[str] = "Qwen3OmniMoeThinkerForConditionalGeneration"
-
-    @property
-    def lm(self) -> Any:
-        """What samples: the thinker's text model and head, deepstack features on the prompt."""
-        return DeepstackThinker(self.thinker)
 
     def _audio_tokens(self, frames: torch.Tensor) -> torch.Tensor:
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
