@@ -196,3 +196,14 @@ def test_how_an_h3_folder_loads_is_noted_from_its_headers(tmp_path: Path) -> Non
     notes = check_stored_dtypes(load_config(None, [*base, "model.base_dtype=fp32"]))
     assert [f.what for f in notes] == ["train.sharding (transformer)"]
     assert all(f in preflight(load_config(None, [*base, "model.base_dtype=fp32"])) for f in notes)
+
+
+def test_the_qwen3_omni_recipe_names_what_to_download(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(REPO)
+    recipe = ["train", "recipes/configs/qwen3_omni_avqa_gspo.yaml", f"train.output_dir={tmp_path}", "--check"]
+    assert main(recipe) == 1
+    out = capsys.readouterr().out
+    assert "/models/Qwen3-Omni-30B-A3B-Instruct does not exist: download the model" in out, out
+    assert "question file /data/my_clips/questions.jsonl does not exist" in out, out
