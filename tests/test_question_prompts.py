@@ -403,8 +403,16 @@ def test_a_rollout_runs_the_towers_once_per_clip_and_answers_as_before(tmp_path:
 
         setattr(inner, f"get_{kind}_features", counted)
     maker = trainer.experience
-    maker.generate(maker.prompts[:2], [0, 1], 1)
+    rollout = maker.generate(maker.prompts[:2], [0, 1], 1)
     assert seen == {"audio": [2], "video": [2]}  # 2 clips, 4 answers each
+    # the rollout keeps the bytes the image processor reads: a quarter of float32, the same prompt
+    model = trainer.policy.model
+    assert rollout.video.dtype == torch.uint8
+    floats = rollout.video.float() / 255
+    ids = rollout.question_ids()
+    with torch.no_grad():
+        a, b = model.prompt(rollout.video, rollout.audio, ids), model.prompt(floats, rollout.audio, ids)
+    assert torch.equal(a.embeds, b.embeds)
     trainer.fit()
     assert step_records(run)[0]["gspo/logp_gap"] < 1e-4
 

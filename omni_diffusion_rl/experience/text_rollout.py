@@ -166,9 +166,9 @@ def answer_media(policy: Any, rollout: TextRollout) -> MediaBatch:
     """What a reward scores: the clip, and the answer as the batch's text."""
     texts = answer_texts(policy, rollout)
     clip = policy.model.clip_format
-    return MediaBatch(
-        video=rollout.video, audio=rollout.audio, fps=clip.fps, sample_rate=clip.sample_rate, text=texts
-    )
+    video = rollout.video.float() / 255 if rollout.video.dtype == torch.uint8 else rollout.video
+    rates = {"fps": clip.fps, "sample_rate": clip.sample_rate}
+    return MediaBatch(video=video, audio=rollout.audio, text=texts, **rates)
 
 
 class TextExperienceMaker:
@@ -267,6 +267,8 @@ class TextExperienceMaker:
                 self.min_new_tokens,
                 model.sampling_options(prompted),
             )
+        stored = getattr(model, "stored_video", None)  # a model reading bytes keeps bytes (Qwen: uint8)
+        video = video if stored is None else stored(video)
         video, audio = video.repeat_interleave(k, 0), audio.repeat_interleave(k, 0)
         ids = [q for q in questions for _ in range(k)]
         width = max(len(q) for q in ids)

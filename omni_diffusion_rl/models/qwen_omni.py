@@ -368,12 +368,21 @@ class QwenOmniModel(nn.Module):
             sounds.append(torch.zeros(1, clip.samples) if q.audio is None else q.audio[:1].float())
         return torch.stack(videos), torch.stack(sounds)
 
+    @staticmethod
+    def stored_video(video: torch.Tensor) -> torch.Tensor:
+        """Frames as the image processor reads them, bytes (uint8 in [0, 255]; float frames in [0, 1]
+        rounded): what a rollout keeps and the replay buffer carries, a quarter of float32's size
+        and the same pixels the model reads."""
+        if video.dtype == torch.uint8:
+            return video
+        return (video.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+
     def _video_inputs(self, video: torch.Tensor) -> dict[str, torch.Tensor]:
         """pixel_values_videos [sum t*h*w, C*tps*p*p], video_grid_thw [B, 3], video_second_per_grid [B]
         as Qwen2VLVideoProcessor makes them, from frames in [0, 1] via the image processor."""
         ip = self.image_processor
         tps, p = int(ip.temporal_patch_size), int(ip.patch_size)
-        frames = (video.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        frames = self.stored_video(video).cpu()
         patches, grids = [], []
         for clip in frames:
             pictures = [f.permute(1, 2, 0).numpy() for f in clip]
