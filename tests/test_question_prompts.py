@@ -376,8 +376,8 @@ def test_qwen_sound_features_padded_to_the_clip_are_the_processors_where_the_tow
 
 @pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
 def test_a_rollout_runs_the_towers_once_per_clip_and_answers_as_before(tmp_path: Path, family: str) -> None:
-    """A group's k answers share one pass of the audio and vision towers (not k), and the sampler's
-    log-probs still equal the trainer's recompute from each answer's own prompt."""
+    """A group's k answers share one pass of the audio and vision towers (not k), in the rollout and
+    in the trainer's recompute, and the sampler's log-probs still equal the recompute's."""
     from omni_diffusion_rl.trainers.trainer import Trainer
 
     from .helpers import step_records
@@ -413,7 +413,9 @@ def test_a_rollout_runs_the_towers_once_per_clip_and_answers_as_before(tmp_path:
     with torch.no_grad():
         a, b = model.prompt(rollout.video, rollout.audio, ids), model.prompt(floats, rollout.audio, ids)
     assert torch.equal(a.embeds, b.embeds)
-    trainer.fit()
+    seen["audio"].clear()
+    trainer.fit()  # a step: its rollout, then the trainer's recompute, each once per clip
+    assert seen["audio"] == [2, 2], seen
     assert step_records(run)[0]["gspo/logp_gap"] < 1e-4
 
 

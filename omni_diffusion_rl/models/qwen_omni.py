@@ -135,18 +135,22 @@ class QwenPrompted:
     def repeated(self, k: int) -> QwenPrompted:
         """Each prompt k times in a row (a group's answers to one question about one clip): the
         towers' work done once per clip, not once per answer."""
+        return self.rows(torch.arange(len(self.embeds)).repeat_interleave(k))
+
+    def rows(self, index: torch.Tensor) -> QwenPrompted:
+        """The prompts `index` names (repeats allowed), gradients flowing through the selection."""
+        at = index.to(self.embeds.device)
         deepstack = self.deepstack
         if deepstack and self.visual_mask is not None:  # rows of each prompt's video positions, in order
             counts = self.visual_mask.sum(1).tolist()
-            deepstack = tuple(
-                torch.cat([part.repeat(k, 1) for part in level.split(counts)]) for level in deepstack
-            )
+            picked = index.tolist()
+            deepstack = tuple(torch.cat([level.split(counts)[i] for i in picked]) for level in deepstack)
         return QwenPrompted(
-            self.embeds.repeat_interleave(k, 0),
-            self.mask.repeat_interleave(k, 0),
-            self.positions.repeat_interleave(k, 1),
-            self.next_positions.repeat_interleave(k, 0),
-            None if self.visual_mask is None else self.visual_mask.repeat_interleave(k, 0),
+            self.embeds[at],
+            self.mask[at],
+            self.positions[:, at],
+            self.next_positions[at],
+            None if self.visual_mask is None else self.visual_mask[at],
             deepstack,
         )
 

@@ -131,7 +131,12 @@ class Prompted:
 
     def repeated(self, k: int) -> Prompted:
         """Each prompt k times in a row (a group's answers to one question about one clip)."""
-        return Prompted(self.embeds.repeat_interleave(k, 0), self.mask.repeat_interleave(k, 0))
+        return self.rows(torch.arange(len(self.embeds)).repeat_interleave(k))
+
+    def rows(self, index: torch.Tensor) -> Prompted:
+        """The prompts `index` names (repeats allowed), gradients flowing through the selection."""
+        at = index.to(self.embeds.device)
+        return Prompted(self.embeds[at], self.mask[at])
 
 
 class TinyOmniModel(nn.Module):

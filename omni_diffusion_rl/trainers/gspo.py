@@ -104,7 +104,7 @@ class GroupSequencePolicyOptimization(Algorithm):
         device = next(model.parameters()).device
         sub = micro.work.rollout.select(torch.arange(micro.part.start, micro.part.stop)).to(device)
         with learner.autocast():
-            prompted = model.prompt(sub.video, sub.audio, sub.question_ids())
+            prompted = group_prompts(model, sub)
             logp = model.answer_log_probs(
                 prompted, sub.answers, sub.answer_mask, a.temperature, a.min_new_tokens
             )
@@ -131,6 +131,25 @@ class GroupSequencePolicyOptimization(Algorithm):
             sums["answers/mean_tokens"] = float(kept.answer_mask.sum(-1).float().mean())
             sums["answers/truncated"] = float(kept.truncated.float().mean())
         return sums
+
+
+def group_prompts(model: Any, answers: Any) -> Any:
+    """The prompts of a micro-batch's answers (a TextRollout's rows), built once per prompt group (one
+    clip and question a group) and selected for each answer: the towers run once per clip, not once
+    per answer; a model whose prompts cannot be selected builds each answer's own."""
+    groups, first = answers.group_ids.tolist(), {}
+    for row, group in enumerate(groups):
+        first.setdefault(group, row)
+    ids = answers.question_ids()
+    unique = list(first.values())
+    if len(unique) == len(groups):
+        return model.prompt(answers.video, answers.audio, ids)
+    at = torch.tensor(unique, device=answers.video.device)
+    prompted = model.prompt(answers.video[at], answers.audio[at], [ids[i] for i in unique])
+    if not hasattr(prompted, "rows"):
+        return model.prompt(answers.video, answers.audio, ids)
+    position = {group: i for i, group in enumerate(first)}
+    return prompted.rows(torch.tensor([position[g] for g in groups]))
 
 
 def logp_gap(logp: torch.Tensor, answers: Any) -> float:
