@@ -214,6 +214,44 @@ def check_clip_format(cfg: ExperimentConfig) -> list[Finding]:
     return [Finding(WRONG, "data.clip_*", problem)] if problem else []
 
 
+def check_frame_aspect(cfg: ExperimentConfig, loaded: dict[str, list[str]]) -> list[Finding]:
+    """A note when a Qwen model reads the first training clip's frames at another size than Qwen's own
+    processor would (model.options.frame_size, square by default), naming the processor's size."""
+    from .answer_data.clip_files import ClipFileError, file_timing
+    from .answer_data.questions import FileQuestion, is_file_key
+
+    if cfg.model.family not in ("qwen2_5_omni", "qwen3_omni"):
+        return []
+    folder = Path(os.path.expanduser(cfg.model.pretrained))
+    first = next((k for k in loaded.get("data.prompts", []) if is_file_key(k)), None)
+    video = None if first is None else FileQuestion.from_key(first).video
+    if video is None or not (folder / "preprocessor_config.json").is_file():
+        return []
+    from transformers import Qwen2VLImageProcessorPil
+
+    from .models.qwen_omni import OPTIONS, frame_height_width, processor_frame_size
+
+    try:
+        timing = file_timing(video)
+        processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder))
+        read = frame_height_width(cfg.model.options.get("frame_size", 224))
+    except (ClipFileError, OSError, ValueError):
+        return []  # the prompt and option checks say what is wrong
+    own = processor_frame_size(timing.height, timing.width, processor)
+    if own == read:
+        return []
+    size = f"{own[1]}x{own[0]}"
+    return [
+        Finding(
+            NOTE,
+            f"model.options.{OPTIONS[2]}",
+            f"{Path(video).name} is {timing.width}x{timing.height}; the model reads frames at "
+            f"{read[1]}x{read[0]}, Qwen's own processor at {size} (its patches and pixel bounds, the "
+            f'shape kept): set model.options.frame_size: "{size}" to read it as Qwen does',
+        )
+    ]
+
+
 def check_gradable(cfg: ExperimentConfig, loaded: dict[str, list[str]]) -> list[Finding]:
     """Every prompt gradable by every local reward that can tell (a reward class's `ungradable(prompt)`,
     e.g. answer_exact on a rubric line): a prompt one reward cannot grade fails its samples at every
@@ -377,6 +415,7 @@ def preflight(cfg: ExperimentConfig, loaded: dict[str, list[str]] | None = None)
         *check_teachers(cfg),
         *prompts,
         *check_clip_format(cfg),
+        *check_frame_aspect(cfg, loaded),
         *check_gradable(cfg, loaded),
         check_output(cfg),
     ]

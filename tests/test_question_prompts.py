@@ -441,3 +441,65 @@ def test_the_qwen_head_runs_only_where_log_probs_are_read(tmp_path: Path) -> Non
     assert step_records(run)[0]["grad_norm"] > 0  # the recompute ran, and trained
     assert widths[0] == 1  # the sampler's first call: the prompt's last position
     assert max(widths) <= limit + 1 < model.media_tokens, (widths, model.media_tokens)
+
+
+@pytest.mark.parametrize("folder_settings", [True, False])
+def test_the_frame_size_qwens_processor_reads_is_computed_as_it_resizes(
+    tmp_path: Path, folder_settings: bool
+) -> None:
+    """processor_frame_size gives the size Qwen's image processor resizes a frame to (its patch grid
+    times the patch), for non-square frames, at the tiny folder's settings and at the processor's own
+    defaults (Qwen's 56 x 56 to 28 x 28 x 1280 pixels)."""
+    import numpy as np
+    from transformers import Qwen2VLImageProcessorPil
+
+    from omni_diffusion_rl.models.qwen_omni import processor_frame_size
+
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+
+    if folder_settings:
+        processor = Qwen2VLImageProcessorPil.from_pretrained(str(save_tiny_qwen_omni(tmp_path / "m")))
+    else:
+        processor = Qwen2VLImageProcessorPil()
+    patch = int(processor.patch_size)
+    for height, width in [(30, 40), (56, 84), (120, 90), (300, 500), (480, 854), (1080, 1920), (20, 300)]:
+        frame = np.zeros((height, width, 3), np.uint8)
+        grid = processor(images=[frame], return_tensors="np")["image_grid_thw"][0]
+        expected = (grid[1] * patch, grid[2] * patch)
+        assert processor_frame_size(height, width, processor) == expected, (height, width)
+
+
+def test_a_non_square_frame_size_keeps_the_clips_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.options.frame_size "WIDTHxHEIGHT": frames resized to it (not squashed to a square), the
+    prompt holds the processor's token count for that size, and --check names the size Qwen's own
+    processor reads the user's clips at when the model's differs."""
+    from omni_diffusion_rl.answer_data.questions import AskedQuestion
+    from omni_diffusion_rl.cli import main
+    from omni_diffusion_rl.models.qwen_omni import QwenOmniModel
+
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+
+    folder = save_tiny_qwen_omni(tmp_path / "m")
+    model = QwenOmniModel.from_pretrained(folder, fps=8.0, seconds=0.5, frame_size="56x28")
+    clip = model.clip_format
+    assert clip.frame_size == (28, 56)
+    frames = torch.rand(clip.frames, 3, 30, 60)
+    video, audio = model.clip_tensors([AskedQuestion("q", None, "all", video=frames)])
+    assert video.shape[-2:] == (28, 56)
+    with torch.no_grad():
+        prompted = model.prompt(video, audio, model.tokenize(["which colour ?"]))
+    grid = model._video_inputs(video)["video_grid_thw"][0].tolist()  # noqa: SLF001
+    assert grid[1:] == [2, 4] and prompted.embeds.shape[0] == 1
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+        QwenOmniModel.from_pretrained(folder, fps=8.0, seconds=0.5, frame_size="wide")
+    _clip_files(tmp_path)
+    path = _write(tmp_path, GOOD, GOOD | {"question": "which shape now"})
+    monkeypatch.chdir(REPO)
+    recipe = ["train", "recipes/configs/tiny_qwen_own_clips.yaml", f"model.pretrained={folder}"]
+    args = [*recipe, f"data.prompts={path}", f"data.eval_prompts={SHIPPED}", "data.prompts_per_step=2"]
+    square = "model.options={fps: 8.0, seconds: 0.5, frame_size: 56}"
+    assert main([*args, square, f"train.output_dir={tmp_path / 'run'}", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "ok.mp4 is 16x16; the model reads frames at 56x56, Qwen's own processor at 28x28" in out

@@ -172,7 +172,7 @@ class QwenOmniModel(nn.Module):
         chat_template: str | None = None,
         fps: float = 2.0,
         seconds: float = 4.0,
-        frame_size: int = 224,
+        frame_size: int | str = 224,
     ) -> None:
         super().__init__()
         self.thinker = thinker
@@ -180,7 +180,9 @@ class QwenOmniModel(nn.Module):
         self.feature_extractor, self.image_processor = feature_extractor, image_processor
         template = chat_template or getattr(tokenizer, "chat_template", None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
-        self.fps, self.seconds, self.frame_size = float(fps), float(seconds), int(frame_size)
+        self.fps, self.seconds = float(fps), float(seconds)
+        self.frame_hw = frame_height_width(frame_size)  # (height, width) the frames are resized to
+        self.frame_size = frame_size if isinstance(frame_size, str) else int(frame_size)
         ClipFormat(self.fps, int(feature_extractor.sampling_rate), self.seconds)  # refuses a bad one now
         chunk = getattr(feature_extractor, "chunk_length", None)
         if chunk is not None and self.seconds > float(chunk):
@@ -188,8 +190,6 @@ class QwenOmniModel(nn.Module):
                 f"seconds={self.seconds:g}: the feature extractor reads at most {chunk} s of sound a clip "
                 "(its chunk_length); a longer clip would be cut. Use seconds <= chunk_length"
             )
-        if frame_size < 1:
-            raise ValueError(f"frame_size={frame_size}: a positive number of pixels")
         text = thinker.config.get_text_config()
         if len(tokenizer) > text.vocab_size:
             raise ValueError(
@@ -348,13 +348,13 @@ class QwenOmniModel(nn.Module):
         """The clips the model reads: model.options' fps, seconds and frame size, the feature
         extractor's rate, mono."""
         rate = int(self.feature_extractor.sampling_rate)
-        return ClipFormat(self.fps, rate, self.seconds, 1, (self.frame_size, self.frame_size))
+        return ClipFormat(self.fps, rate, self.seconds, 1, self.frame_hw)
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
         """Video [B, F, 3, S, S] (frames resized to frame_size, antialiased bilinear) and waveforms
         [B, 1, samples]; a missing picture or sound is black frames or silence. A clip of another
         length (frames or samples) is refused: it was made at another format."""
-        clip, size = self.clip_format, (self.frame_size, self.frame_size)
+        clip, size = self.clip_format, self.frame_hw
         videos, sounds = [], []
         for q in asked:
             frames = clip.frames if q.video is None else q.video.shape[0]
@@ -420,7 +420,7 @@ class QwenOmniModel(nn.Module):
         """Tokens a prompt takes besides its question (template and media placeholders)."""
         if self._media_tokens is None:
             clip = self.clip_format
-            video = torch.zeros(1, clip.frames, 3, self.frame_size, self.frame_size)
+            video = torch.zeros(1, clip.frames, 3, *self.frame_hw)
             n_video, n_audio = self._media_counts(
                 self._video_inputs(video), self._audio_inputs(torch.zeros(1, 1, clip.samples))
             )
@@ -433,7 +433,7 @@ class QwenOmniModel(nn.Module):
         the 3D rope's time positions can push past the prompt's token count."""
         clip = self.clip_format
         device = next(self.parameters()).device
-        video = torch.zeros(1, clip.frames, 3, self.frame_size, self.frame_size, device=device)
+        video = torch.zeros(1, clip.frames, 3, *self.frame_hw, device=device)
         prompted = self.prompt(video, torch.zeros(1, clip.channels, clip.samples, device=device), [question])
         return max(math.ceil(float(prompted.next_positions.max())), self.media_tokens + len(question))
 
@@ -613,6 +613,52 @@ PROCESSOR_BOUNDS = {
 MAX_PROCESSOR_CONFIG_BYTES = 1 << 20
 
 
+def frame_height_width(frame_size: int | str) -> tuple[int, int]:
+    """model.options.frame_size as (height, width): a number is a square side, "WIDTHxHEIGHT" (text)
+    keeps a clip's aspect ratio (the size Qwen's processor reads it at: `processor_frame_size`)."""
+    if isinstance(frame_size, str):
+        width, _, height = frame_size.lower().partition("x")
+        if not (width.isdigit() and height.isdigit()):
+            raise ValueError(f"frame_size={frame_size!r}: a number of pixels, or WIDTHxHEIGHT such as 84x56")
+        size = (int(height), int(width))
+    elif (
+        isinstance(frame_size, bool)
+        or not isinstance(frame_size, int | float)
+        or frame_size != int(frame_size)
+    ):
+        raise ValueError(
+            f"frame_size={frame_size!r}: a whole number of pixels, or WIDTHxHEIGHT such as 84x56"
+        )
+    else:
+        size = (int(frame_size), int(frame_size))
+    if not all(1 <= side <= 4096 for side in size):
+        raise ValueError(f"frame_size={frame_size!r}: each side 1 to 4096 pixels")
+    return size
+
+
+def processor_frame_size(height: int, width: int, image_processor: Any) -> tuple[int, int]:
+    """The (height, width) Qwen's image processor resizes a height x width frame to: each side
+    rounded to a multiple of its patch times its merge size, the area then brought within its
+    min_pixels and max_pixels (shortest_edge / longest_edge) keeping the aspect ratio."""
+    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+    size = image_processor.size
+    least = (
+        getattr(size, "shortest_edge", None)
+        or getattr(image_processor, "min_pixels", None)
+        or factor * factor
+    )
+    most = getattr(size, "longest_edge", None) or getattr(image_processor, "max_pixels", None) or 1 << 28
+    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+    if h * w > most:
+        shrink = math.sqrt(height * width / most)
+        h = max(factor, math.floor(height / shrink / factor) * factor)
+        w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif h * w < least:
+        grow = math.sqrt(least / (height * width))
+        h, w = math.ceil(height * grow / factor) * factor, math.ceil(width * grow / factor) * factor
+    return h, w
+
+
 def sound_features(feature_extractor: Any, waveform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whisper features [B, mels, T] of waveforms [B, C, S] (channels mixed) and their mask [B, T],
     padded to the longest clip plus half an FFT window of silence (QwenOmniModel._audio_inputs)."""
@@ -644,7 +690,7 @@ def declared_clip_format(source: str, options: dict[str, Any]) -> ClipFormat | N
     defaults = {k: p.default for k, p in inspect.signature(QwenOmniModel.__init__).parameters.items()}
     fps, seconds, size = (options.get(k, defaults[k]) for k in OPTIONS)
     rate = int(settings["sampling_rate"])
-    return ClipFormat(float(fps), rate, float(seconds), 1, (int(size), int(size)))
+    return ClipFormat(float(fps), rate, float(seconds), 1, frame_height_width(size))
 
 
 def check_preprocessor_config(source: str) -> dict[str, Any] | None:
