@@ -35,6 +35,13 @@ def _cache_name(lm: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
+def _prefill_inputs(lm: torch.nn.Module, prompt_inputs: dict[str, Any] | None) -> dict[str, Any]:
+    """The prompt's forward's extra inputs, and `logits_to_keep=1` where the model takes it (the
+    full-vocabulary head on the last position only: the first answer token's)."""
+    keep = "logits_to_keep" in inspect.signature(lm.forward).parameters
+    return {**(prompt_inputs or {}), **({"logits_to_keep": 1} if keep else {})}
+
+
 @torch.no_grad()
 def sample_answers(
     lm: torch.nn.Module,
@@ -71,9 +78,7 @@ def sample_answers(
     if positions is None:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_name = _cache_name(lm)
-    prompt = prompt_inputs or {}
-    if "logits_to_keep" in inspect.signature(lm.forward).parameters:  # the head on the last position only
-        prompt = {**prompt, "logits_to_keep": 1}
+    prompt = _prefill_inputs(lm, prompt_inputs)
     out = lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True, **prompt)
     cache: Any = getattr(out, cache_name)
     logits = out.logits[:, -1]
