@@ -32,6 +32,12 @@ from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.world.avqa import parse_question
 
 
+def asked_of(prompt: str) -> AskedQuestion:
+    """What a prompt's answers are graded against (a rubric line is refused by name); an option's letter
+    alone answers a question file's line, not a tiny AVQA question (listed without letters)."""
+    return _graded(question_of(prompt), letters=is_file_key(prompt))
+
+
 def question_of(prompt: str) -> FileQuestion:
     """The question a prompt names, as a question-file line (a tiny AVQA prompt is converted)."""
     if is_file_key(prompt):
@@ -46,13 +52,15 @@ def _answers(media: MediaBatch) -> list[str]:
     return media.text
 
 
-def _graded(question: FileQuestion) -> AskedQuestion:
+def _graded(question: FileQuestion, letters: bool = True) -> AskedQuestion:
     if question.answer is None:
         raise ValueError(
             f"the question {question.question[:80]!r} has no answer (a rubric line): grade it with a judge "
             "reward, not by matching"
         )
-    return AskedQuestion(question.question, question.answer, question.category, choices=question.choices)
+    return AskedQuestion(
+        question.question, question.answer, question.category, choices=question.choices, letters=letters
+    )
 
 
 def _ungradable(prompt: str) -> str | None:
@@ -74,9 +82,7 @@ class AnswerExactMatch:
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
         answers = _answers(media)
-        return torch.tensor(
-            [is_right(a, _graded(question_of(p))) for a, p in zip(answers, prompts, strict=True)]
-        )
+        return torch.tensor([is_right(a, asked_of(p)) for a, p in zip(answers, prompts, strict=True)])
 
 
 @rewards.register("choice_letter")
@@ -90,7 +96,7 @@ class ChoiceLetter:
         out = []
         for answer, prompt in zip(_answers(media), prompts, strict=True):
             question = question_of(prompt)
-            graded = _graded(question)
+            graded = asked_of(prompt)
             if not question.choices:
                 out.append(is_right(answer, graded))
                 continue

@@ -303,6 +303,11 @@ def test_the_answer_rewards_grade_by_the_key_and_refuse_what_they_cannot_grade()
     )
     assert graded.tolist() == [1, 1, 1, 1, 1, 1]
     assert exact.score(media("the answer is b", "A", "red"), [mc, mc_letter, mc]).tolist() == [0, 0, 0]
+    # tiny AVQA lists its options without letters: a bare letter is no answer there
+    from omni_diffusion_rl.world.avqa import parse_question
+
+    bare = "abcdef"[parse_question(tiny).choices.index("red")]
+    assert exact.score(media(bare, "red"), [tiny, tiny]).tolist() == [0, 1]
     assert letter.score(media("the answer is b", "red"), [mc, mc]).tolist() == [1, 0]
     # a file mixing multiple-choice and open lines: choice_letter grades the open ones exactly
     assert letter.score(media("a dog", "a cat", "it is blue"), [open_q, open_q, mc_letter]).tolist() == [

@@ -170,7 +170,12 @@ def _with_sound_track(question: FileQuestion, clip: ClipFormat) -> FileQuestion:
             f'{e}; the line names no audio file and the model reads sound: give it an "audio" file, '
             "or set data.audio_from_video=never to read silence"
         ) from None
-    return dataclasses.replace(question, audio=question.video)
+    heard = dataclasses.replace(question, audio=question.video)
+    if len(heard.key()) > MAX_KEY_CHARS:
+        raise ValueError(
+            f"the line's fields take {len(heard.key())} characters with its sound; at most {MAX_KEY_CHARS}"
+        )
+    return heard
 
 
 def _split_of(line: str) -> tuple[object, str]:

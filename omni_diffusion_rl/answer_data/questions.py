@@ -39,6 +39,8 @@ class AskedQuestion:
     video: torch.Tensor | None = field(default=None, repr=False)
     audio: torch.Tensor | None = field(default=None, repr=False)
     choices: tuple[str, ...] = ()
+    letters: bool = True  # an option's letter alone answers it (a question file's line; not tiny AVQA,
+    # whose questions list their options without letters: a bare "a" there is no answer)
 
 
 @dataclass(frozen=True)
@@ -211,8 +213,8 @@ def reference_letter(question: FileQuestion) -> str | None:
 def is_right(answer: str, question: AskedQuestion) -> float:
     """1.0 when the normalised answer is the question's right answer, or, for a multiple-choice
     question, exactly the right option's text or its letter alone ("B", "(b)", "b."), whichever of
-    the two the file gives as the answer; else 0.0. Reading an option out of a longer answer ("the
-    answer is B", "it is blue") is choice_letter's."""
+    the two the file gives as the answer (the letter only where `question.letters`); else 0.0.
+    Reading an option out of a longer answer ("the answer is B", "it is blue") is choice_letter's."""
     if question.reference is None:
         raise ValueError(f"the question {question.text!r} has no right answer to grade against")
     said = normalise_answer(answer)
@@ -221,7 +223,8 @@ def is_right(answer: str, question: AskedQuestion) -> float:
     right = _letter_of(question.reference, question.choices)
     if right is None:
         return 0.0
-    return float(said in (right.lower(), normalise_answer(question.choices[LETTERS.index(right)])))
+    text = normalise_answer(question.choices[LETTERS.index(right)])
+    return float(said == text or (question.letters and said == right.lower()))
 
 
 def _letter_of(reference: str, choices: tuple[str, ...]) -> str | None:

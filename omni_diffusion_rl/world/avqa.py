@@ -166,4 +166,5 @@ def asked_question(prompt: str, gen: torch.Generator) -> AskedQuestion:
         video=video[0],
         audio=synthesize_audio(amps)[0],
         choices=question.choices,
+        letters=False,  # its options are listed without letters
     )
