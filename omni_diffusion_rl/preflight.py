@@ -206,8 +206,8 @@ def check_clip_format(cfg: ExperimentConfig) -> list[Finding]:
 
     try:
         theirs = declared_clip_format(cfg)
-    except ValueError as e:
-        return [Finding(WRONG, f"model.pretrained ({cfg.model.family})", str(e))]
+    except (ValueError, TypeError) as e:
+        return [Finding(WRONG, f"model.pretrained or model.options ({cfg.model.family})", str(e))]
     if theirs is None:
         return []
     problem = clip_format_problem(cfg.data, cfg.model.family, theirs)  # type: ignore[arg-type]
@@ -229,15 +229,16 @@ def check_frame_aspect(cfg: ExperimentConfig, loaded: dict[str, list[str]]) -> l
         return []
     from transformers import Qwen2VLImageProcessorPil
 
-    from .models.qwen_omni import OPTIONS, frame_height_width, processor_frame_size
+    from .models.qwen_omni import OPTIONS, check_preprocessor_config, frame_height_width, processor_frame_size
 
     try:
+        check_preprocessor_config(str(folder))  # bounded, its numbers in range, before a library reads it
         timing = file_timing(video)
         processor = Qwen2VLImageProcessorPil.from_pretrained(str(folder))
         read = frame_height_width(cfg.model.options.get("frame_size", 224))
-    except (ClipFileError, OSError, ValueError):
-        return []  # the prompt and option checks say what is wrong
-    own = processor_frame_size(timing.height, timing.width, processor)
+        own = processor_frame_size(timing.height, timing.width, processor)
+    except (ClipFileError, OSError, ValueError, TypeError, ZeroDivisionError):
+        return []  # the prompt, clip-format and option checks say what is wrong
     if own == read:
         return []
     size = f"{own[1]}x{own[0]}"

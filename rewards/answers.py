@@ -3,8 +3,9 @@ reads `media.text` (the answers) and the data-stream prompt (the question's key,
 and options it carries), returns [B] in {0, 1}. They never open the files a key names, so they can be
 served (`odrl serve-reward answer_exact choice_letter`) and used through `reward.url`.
 
-- `answer_exact`: 1 when the normalised answer is the right one; for a multiple-choice question, when
-  it is exactly the right option's text or its letter alone, whichever the file gives as the answer.
+- `answer_exact`: 1 when the normalised answer is the right one; for a multiple-choice question whose
+  answer the file gives as a letter, also the option's text, or the letter alone (a letter alone is
+  no answer where the file answers with the text: its options may be shown without letters).
 - `choice_letter`: for a multiple-choice question, 1 when the option the answer picks (by letter,
   "the answer is B", or one option's text) is the right one; any other question it grades as
   `answer_exact` does, so that a file mixing both kinds trains with either reward or both.
@@ -22,6 +23,7 @@ import torch
 from omni_diffusion_rl.answer_data.questions import (
     AskedQuestion,
     FileQuestion,
+    answers_by_letter,
     chosen_letter,
     is_file_key,
     is_right,
@@ -34,8 +36,9 @@ from omni_diffusion_rl.world.avqa import parse_question
 
 def asked_of(prompt: str) -> AskedQuestion:
     """What a prompt's answers are graded against (a rubric line is refused by name); an option's letter
-    alone answers a question file's line, not a tiny AVQA question (listed without letters)."""
-    return _graded(question_of(prompt), letters=is_file_key(prompt))
+    alone answers a question-file line whose answer is a letter, never a tiny AVQA question."""
+    question = question_of(prompt)
+    return _graded(question, letters=is_file_key(prompt) and answers_by_letter(question))
 
 
 def question_of(prompt: str) -> FileQuestion:
@@ -52,7 +55,7 @@ def _answers(media: MediaBatch) -> list[str]:
     return media.text
 
 
-def _graded(question: FileQuestion, letters: bool = True) -> AskedQuestion:
+def _graded(question: FileQuestion, letters: bool = False) -> AskedQuestion:
     if question.answer is None:
         raise ValueError(
             f"the question {question.question[:80]!r} has no answer (a rubric line): grade it with a judge "

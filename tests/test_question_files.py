@@ -297,11 +297,11 @@ def test_the_answer_rewards_grade_by_the_key_and_refuse_what_they_cannot_grade()
         return MediaBatch(audio=torch.zeros(len(texts), 1, 8), text=list(texts))
 
     mc_letter = FileQuestion("which colour", audio="/x.wav", answer="B", choices=("red", "blue")).key()
-    # exact: the right option's text or its letter alone, whichever form the file gives
+    # exact: the option's text; where the file answers by letter, the letter alone too
     graded = exact.score(
         media("Blue.", "B", "(b)", "blue", "A dog!", "red"), [mc, mc, mc_letter, mc_letter, open_q, tiny]
     )
-    assert graded.tolist() == [1, 1, 1, 1, 1, 1]
+    assert graded.tolist() == [1, 0, 1, 1, 1, 1]  # "B" for a text answer: its options may lack letters
     assert exact.score(media("the answer is b", "A", "red"), [mc, mc_letter, mc]).tolist() == [0, 0, 0]
     # tiny AVQA lists its options without letters: a bare letter is no answer there
     from omni_diffusion_rl.world.avqa import parse_question
@@ -336,7 +336,7 @@ def test_a_served_answer_reward_grades_question_file_keys() -> None:
         client = RemoteReward(server.url, "answer_exact")
         scored = client.score(MediaBatch(audio=torch.zeros(3, 1, 8), text=["blue", "B", "red"]), [key] * 3)
         client.close()
-    assert scored.scores.tolist() == [1.0, 1.0, 0.0]  # exact: the right option's text or its letter
+    assert scored.scores.tolist() == [1.0, 0.0, 0.0]  # exact: a letter answers only a letter answer
 
 
 def _file_gspo(run: Path, steps: int, *extra: str) -> list[str]:

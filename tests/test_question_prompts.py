@@ -503,3 +503,34 @@ def test_a_non_square_frame_size_keeps_the_clips_shape(
     assert main([*args, square, f"train.output_dir={tmp_path / 'run'}", "--check"]) == 0
     out = capsys.readouterr().out
     assert "ok.mp4 is 16x16; the model reads frames at 56x56, Qwen's own processor at 28x28" in out
+
+
+def test_selected_qwen3_prompts_equal_prompts_built_from_the_selected_clips(tmp_path: Path) -> None:
+    """QwenPrompted.rows (and repeated) against building the prompts from the re-ordered, repeated
+    clips directly: embeddings, positions, the video mask and every deepstack level (rows only at the
+    video positions, in batch order) alike, so a selection error cannot hide behind both paths."""
+    from omni_diffusion_rl.models.qwen_omni import Qwen3OmniModel
+
+    from .qwen3_omni_tiny import save_tiny_qwen3_omni
+
+    model = Qwen3OmniModel.from_pretrained(
+        save_tiny_qwen3_omni(tmp_path / "m"), fps=8.0, seconds=0.5, frame_size=32
+    )
+    clip = model.clip_format
+    gen = torch.Generator().manual_seed(0)
+    video = torch.rand(2, clip.frames, 3, 32, 32, generator=gen)
+    audio = torch.randn(2, 1, clip.samples, generator=gen) * 0.1
+    ids = model.tokenize(["which colour ?", "which shape is shown here ?"])
+    index = torch.tensor([1, 0, 1])
+    with torch.no_grad():
+        picked = model.prompt(video, audio, ids).rows(index)
+        direct = model.prompt(video[index], audio[index], [ids[i] for i in index.tolist()])
+    assert picked.deepstack and len(picked.deepstack) == len(direct.deepstack)
+    for a, b in zip(
+        (picked.embeds, picked.positions, picked.mask, picked.visual_mask),
+        (direct.embeds, direct.positions, direct.mask, direct.visual_mask),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for a, b in zip(picked.deepstack, direct.deepstack, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -74,15 +74,19 @@ class QuestionFileReport:
         return "; ".join(parts)
 
 
-_SPECIFIC = re.compile(r"\S*[/\\]\S*|\d+(?:\.\d+)?")  # a path, a number: what differs between lines
+MAX_REASON_CHARS = 500  # of a skipped line's reason (reasons may quote the line)
+_DIGITS = re.compile(r"\d+")
 
 
 def skip_kinds(skipped: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
     """Skipped lines grouped by their reason with paths and numbers set aside (two clips too short by
-    different amounts are one kind): each kind's line numbers and its first reason, most lines first."""
+    different amounts are one kind): each kind's line numbers and its first reason, most lines first.
+    Linear in the reasons' lengths."""
     kinds: dict[str, tuple[list[int], str]] = {}
     for number, why in skipped:
-        kinds.setdefault(_SPECIFIC.sub("#", why), ([], why))[0].append(number)
+        words = why[:MAX_REASON_CHARS].split()
+        kind = " ".join("#" if "/" in w or "\\" in w else _DIGITS.sub("#", w) for w in words)
+        kinds.setdefault(kind, ([], why))[0].append(number)
     return sorted(kinds.values(), key=lambda kind: -len(kind[0]))
 
 
@@ -130,7 +134,10 @@ def load_question_file(
             if sound_from_video and question.audio is None and question.video is not None:
                 question = _with_sound_track(question, clip)
         except (ValueError, ClipFileError) as e:
-            report.skipped.append((number, str(e)))
+            why = str(e)
+            report.skipped.append(
+                (number, why if len(why) <= MAX_REASON_CHARS else why[:MAX_REASON_CHARS] + "...")
+            )
             continue
         report.keys.append(question.key())
         report.categories.add(question.category)

@@ -39,8 +39,8 @@ class AskedQuestion:
     video: torch.Tensor | None = field(default=None, repr=False)
     audio: torch.Tensor | None = field(default=None, repr=False)
     choices: tuple[str, ...] = ()
-    letters: bool = True  # an option's letter alone answers it (a question file's line; not tiny AVQA,
-    # whose questions list their options without letters: a bare "a" there is no answer)
+    letters: bool = False  # an option's letter alone answers it (a question-file line whose answer is
+    # a letter: its options are shown lettered; a bare "a" is no answer to options listed without them)
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class FileQuestion:
             video=None if self.video is None else decode_video(self.video, clip),
             audio=None if self.audio is None else decode_audio(self.audio, clip),
             choices=self.choices,
+            letters=answers_by_letter(self),
         )
 
 
@@ -210,11 +211,20 @@ def reference_letter(question: FileQuestion) -> str | None:
     )
 
 
+def answers_by_letter(question: FileQuestion) -> bool:
+    """Whether a line's right answer is given as an option's letter (then a letter alone answers it,
+    as well as the option's text)."""
+    answer = normalise_answer(question.answer or "")
+    return len(answer) == 1 and answer.upper() in LETTERS[: len(question.choices)]
+
+
 def is_right(answer: str, question: AskedQuestion) -> float:
     """1.0 when the normalised answer is the question's right answer, or, for a multiple-choice
-    question, exactly the right option's text or its letter alone ("B", "(b)", "b."), whichever of
-    the two the file gives as the answer (the letter only where `question.letters`); else 0.0.
-    Reading an option out of a longer answer ("the answer is B", "it is blue") is choice_letter's."""
+    question, exactly the right option's text, or its letter alone ("B", "(b)", "b.") where the
+    question is answered by letter (`question.letters`: the file gives the answer as a letter); else
+    0.0. A bare letter is no answer to options shown without letters (a policy saying "a" would be
+    paid for every question whose first option is right). Reading an option out of a longer answer
+    ("the answer is B", "it is blue") is choice_letter's."""
     if question.reference is None:
         raise ValueError(f"the question {question.text!r} has no right answer to grade against")
     said = normalise_answer(answer)
