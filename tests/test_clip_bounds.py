@@ -136,7 +136,7 @@ from omni_diffusion_rl.answer_data.questions import FileQuestion
 from omni_diffusion_rl.prompts import load_prompts
 from omni_diffusion_rl.world.tiny_clip import DURATION_S, FPS, SAMPLE_RATE
 clip = ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1)
-keys = load_prompts(sys.argv[1], "train", clip)
+keys = load_prompts(sys.argv[1], "train", clip, sound_from_video=False)  # a silent MP4: its frames alone
 asked = [FileQuestion.from_key(k).asked(ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1, (16, 16))) for k in keys]
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 print(json.dumps({"lines": len(keys), "shape": list(asked[0].video.shape),
