@@ -1214,6 +1214,9 @@ def cmd_tiny_qwen(args: argparse.Namespace) -> int:
     from .benchmarks.tiny_qwen import save_tiny_qwen_omni
 
     output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        print(f"odrl tiny-qwen: {output} is a file; give a folder as --output", file=sys.stderr)
+        return 2
     if output.exists() and any(output.iterdir()) and not args.overwrite:
         print(f"odrl tiny-qwen: {output} is not empty; give another --output or --overwrite", file=sys.stderr)
         return 2
