@@ -1196,16 +1196,14 @@ def cmd_avqa_files(args: argparse.Namespace) -> int:
 def _example_format(args: argparse.Namespace) -> ClipFormat:
     """The clip format --fps, --seconds, --sample-rate and --size ask for (a ValueError saying why
     one cannot be written)."""
-    from .answer_data.clip_files import ClipFormat
+    from .answer_data.clip_files import ClipFormat, width_by_height
     from .world.avqa_files import TINY_FORMAT
 
-    width, _, height = args.size.partition("x")
-    if not (width.isdigit() and height.isdigit()):
-        raise ValueError(f"--size {args.size!r}: give WIDTHxHEIGHT in pixels, e.g. 84x56")
+    size = width_by_height(args.size, "--size")
     if args.fps != round(args.fps):
         raise ValueError(f"--fps {args.fps:g}: an MP4 is written at a whole number of frames a second")
-    clip = ClipFormat(args.fps, args.sample_rate, args.seconds, 1, (int(height), int(width)))
-    if clip.frames * clip.frame_size[0] * clip.frame_size[1] * 3 > 64 << 20:  # type: ignore[index]
+    clip = ClipFormat(args.fps, args.sample_rate, args.seconds, 1, size)
+    if clip.frames * size[0] * size[1] * 3 > 64 << 20:
         raise ValueError(f"{clip.frames} frames of {args.size} are over 64 MiB a clip; lower --fps or --size")
     return TINY_FORMAT if clip == TINY_FORMAT else clip
 

@@ -184,6 +184,10 @@ def check_prompts(cfg: ExperimentConfig, loaded: dict[str, list[str]] | None = N
     return findings
 
 
+QWEN_FAMILIES = ("qwen2_5_omni", "qwen3_omni")
+"""The families read through models/qwen_omni.py (a folder's processor settings say their clip)."""
+
+
 def declared_clip_format(cfg: ExperimentConfig) -> object | None:
     """The clip format the run's answering model reads, known without loading it (its family's
     constants, or a Qwen folder's preprocessor_config.json and model.options); None if unknown."""
@@ -192,7 +196,7 @@ def declared_clip_format(cfg: ExperimentConfig) -> object | None:
         from .world.tiny_clip import DURATION_S, FPS, SAMPLE_RATE, VIDEO_SIZE
 
         return ClipFormat(FPS, SAMPLE_RATE, DURATION_S, 1, (VIDEO_SIZE, VIDEO_SIZE))
-    if cfg.model.family in ("qwen2_5_omni", "qwen3_omni"):
+    if cfg.model.family in QWEN_FAMILIES:
         from .models.qwen_omni import declared_clip_format as qwen_clip_format
 
         return qwen_clip_format(os.path.expanduser(cfg.model.pretrained), cfg.model.options)
@@ -220,7 +224,7 @@ def check_frame_aspect(cfg: ExperimentConfig, loaded: dict[str, list[str]]) -> l
     from .answer_data.clip_files import ClipFileError, file_timing
     from .answer_data.questions import FileQuestion, is_file_key
 
-    if cfg.model.family not in ("qwen2_5_omni", "qwen3_omni"):
+    if cfg.model.family not in QWEN_FAMILIES:
         return []
     folder = Path(os.path.expanduser(cfg.model.pretrained))
     first = next((k for k in loaded.get("data.prompts", []) if is_file_key(k)), None)
@@ -279,22 +283,13 @@ def check_gradable(cfg: ExperimentConfig, loaded: dict[str, list[str]]) -> list[
 def prompts_as_read(cfg: ExperimentConfig, prompts: list[str]) -> list[str]:
     """What the model reads for each prompt: an answering run's question with its options rendered
     (data.choice_format, ...), a generator's prompt as it is."""
-    from .answer_data.questions import FileQuestion, is_file_key
+    from .answer_data.questions import question_text
     from .answer_data.style import QuestionStyle
-    from .registry import question_sets
 
     if cfg.algorithm.name != "gspo":
         return list(prompts)
-    style, questions = QuestionStyle.of(cfg.data), None
-    out = []
-    for prompt in prompts:
-        if is_file_key(prompt):
-            question = FileQuestion.from_key(prompt)
-            out.append(style.text(question.question, question.choices))
-        else:  # a registered question set's prompt (tiny AVQA)
-            questions = questions or question_sets.get(cfg.data.questions)()
-            out.append(questions.text(prompt))
-    return out
+    style = QuestionStyle.of(cfg.data)
+    return [question_text(p, cfg.data.questions, style) for p in prompts]
 
 
 def check_output(cfg: ExperimentConfig) -> Finding:

@@ -300,14 +300,9 @@ def test_qwen_gradient_checkpointing_recomputes_the_decoder_and_leaves_the_step_
     from omni_diffusion_rl.trainers.trainer import Trainer
 
     from .helpers import step_records
-    from .qwen_omni_tiny import save_tiny_qwen_omni
     from .test_qwen_omni import MOVING, overrides
 
-    if family == "qwen3_omni":
-        from .qwen3_omni_tiny import save_tiny_qwen3_omni as save
-    else:
-        save = save_tiny_qwen_omni
-    model_dir = save(tmp_path / "model")
+    model_dir = _tiny_qwen(family, tmp_path / "model")
     runs = {}
     for name, extra in (("plain", []), ("ckpt", ["model.gradient_checkpointing=true"])):
         config = overrides(model_dir, tmp_path / name, 2, MOVING, f"model.family={family}", *extra)
@@ -381,15 +376,10 @@ def test_a_rollout_runs_the_towers_once_per_clip_and_answers_as_before(tmp_path:
     from omni_diffusion_rl.trainers.trainer import Trainer
 
     from .helpers import step_records
-    from .qwen_omni_tiny import save_tiny_qwen_omni
     from .test_qwen_omni import MOVING, overrides
 
-    if family == "qwen3_omni":
-        from .qwen3_omni_tiny import save_tiny_qwen3_omni as save
-    else:
-        save = save_tiny_qwen_omni
     run = tmp_path / "run"
-    config = overrides(save(tmp_path / "m"), run, 1, MOVING, f"model.family={family}")
+    config = overrides(_tiny_qwen(family, tmp_path / "m"), run, 1, MOVING, f"model.family={family}")
     trainer = Trainer(load_config(None, [*config, "train.eval_at_start_and_end=false"]))
     inner = trainer.policy.model.thinker.model
     seen: dict[str, list[int]] = {"audio": [], "video": []}
@@ -534,3 +524,11 @@ def test_selected_qwen3_prompts_equal_prompts_built_from_the_selected_clips(tmp_
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     for a, b in zip(picked.deepstack, direct.deepstack, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _tiny_qwen(family: str, path: Path) -> Path:
+    """A tiny random-init thinker of `family` saved in `path`."""
+    from .qwen3_omni_tiny import save_tiny_qwen3_omni
+    from .qwen_omni_tiny import save_tiny_qwen_omni
+
+    return (save_tiny_qwen3_omni if family == "qwen3_omni" else save_tiny_qwen_omni)(path)

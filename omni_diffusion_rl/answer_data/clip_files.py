@@ -86,6 +86,15 @@ class ClipFormat:
         return max(1, round(self.sample_rate * self.seconds))
 
 
+def width_by_height(text: str, what: str) -> tuple[int, int]:
+    """(height, width) of a frame size written WIDTHxHEIGHT ("84x56"), as video sizes are; a
+    ValueError naming `what` otherwise."""
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise ValueError(f"{what} {text!r}: give WIDTHxHEIGHT in pixels, e.g. 84x56")
+    return int(height), int(width)
+
+
 def _checked_file(path: Path) -> None:
     if not path.exists():
         raise ClipFileError(f"{path} does not exist")

@@ -178,11 +178,15 @@ def _with_sound_track(question: FileQuestion, clip: ClipFormat) -> FileQuestion:
             "or set data.audio_from_video=never to read silence"
         ) from None
     heard = dataclasses.replace(question, audio=question.video)
-    if len(heard.key()) > MAX_KEY_CHARS:
-        raise ValueError(
-            f"the line's fields take {len(heard.key())} characters with its sound; at most {MAX_KEY_CHARS}"
-        )
+    _check_key_length(heard, " with its sound")
     return heard
+
+
+def _check_key_length(question: FileQuestion, note: str = "") -> None:
+    """A line whose key (its fields as the run carries them) is over MAX_KEY_CHARS is refused."""
+    size = len(question.key())
+    if size > MAX_KEY_CHARS:
+        raise ValueError(f"the line's fields take {size} characters{note}; at most {MAX_KEY_CHARS}")
 
 
 def _split_of(line: str) -> tuple[object, str]:
@@ -212,8 +216,7 @@ def _parse_line(raw: object, folder: Path) -> FileQuestion:
     question = FileQuestion(**fields)  # type: ignore[arg-type]
     if question.choices and question.answer is not None:
         reference_letter(question)  # an answer that is no option is refused here
-    if len(question.key()) > MAX_KEY_CHARS:
-        raise ValueError(f"the line's fields take {len(question.key())} characters; at most {MAX_KEY_CHARS}")
+    _check_key_length(question)
     return question
 
 

@@ -8,14 +8,17 @@ Keys are parsed with a size and a nesting bound, and only the fields below are a
 
 from __future__ import annotations
 
+import functools
 import json
 import string
 import unicodedata
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from ..bounded_json import nesting_depth
+from ..registry import question_sets
 from .clip_files import ClipFormat, check_video, decode_audio, decode_video
 from .style import PLAIN, QuestionStyle
 
@@ -244,3 +247,21 @@ def _letter_of(reference: str, choices: tuple[str, ...]) -> str | None:
         if wanted in (LETTERS[i].lower(), normalise_answer(choice)):
             return LETTERS[i]
     return None
+
+
+DEFAULT_QUESTIONS = "tiny_avqa"
+"""The registered question set that prompts not from a question file name (data.questions)."""
+
+
+@functools.lru_cache(maxsize=16)
+def question_set(name: str) -> Any:
+    """The registered question set `name` (data.questions), made once."""
+    return question_sets.get(name)()
+
+
+def question_text(prompt: str, questions: str = DEFAULT_QUESTIONS, style: QuestionStyle = PLAIN) -> str:
+    """The question a prompt names, as the model reads it (nothing decoded or rendered)."""
+    if is_file_key(prompt):
+        question = FileQuestion.from_key(prompt)
+        return style.text(question.question, question.choices)
+    return question_set(questions).text(prompt)

@@ -178,7 +178,7 @@ def _evaluate_media(
 def _questions(cfg: ExperimentConfig) -> list[str]:
     """The held-out prompts, each checked to name a question (tiny AVQA or a question file's line;
     one that names none is refused by its line number, never echoed)."""
-    from ..experience.text_rollout import question_text
+    from ..answer_data.questions import question_text
 
     prompts = split_prompts(cfg.data, "heldout")
     for i, prompt in enumerate(prompts, 1):

@@ -12,7 +12,6 @@ async modes is handled by the ratio).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,15 +20,22 @@ from typing import Any
 import torch
 
 from ..answer_data.clip_files import ClipFormat
-from ..answer_data.questions import AskedQuestion, FileQuestion, is_file_key
+from ..answer_data.questions import (
+    DEFAULT_QUESTIONS,
+    AskedQuestion,
+    FileQuestion,
+    is_file_key,
+    question_set,
+    question_text,
+)
 from ..answer_data.style import PLAIN, QuestionStyle
 from ..config import ConfigError
 from ..media import MediaBatch
 from ..named_batch import BatchSchema, NamedBatch
-from ..registry import question_sets
 from ..reward import ScoreResult, WeightedReward
 from .answer_backends import AnswerBackend, HfAnswers
 from .rollout import PendingExtras, step_generator, stream_prompt
+from .text_sampling import selected_prompts
 
 
 @dataclass
@@ -122,15 +128,6 @@ class TextRollout:
         )
 
 
-DEFAULT_QUESTIONS = "tiny_avqa"
-
-
-@functools.lru_cache(maxsize=16)
-def question_set(name: str) -> Any:
-    """The registered question set `name` (data.questions), made once."""
-    return question_sets.get(name)()
-
-
 def ask(
     prompt: str,
     gen: torch.Generator,
@@ -144,14 +141,6 @@ def ask(
     if is_file_key(prompt):
         return FileQuestion.from_key(prompt).asked(clip, style)
     return question_set(questions).ask(prompt, gen)
-
-
-def question_text(prompt: str, questions: str = DEFAULT_QUESTIONS, style: QuestionStyle = PLAIN) -> str:
-    """The question a prompt names, as the model reads it (nothing decoded or rendered)."""
-    if is_file_key(prompt):
-        question = FileQuestion.from_key(prompt)
-        return style.text(question.question, question.choices)
-    return question_set(questions).text(prompt)
 
 
 def answer_texts(policy: Any, rollout: TextRollout) -> list[str]:
@@ -249,14 +238,8 @@ class TextExperienceMaker:
         ]
         device = next(model.parameters()).device
         with self.rollout_weights(), self.autocast():  # the towers once per clip, then k answers to each
-            prompted = model.prompt(video.to(device), audio.to(device), questions)
-            if hasattr(prompted, "repeated"):
-                prompted = prompted.repeated(k)
-            else:  # a model of the user's own whose prompts cannot be repeated: each answer's own prompt
-                repeat = [q for q in questions for _ in range(k)]
-                prompted = model.prompt(
-                    video.repeat_interleave(k, 0).to(device), audio.repeat_interleave(k, 0).to(device), repeat
-                )
+            each = torch.arange(len(batch)).repeat_interleave(k)
+            prompted = selected_prompts(model, video.to(device), audio.to(device), questions, each)
             out = self.backend.sample(
                 model,
                 prompted.embeds,

@@ -122,3 +122,16 @@ def sample_answers(
         next_pos = next_pos + 1
     width = int(answer_mask.sum(-1).max())
     return Answers(tokens[:, :width], answer_mask[:, :width], logp_out[:, :width], ~done)
+
+
+def selected_prompts(
+    model: Any, video: torch.Tensor, audio: torch.Tensor, questions: list[list[int]], index: torch.Tensor
+) -> Any:
+    """The prompts of the clips and questions `index` names (repeats allowed: a group's k answers to
+    one clip), the towers run once per clip and the prompts selected (`rows`, gradients flowing
+    through); a model of the user's own whose prompts cannot be selected gets each one built."""
+    prompted = model.prompt(video, audio, questions)
+    if hasattr(prompted, "rows"):
+        return prompted.rows(index)
+    at = index.to(video.device)
+    return model.prompt(video[at], audio[at], [questions[i] for i in index.tolist()])

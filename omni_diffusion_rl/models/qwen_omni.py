@@ -64,7 +64,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..answer_data.clip_files import ClipFormat
+from ..answer_data.clip_files import ClipFormat, width_by_height
 from ..answer_data.questions import AskedQuestion
 from ..runtime.deadline import call_with_deadline
 from .tiny_omni import vocabulary_fingerprint
@@ -617,10 +617,7 @@ def frame_height_width(frame_size: int | str) -> tuple[int, int]:
     """model.options.frame_size as (height, width): a number is a square side, "WIDTHxHEIGHT" (text)
     keeps a clip's aspect ratio (the size Qwen's processor reads it at: `processor_frame_size`)."""
     if isinstance(frame_size, str):
-        width, _, height = frame_size.lower().partition("x")
-        if not (width.isdigit() and height.isdigit()):
-            raise ValueError(f"frame_size={frame_size!r}: a number of pixels, or WIDTHxHEIGHT such as 84x56")
-        size = (int(height), int(width))
+        size = width_by_height(frame_size, "frame_size (a number of pixels, or WIDTHxHEIGHT)")
     elif (
         isinstance(frame_size, bool)
         or not isinstance(frame_size, int | float)

@@ -18,6 +18,7 @@ from ..algorithms.advantages import STD_CORRECTIONS
 from ..algorithms.gspo import RATIO_LEVELS, policy_loss
 from ..config import ConfigError, ExperimentConfig, option
 from ..experience.answer_backends import ANSWER_BACKENDS
+from ..experience.text_sampling import selected_prompts
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, Plan, UpdateBatch, Work
 
@@ -136,7 +137,7 @@ class GroupSequencePolicyOptimization(Algorithm):
 def group_prompts(model: Any, answers: Any) -> Any:
     """The prompts of a micro-batch's answers (a TextRollout's rows), built once per prompt group (one
     clip and question a group) and selected for each answer: the towers run once per clip, not once
-    per answer; a model whose prompts cannot be selected builds each answer's own."""
+    per answer (text_sampling.selected_prompts)."""
     groups, first = answers.group_ids.tolist(), {}
     for row, group in enumerate(groups):
         first.setdefault(group, row)
@@ -145,11 +146,9 @@ def group_prompts(model: Any, answers: Any) -> Any:
     if len(unique) == len(groups):
         return model.prompt(answers.video, answers.audio, ids)
     at = torch.tensor(unique, device=answers.video.device)
-    prompted = model.prompt(answers.video[at], answers.audio[at], [ids[i] for i in unique])
-    if not hasattr(prompted, "rows"):
-        return model.prompt(answers.video, answers.audio, ids)
     position = {group: i for i, group in enumerate(first)}
-    return prompted.rows(torch.tensor([position[g] for g in groups]))
+    index = torch.tensor([position[g] for g in groups])
+    return selected_prompts(model, answers.video[at], answers.audio[at], [ids[i] for i in unique], index)
 
 
 def logp_gap(logp: torch.Tensor, answers: Any) -> float:
