@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import re
 import urllib.error
@@ -120,6 +121,7 @@ def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding
     findings = []
     for name in reward.weights:
         options = reward.options.get(name, {}) if isinstance(reward.options, dict) else {}
+        findings += check_reward_options(name, options)
         checkpoint = options.get("checkpoint") if isinstance(options, dict) else None
         if checkpoint is None:
             continue
@@ -129,6 +131,30 @@ def check_rewards(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding
         )
         findings.append(Finding(status, f"reward.options.{name}.checkpoint", detail))
     return findings
+
+
+def check_reward_options(name: str, options: object) -> list[Finding]:
+    """A local reward's options against its class: a name it does not take, and, for a reward that
+    loads nothing as it is built (`builds_in_a_blink`), each value it refuses, as the run would."""
+    from .registry import RegistryError, rewards
+
+    try:
+        factory = rewards.get(name)
+    except RegistryError:
+        return []  # the config's own check names an unknown reward
+    if not isinstance(options, dict):
+        return [Finding(WRONG, f"reward.options.{name}", f"options are a mapping; got {options!r}")]
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as e:
+        takes = ", ".join(p for p in inspect.signature(factory).parameters if p != "self") or "no options"
+        return [Finding(WRONG, f"reward.options.{name}", f"{e}; {name} takes {takes}")]
+    if getattr(factory, "builds_in_a_blink", False):
+        try:
+            factory(**options)
+        except (TypeError, ValueError) as e:
+            return [Finding(WRONG, f"reward.options.{name}", str(e))]
+    return []
 
 
 def check_teachers(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding]:

@@ -9,7 +9,8 @@ video frame:
   sound starting at time t rises at the point of t;
 - **visual motion**: the mean absolute difference of consecutive frames, placed at the midpoint of
   the two frames' times (an object fastest at a strike moves most in the two intervals around it),
-  over the whole picture and in each of `motion_columns` vertical strips.
+  over the whole picture and in each of `motion_columns` vertical strips. With `motion_at="frames"`
+  each visual event is then moved onto a whole frame, the one the motion turns at (`on_whole_frames`).
 
 Events are the envelopes' peaks: a point above `relative_threshold` of its envelope's largest value,
 the largest within `min_gap_frames` on either side and standing `prominence` of its height above the
@@ -48,6 +49,7 @@ TOP_SHARE = 0.9  # the cross-correlation's top: the lags within 10% of its peak
 FLAT = 1e-6  # values this close (relative) are equal: a flat top, one peak at its centre
 MIN_ONSET_RISE = math.log(10**0.6)  # an onset raises the energy by 6 dB or more from one window to the next
 SAME_SOURCE_OCTAVES = 1 / 6  # onsets this close in pitch (two semitones) are one sound source
+MOTION_READINGS = ("between_frames", "frames")
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,14 @@ class SyncSettings:
     relative_threshold: float = 0.3  # a peak must reach this fraction of its envelope's largest value
     prominence: float = 0.15  # and stand this fraction of its height above the lowest point near it
     max_offset_s: float = 0.5
+    # when a visual event happens: "between_frames" (AV-Align's reading: at the peak of the motion
+    # placed between frames) or "frames" (the same events, each moved onto the frame where the
+    # motion turns back: `on_whole_frames`)
+    motion_at: str = "between_frames"
 
     def __post_init__(self) -> None:
+        if self.motion_at not in MOTION_READINGS:
+            raise ValueError(f"motion_at must be one of {', '.join(MOTION_READINGS)}; got {self.motion_at!r}")
         if self.hops_per_frame < 1 or self.motion_columns < 1:
             raise ValueError(
                 f"hops_per_frame and motion_columns must be at least 1; got {self.hops_per_frame} and "
@@ -141,30 +149,66 @@ def audio_onset_envelope(wave: torch.Tensor, sample_rate: int, rate: float, poin
     return torch.where(rise >= MIN_ONSET_RISE, rise, torch.zeros_like(rise))
 
 
-def motion_strips(frames: torch.Tensor, fps: float, rate: float, points: int, columns: int) -> torch.Tensor:
-    """Visual motion of each of `columns` vertical strips of the picture [columns, points] (as equal
-    as the width allows; at most one a pixel column; 1: the whole picture), at times i / rate: the
-    mean absolute difference of frames t - 1 and t within the strip, placed at (t - 1/2) / fps,
-    linearly interpolated between those midpoints (0 outside them)."""
+def frame_differences(frames: torch.Tensor, columns: int, step: int = 1) -> torch.Tensor:
+    """The mean absolute difference of frames t - step and t [columns, T - step] in each of `columns`
+    vertical strips (as equal as the width allows; at most one a pixel column)."""
     if frames.ndim != 4 or frames.shape[0] < 2:
         raise ValueError(f"frames must be [T >= 2, C, H, W]; got {tuple(frames.shape)}")
     columns = min(columns, frames.shape[-1])
     # a pair of frames at a time: a long clip never has a second full-size copy
-    motion = torch.stack(
+    return torch.stack(
         [
             torch.stack(
                 [
                     strip.mean()
-                    for strip in (frames[t].float() - frames[t - 1].float()).abs().tensor_split(columns, -1)
+                    for strip in (frames[t].float() - frames[t - step].float())
+                    .abs()
+                    .tensor_split(columns, -1)
                 ]
             )
-            for t in range(1, len(frames))
+            for t in range(step, len(frames))
         ],
         1,
-    )
-    midpoints = (torch.arange(1, len(frames), dtype=torch.float64) - 0.5) / fps
+    ).reshape(columns, max(len(frames) - step, 0))
+
+
+def turning(frames: torch.Tensor, columns: int) -> torch.Tensor:
+    """How much the motion of each strip turns back at each frame [columns, T]: the way from frame
+    t - 1 to t and on to t + 1, less the way from t - 1 straight to t + 1. About 0 where things move
+    on in one direction, large where they come back (a bounce, a strike); 0 at the first and last
+    frames."""
+    step = frame_differences(frames, columns)
+    out = torch.zeros(step.shape[0], len(frames))
+    if len(frames) > 2:
+        out[:, 1:-1] = step[:, :-1] + step[:, 1:] - frame_differences(frames, columns, step=2)
+    return out
+
+
+def motion_strips(differences: torch.Tensor, fps: float, rate: float, points: int) -> torch.Tensor:
+    """Visual motion of each strip [columns, points] at times i / rate: `frame_differences`' value
+    of frames t - 1 and t placed at (t - 1/2) / fps, linearly interpolated between those midpoints
+    (0 outside them)."""
+    midpoints = (torch.arange(1, differences.shape[1] + 1, dtype=torch.float64) - 0.5) / fps
     times = torch.arange(points, dtype=torch.float64) / rate
-    return torch.stack([_interpolate(times, midpoints, m.double()).float() for m in motion])
+    return torch.stack([_interpolate(times, midpoints, m.double()).float() for m in differences])
+
+
+def on_whole_frames(
+    events: list[tuple[float, int]], turned: torch.Tensor, fps: float
+) -> list[tuple[float, int]]:
+    """Visual events (time in s, strip) moved onto a whole frame: of the frames just before and after
+    the event (or the one it sits on), the one where the motion of its strip turns back most
+    (`turning`). Motion placed between frames peaks off the contact when it is faster on one side
+    of it than the other (a generator's bounce often is): half a frame off, the sound a frame early
+    and the sound on the strike then earn the same."""
+    placed = []
+    last = turned.shape[1] - 1
+    for at, strip in events:
+        position = at * fps
+        around = {min(max(math.floor(position), 0), last), min(max(math.ceil(position), 0), last)}
+        best = max(sorted(around), key=lambda t: (float(turned[strip, t]), -abs(t - position)))
+        placed.append((best / fps, strip))
+    return placed
 
 
 def _interpolate(times: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -402,11 +446,15 @@ def sync_envelopes(
     rate = fps * settings.hops_per_frame
     duration = max(len(frames) / fps, mono(wave).shape[0] / sample_rate)
     points = max(2, math.ceil(duration * rate))
-    strips = motion_strips(frames, fps, rate, points, settings.motion_columns)
+    strips = motion_strips(frame_differences(frames, settings.motion_columns), fps, rate, points)
     widths = torch.tensor([len(c) for c in torch.arange(frames.shape[-1]).tensor_split(len(strips))])
     visual = (strips * widths[:, None]).sum(0) / widths.sum()  # the whole picture's mean
     return SyncEnvelopes(
-        rate, audio_onset_envelope(wave, sample_rate, rate, points), visual, settings.hops_per_frame, strips
+        rate,
+        audio_onset_envelope(wave, sample_rate, rate, points),
+        visual,
+        settings.hops_per_frame,
+        strips,
     )
 
 
@@ -424,6 +472,8 @@ def sync_report(
     read = (env.rate, gap, settings.relative_threshold, settings.prominence)
     audio_events = envelope_events(env.audio, *read)
     visual = strip_event_columns(env.strips, *read)
+    if settings.motion_at == "frames":
+        visual = on_whole_frames(visual, turning(frames, settings.motion_columns), fps)
     visual_events = [at for at, _ in visual]
     matched = match_events(audio_events, visual_events, settings.match_frames / fps)
     union = len(audio_events) + len(visual_events) - matched

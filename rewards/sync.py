@@ -6,7 +6,9 @@ rate and sample rate.
   first, a pair counting 1 - gap / SOFT_REACH (1 together, 0.75 a frame apart, 0 at four frames);
   credits / (audio events + visual events - pairs). No events at all scores 0, a sound at every
   frame scores about one over their number, the right events a frame or two apart part of 1.
-  Option `reach_frames` (default 4): where a pair's credit reaches 0.
+  Option `reach_frames` (default 4): where a pair's credit reaches 0. Option `motion_at` (default
+  "between_frames", AV-Align's reading): "frames" moves each visual event onto the whole frame the
+  motion turns at, where a strike happens (sync_metrics' `on_whole_frames`).
 - `strike_count`: how well each modality's event count matches the prompt's ("once", "twice",
   "three times", "N times", summed over its clauses): 1 / (1 + |count - asked|), averaged over
   audio and video. A prompt that asks for no count is an error. Option `per_source` (default
@@ -64,7 +66,7 @@ def _reports(media: MediaBatch, settings: SyncSettings) -> list[SyncReport]:
     ]
 
 
-def _settings(motion_columns: int) -> SyncSettings:
+def _settings(motion_columns: int, motion_at: str = DEFAULT_SYNC.motion_at) -> SyncSettings:
     if (
         isinstance(motion_columns, bool)
         or not isinstance(motion_columns, int)
@@ -74,7 +76,7 @@ def _settings(motion_columns: int) -> SyncSettings:
             f"motion_columns must be a whole number from 1 (the whole picture, AV-Align's reading) to 64; "
             f"got {motion_columns!r}"
         )
-    return dataclasses.replace(DEFAULT_SYNC, motion_columns=motion_columns)
+    return dataclasses.replace(DEFAULT_SYNC, motion_columns=motion_columns, motion_at=motion_at)
 
 
 def soft_iou(report: SyncReport, fps: float, reach: float = SOFT_REACH) -> float:
@@ -131,11 +133,14 @@ def source_counts(report: SyncReport, objects: int, strips: int) -> tuple[list[i
 class SyncOnsetsReward:
     """Sound onsets on motion events: AV-Align's IoU, soft beyond one frame; [B] in [0, 1]."""
 
+    builds_in_a_blink = True  # nothing to load: --check builds it with its options
     input_limits = SYNC_CLIP_LIMITS
     modality = "audio_video"
 
-    def __init__(self, motion_columns: int = 1, reach_frames: float = SOFT_REACH) -> None:
-        self.settings = _settings(motion_columns)
+    def __init__(
+        self, motion_columns: int = 1, reach_frames: float = SOFT_REACH, motion_at: str = "between_frames"
+    ) -> None:
+        self.settings = _settings(motion_columns, motion_at)
         if (
             isinstance(reach_frames, bool)
             or not isinstance(reach_frames, int | float)
@@ -156,6 +161,7 @@ class StrikeCountReward:
     """Each modality's event count against the prompt's, averaged: [B] in (0, 1]. `heard_count`
     and `seen_count` score one modality each (per-modality credit routes them apart)."""
 
+    builds_in_a_blink = True  # nothing to load: --check builds it with its options
     input_limits = SYNC_CLIP_LIMITS
     modality = "audio_video"
 
@@ -227,6 +233,7 @@ class StrikeDiversityReward:
     never a 0). Score a prompt's samples in one call (a reward server's --max-batch a multiple of the
     group size)."""
 
+    builds_in_a_blink = True  # nothing to load: --check builds it with its options
     input_limits = SYNC_CLIP_LIMITS
     modality = "video"
 

@@ -134,3 +134,25 @@ def shifted_wave(wave: torch.Tensor, samples: int) -> torch.Tensor:
     else:
         out = wave.clone()
     return out
+
+
+def lopsided_bounce(contact: int, fps: float = 24.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A disc falling 6 frames from 14 px onto the floor at frame `contact` and rising 6 frames to
+    4 px only (it comes down faster than it goes up, as generated bounces often do), 40 x 60 at
+    `fps`, a noise burst at the contact, 44.1 kHz."""
+    radius, rate = 8.0, 44_100
+    t = torch.arange(36, dtype=torch.float64)
+    fall = 14 * (1 - ((t - contact + 6) / 6) ** 2)
+    rise = 4 * (1 - ((t - contact - 6) / 6) ** 2)
+    lift = torch.where(t <= contact, fall, rise).clamp(min=0)
+    lift = torch.where(t < contact - 6, 14.0, torch.where(t > contact + 6, 4.0, lift))
+    rows, cols = torch.arange(40, dtype=torch.float64)[:, None], torch.arange(60, dtype=torch.float64)[None]
+    frames = torch.zeros(len(t), 3, 40, 60)
+    for i, up in enumerate(lift.tolist()):
+        disc = (radius + 0.5 - ((rows - (40 - radius - up)) ** 2 + (cols - 30) ** 2).sqrt()).clamp(0, 1)
+        frames[i] = disc.float()
+    seconds = torch.arange(round(len(t) / fps * rate), dtype=torch.float64) / rate
+    start = contact / fps
+    burst = torch.where(seconds >= start, torch.exp(-(seconds - start) / 0.03), 0.0)
+    noise = torch.randn(len(seconds), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return frames, (0.3 * burst * noise).float()

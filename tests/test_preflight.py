@@ -100,6 +100,26 @@ def test_a_family_option_that_does_not_exist_is_wrong(tmp_path: Path) -> None:
     assert options.status == WRONG and "fps unknown to minimax_h3; it takes height, width" in options.detail
 
 
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ("motion_at=frame", "motion_at must be one of between_frames, frames; got 'frame'"),
+        ("reach_frames=0", "reach_frames (where a pair's credit reaches 0) is in frames"),
+        ("bogus=1", "unexpected keyword argument 'bogus'; sync_onsets takes motion_columns, reach_frames"),
+    ],
+)
+def test_a_reward_option_the_reward_refuses_is_wrong_before_the_run(option: str, said: str) -> None:
+    """The run builds its rewards after loading the model; --check builds those that load nothing."""
+    recipe = "recipes/configs/tiny_sync_nft.yaml"
+    (finding,) = [
+        f
+        for f in preflight(load_config(recipe, [f"reward.options.sync_onsets.{option}"]))
+        if f.what == "reward.options.sync_onsets"
+    ]
+    assert finding.status == WRONG and said in finding.detail
+    assert not [f for f in preflight(load_config(recipe, [])) if f.what.startswith("reward.options")]
+
+
 @pytest.mark.parametrize("family", ["tiny_av", "tiny_omni", "sd3", "stable_audio"])
 def test_an_option_to_a_family_that_takes_none_is_wrong_and_refused_at_load(family: str) -> None:
     """These families read no model.options: one given was ignored without a word."""

@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from omni_diffusion_rl.sync_metrics import SyncSettings, sound_sources, sync_report
+from omni_diffusion_rl.sync_metrics import SyncSettings, sound_sources, sync_report, turning
 from omni_diffusion_rl.world import tiny_sync as world
 
-from .helpers import shifted_wave
+from .helpers import lopsided_bounce, shifted_wave
 
 HALF_POINT = 0.5 / SyncSettings().hops_per_frame  # the offset's resolution, in frames
 
@@ -185,6 +185,33 @@ def test_each_onset_reads_the_pitch_it_brings_and_sources_group_by_pitch() -> No
         assert sorted(heard.values()) == counts and [seen[0], seen[1]] == [o.count for o in scene.objects]
 
 
+def test_motion_at_frames_puts_a_lopsided_bounce_on_its_contact_frame() -> None:
+    """Motion between frames peaks off the contact of a bounce faster on one side than the other
+    (here 0.58 frames early: a sound a frame early would be the closer); read at frames, the
+    event is the contact frame, where the motion turns back. The world's clips, whose bounces are
+    even, read the same events either way."""
+    fps = 24.0
+    for contact in (10, 15, 21):
+        frames, wave = lopsided_bounce(contact, fps)
+        between = sync_report(frames, fps, wave, 44_100)
+        at_frames = sync_report(frames, fps, wave, 44_100, SyncSettings(motion_at="frames"))
+        assert between.visual_count == at_frames.visual_count == 1
+        assert contact - between.visual_events_s[0] * fps >= 0.5
+        assert at_frames.visual_events_s[0] * fps == pytest.approx(contact)
+        assert at_frames.audio_events_s == between.audio_events_s
+    turned = turning(frames, 1)[0]
+    assert int(turned.argmax()) == 21 and float(turned[12]) < 0.05 * float(turned[21])  # falling: no turn
+    for scene in _scenes(20, seed=6):
+        frames, wave = world.clip_tensors(scene)
+        reads = [
+            sync_report(
+                frames, world.FPS, wave, world.SAMPLE_RATE, SyncSettings(motion_columns=4, motion_at=at)
+            )
+            for at in ("between_frames", "frames")
+        ]
+        assert reads[0].visual_events_s == pytest.approx(reads[1].visual_events_s, abs=1e-6)
+
+
 def test_bad_settings_and_shapes_are_refused_with_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="hops_per_frame"):
         SyncSettings(hops_per_frame=0)
@@ -192,6 +219,8 @@ def test_bad_settings_and_shapes_are_refused_with_what_is_wrong() -> None:
         SyncSettings(motion_columns=0)
     with pytest.raises(ValueError, match="relative_threshold"):
         SyncSettings(relative_threshold=1.5)
+    with pytest.raises(ValueError, match="motion_at must be one of between_frames, frames"):
+        SyncSettings(motion_at="frame")
     frames, wave = world.clip_tensors(_scenes(1, seed=0)[0])
     with pytest.raises(ValueError, match=r"\[T >= 2, C, H, W\]"):
         sync_report(frames[:1], world.FPS, wave, world.SAMPLE_RATE)

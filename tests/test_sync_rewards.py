@@ -12,7 +12,7 @@ from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.world import tiny_sync as world
 
-from .helpers import shifted_wave
+from .helpers import lopsided_bounce, shifted_wave
 
 
 def _batch(scenes: list[world.SyncScene], audio: torch.Tensor | None = None) -> MediaBatch:
@@ -59,6 +59,28 @@ def test_sound_moved_off_the_strikes_loses_sync_credit_step_by_step() -> None:
     assert float(sharp.score(one_frame_off, prompts).mean()) == pytest.approx(0.5, abs=0.03)
     with pytest.raises(ValueError, match="reach_frames"):
         rewards.create("sync_onsets", reach_frames=0)
+
+
+def test_motion_at_frames_pays_the_sound_on_a_lopsided_bounces_contact_most() -> None:
+    """A bounce faster on one side of its contact (helpers.lopsided_bounce): read between frames, a
+    sound a frame early earns more than the sound on the contact, so training has nothing to pull it
+    onto the strike; read at frames (`motion_at: frames`), the sound on the contact earns 1 and a
+    frame either side less."""
+    frames, wave = lopsided_bounce(15)
+    moved = [shifted_wave(wave, k * 44_100 // 24) for k in (-1, 0, 1)]
+    media = MediaBatch(
+        video=frames[None].expand(3, -1, -1, -1, -1),
+        audio=torch.stack(moved)[:, None],
+        fps=24.0,
+        sample_rate=44_100,
+    )
+    prompts = ["a disc bounces once"] * 3
+    early, on, late = rewards.create("sync_onsets").score(media, prompts).tolist()
+    assert early > on > late
+    early, on, late = rewards.create("sync_onsets", motion_at="frames").score(media, prompts).tolist()
+    assert on == 1.0 and early == pytest.approx(0.75, abs=0.02) and late == pytest.approx(0.75, abs=0.02)
+    with pytest.raises(ValueError, match="motion_at"):
+        rewards.create("sync_onsets", motion_at="frame")
 
 
 def test_gaming_clips_score_below_the_worlds_own() -> None:
