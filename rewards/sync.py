@@ -6,7 +6,11 @@ rate and sample rate.
   first, a pair counting 1 - gap / SOFT_REACH (1 together, 0.75 a frame apart, 0 at four frames);
   credits / (audio events + visual events - pairs). No events at all scores 0, a sound at every
   frame scores about one over their number, the right events a frame or two apart part of 1.
-  Option `reach_frames` (default 4): where a pair's credit reaches 0. Option `motion_at` (default
+  Option `reach_frames` (default 4): where a pair's credit reaches 0. Option `per_source` (default
+  false): each sound source (by pitch) scored against one region of the picture, as strike_count's
+  (the prompt's count phrases say how many objects): a sound on another object's strike earns
+  nothing (seen: NFT paid 0.69 for pairs whose sounds the judge found on their own object's
+  strikes 8% of the time). Option `motion_at` (default
   "between_frames", AV-Align's reading): "frames" moves each visual event onto the whole frame the
   motion turns at, where a strike happens (sync_metrics' `on_whole_frames`).
 - `strike_count`: how well each modality's event count matches the prompt's ("once", "twice",
@@ -32,6 +36,7 @@ tiny sync recipe reads 4); an object gliding sideways then makes an event at eac
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections import Counter
@@ -83,11 +88,12 @@ def soft_iou(report: SyncReport, fps: float, reach: float = SOFT_REACH) -> float
     """AV-Align's IoU with each pair's credit falling linearly with its gap, from 1 (together) to 0 at
     `reach` frames. Not flat within AV-Align's one-frame window: a policy whose sound sits a frame
     late would find nothing to gain there (seen: NFT parked the sound 1.01 frames off its strikes)."""
-    pairs = sorted(
-        (abs(a - v) * fps, i, j)
-        for i, a in enumerate(report.audio_events_s)
-        for j, v in enumerate(report.visual_events_s)
-    )
+    return soft_event_iou(list(report.audio_events_s), list(report.visual_events_s), fps, reach)
+
+
+def soft_event_iou(audio_s: list[float], visual_s: list[float], fps: float, reach: float) -> float:
+    """`soft_iou` of two lists of event times (s)."""
+    pairs = sorted((abs(a - v) * fps, i, j) for i, a in enumerate(audio_s) for j, v in enumerate(visual_s))
     used_a: set[int] = set()
     used_v: set[int] = set()
     credit = 0.0
@@ -97,8 +103,41 @@ def soft_iou(report: SyncReport, fps: float, reach: float = SOFT_REACH) -> float
         used_a.add(i)
         used_v.add(j)
         credit += 1.0 - gap / reach
-    union = report.audio_count + report.visual_count - len(used_a)
+    union = len(audio_s) + len(visual_s) - len(used_a)
     return credit / union if union else 0.0
+
+
+def soft_iou_per_source(report: SyncReport, fps: float, reach: float, objects: int, strips: int) -> float:
+    """`soft_iou` of each sound source (grouped by pitch) against one region of the picture (the
+    strips split into `objects` regions, left to right), sources and regions paired one to one the
+    way that scores most, summed over the pairs and divided by the larger of the two numbers: a
+    sound on another object's strike earns nothing, and a source or region left over counts 0."""
+    sources = sound_sources(list(report.audio_event_hz))
+    heard: dict[int, list[float]] = {}
+    for source, at in zip(sources, report.audio_events_s, strict=True):
+        heard.setdefault(source, []).append(at)
+    seen: list[list[float]] = [[] for _ in range(objects)]
+    for strip, at in zip(report.visual_event_strips, report.visual_events_s, strict=True):
+        seen[strip * objects // strips].append(at)
+    regions = [r for r in seen if r]
+    if not heard or not regions:
+        return 0.0
+    table = [[soft_event_iou(h, r, fps, reach) for r in regions] for h in heard.values()]
+    small, large = sorted((len(table), len(regions)))
+    rows_first = len(table) <= len(regions)
+    best = max(
+        sum(table[i][j] if rows_first else table[j][i] for i, j in enumerate(chosen))
+        for chosen in itertools.permutations(range(large), small)
+    )
+    return best / max(len(heard), objects)
+
+
+def _check_regions(reward: str, objects: int, strips: int) -> None:
+    if objects > strips:
+        raise ValueError(
+            f"{reward} per_source reads one region of the picture an object: a prompt names {objects} "
+            f"objects and motion_columns reads {strips} strips; set motion_columns to {objects} or more"
+        )
 
 
 def asked_counts(prompt: str) -> list[int]:
@@ -138,9 +177,16 @@ class SyncOnsetsReward:
     modality = "audio_video"
 
     def __init__(
-        self, motion_columns: int = 1, reach_frames: float = SOFT_REACH, motion_at: str = "between_frames"
+        self,
+        motion_columns: int = 1,
+        reach_frames: float = SOFT_REACH,
+        motion_at: str = "between_frames",
+        per_source: bool = False,
     ) -> None:
         self.settings = _settings(motion_columns, motion_at)
+        if not isinstance(per_source, bool):
+            raise ValueError(f"per_source must be true or false; got {per_source!r}")
+        self.per_source = per_source
         if (
             isinstance(reach_frames, bool)
             or not isinstance(reach_frames, int | float)
@@ -153,7 +199,18 @@ class SyncOnsetsReward:
         self.reach = float(reach_frames)
 
     def score(self, media: MediaBatch, prompts: list[str]) -> torch.Tensor:
-        return torch.tensor([soft_iou(r, media.fps, self.reach) for r in _reports(media, self.settings)])
+        reports = _reports(media, self.settings)
+        if not self.per_source:
+            return torch.tensor([soft_iou(r, media.fps, self.reach) for r in reports])
+        strips = min(self.settings.motion_columns, media.video.shape[-1])
+        objects = [len(asked_counts(p)) for p in prompts]
+        _check_regions("sync_onsets", max(objects), strips)
+        return torch.tensor(
+            [
+                soft_iou_per_source(r, media.fps, self.reach, n, strips)
+                for r, n in zip(reports, objects, strict=True)
+            ]
+        )
 
 
 @rewards.register("strike_count")
@@ -175,12 +232,8 @@ class StrikeCountReward:
         asked = [asked_counts(p) for p in prompts]
         reports = _reports(media, self.settings)
         strips = min(self.settings.motion_columns, media.video.shape[-1])
-        most = max(len(n) for n in asked)
-        if self.per_source and most > strips:
-            raise ValueError(
-                f"strike_count per_source reads one region of the picture an object: a prompt names {most} "
-                f"objects and motion_columns reads {strips} strips; set motion_columns to {most} or more"
-            )
+        if self.per_source:
+            _check_regions("strike_count", max(len(n) for n in asked), strips)
         scores = []
         for r, per_object in zip(reports, asked, strict=True):
             if self.per_source:

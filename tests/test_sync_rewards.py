@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -163,6 +164,34 @@ def test_per_source_counts_each_object_where_summed_counts_cannot() -> None:
         rewards.create("strike_count", per_source=True).score(media, [asked])
     with pytest.raises(ValueError, match="per_source must be true or false"):
         rewards.create("strike_count", per_source="yes")
+
+
+def test_per_source_sync_pays_less_for_one_pitch_sounding_on_both_objects_strikes() -> None:
+    """The red object strikes at 3 and 10, the blue one at 6 and 13, but red's pitch sounds at 3 and
+    13 and blue's at 6 and 10: every sound is on some strike, so the whole-clip reading pays it in
+    full; per source (sounds grouped by pitch, each group held to one region of the picture, one
+    region an object, whichever group is which) it pays 0.625, and the judge finds neither in sync.
+    The world's own pairs still score 1. (A clip whose two pitches are swapped between the objects
+    still scores 1: which pitch is whose is the world's knowledge, not a generic reward's.)"""
+    rng = random.Random(12)
+    pairs = [world.random_scene(rng, second_object=1.0) for _ in range(16)]
+    per_source = rewards.create("sync_onsets", motion_columns=4, per_source=True, motion_at="frames")
+    assert per_source.score(_batch(pairs), [s.prompt for s in pairs]).tolist() == [1.0] * 16
+
+    red, blue = world.Bouncer("red", "small", 2, (3, 10)), world.Bouncer("blue", "large", 10, (6, 13))
+    pair = world.SyncScene((red, blue))
+    crossed = world.SyncScene(
+        (dataclasses.replace(red, strikes=(3, 13)), dataclasses.replace(blue, strikes=(6, 10)))
+    )
+    media = _batch([pair], audio=world.render_audio(world.render_envelope(crossed)[None]))
+    prompt = [pair.prompt]
+    assert float(rewards.create("sync_onsets", motion_columns=4).score(media, prompt)[0]) == 1.0
+    assert float(per_source.score(media, prompt)[0]) == pytest.approx(0.625)
+    assert float(rewards.create("tiny_sync_judge").score(media, prompt).components["in_sync"][0]) == 0.0
+    with pytest.raises(ValueError, match="set motion_columns to 2 or more"):
+        rewards.create("sync_onsets", per_source=True).score(media, prompt)
+    with pytest.raises(ValueError, match="per_source must be true or false"):
+        rewards.create("sync_onsets", per_source=1)
 
 
 def test_strike_diversity_scores_the_worlds_own_spread_above_one_bounce_for_all() -> None:
