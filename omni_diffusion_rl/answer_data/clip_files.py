@@ -4,11 +4,12 @@ A clip format fixes the frame rate, the sample rate, the clip length and the cha
 the frame size a model reads when it has one. Decoding takes the clip's first `seconds`: for each
 frame time k / fps the last frame shown at or before it, and the first `seconds * sample_rate`
 samples. Frames are resized to the format's frame size as they are decoded, one at a time
-(antialiased bilinear; a frame larger than it is resized as bytes, never as a full-size float copy),
-so what a clip holds in memory is bounded by the model's size, whatever the file's. The work is
-bounded too: a stream holding frames faster than MAX_SOURCE_FPS (a frame-count bomb) is refused as
-soon as it is seen, as is a clip taking over MAX_DECODE_S to decode, and a refused file is refused
-again at once for as long as it is unchanged. Nothing is resampled in time: a file at another sample
+(antialiased, bilinear or as the model resizes: `resample`, bicubic for Qwen's processor; a frame
+larger than it is resized as bytes, never as a full-size float copy), so what a clip holds in
+memory is bounded by the model's size, whatever the file's. The work is bounded too: a stream
+holding frames faster than MAX_SOURCE_FPS (a frame-count bomb) is refused as soon as it is seen, as
+is a clip taking over MAX_DECODE_S to decode, and a refused file is refused again at once for as
+long as it is unchanged. Nothing is resampled in time: a file at another sample
 rate or channel count is refused with what it has and what the run wants (convert it with ffmpeg or
 sox). Every refusal is a `ClipFileError` whose message is the reason a line is skipped.
 
@@ -59,6 +60,7 @@ class ClipFormat:
     seconds: float
     channels: int = 1
     frame_size: tuple[int, int] | None = None  # (height, width) frames are decoded to; None: the file's
+    resample: str = "bilinear"  # how a frame is resized to frame_size (antialiased): the model's own way
 
     def __post_init__(self) -> None:
         if not (self.fps > 0 and self.sample_rate > 0 and 0 < self.seconds <= MAX_CLIP_SECONDS):
@@ -72,6 +74,8 @@ class ClipFormat:
             len(self.frame_size) == 2 and all(0 < side <= 4096 for side in self.frame_size)
         ):
             raise ValueError(f"clip format frame_size={self.frame_size}: (height, width), each 1 to 4096")
+        if self.resample not in ("bilinear", "bicubic"):
+            raise ValueError(f"clip format resample={self.resample!r}: bilinear or bicubic")
 
     def timing(self) -> tuple[float, int, float, int]:
         """What a clip's timing is (rates, length, channels), whatever size its frames are read at."""
@@ -160,7 +164,7 @@ def decode_video(path: str | Path, clip: ClipFormat) -> torch.Tensor:
     path = Path(path)
     _checked_file(path)
     file = ("video", str(path), _identity(path), clip.timing())
-    frames = _remembered(file, clip.frame_size, lambda: _decode_video(str(path), clip))
+    frames = _remembered(file, (clip.frame_size, clip.resample), lambda: _decode_video(str(path), clip))
     return frames.float() / 255.0 if frames.dtype == torch.uint8 else frames.clone()
 
 
@@ -174,8 +178,8 @@ def check_video(path: str | Path, clip: ClipFormat) -> None:
     _remembered(file, "checked", lambda: _decode_video(str(path), clip, convert=False))
 
 
-def _resized(image: np.ndarray, size: tuple[int, int] | None) -> torch.Tensor:
-    """One decoded frame [3, H, W] at `size` (antialiased bilinear): uint8 when it is the file's size
+def _resized(image: np.ndarray, size: tuple[int, int] | None, mode: str = "bilinear") -> torch.Tensor:
+    """One decoded frame [3, H, W] at `size` (antialiased `mode`): uint8 when it is the file's size
     or smaller (a large frame is resized as bytes, never as a float copy), float32 in [0, 1] when it
     is enlarged (computed from the small frame, as the models resize)."""
     frame = torch.from_numpy(image).permute(2, 0, 1)
@@ -183,7 +187,8 @@ def _resized(image: np.ndarray, size: tuple[int, int] | None) -> torch.Tensor:
         return frame.contiguous()
     shrink = frame.shape[-2] >= size[0] and frame.shape[-1] >= size[1]
     source = frame[None] if shrink else frame[None].float() / 255.0
-    return torch.nn.functional.interpolate(source, size, mode="bilinear", antialias=True)[0]
+    resized = torch.nn.functional.interpolate(source, size, mode=mode, antialias=True)[0]
+    return resized if shrink else resized.clamp(0, 1)  # bicubic overshoots
 
 
 def _decode_video(path: str, clip: ClipFormat, convert: bool = True) -> torch.Tensor:
@@ -203,7 +208,7 @@ def _decode_video(path: str, clip: ClipFormat, convert: bool = True) -> torch.Te
         slots = [k for k, t in enumerate(wanted) if shown_from <= t + 1e-6 < shown_to]
         if slots:
             if convert:
-                image = _resized(frame.to_ndarray(format="rgb24"), clip.frame_size)
+                image = _resized(frame.to_ndarray(format="rgb24"), clip.frame_size, clip.resample)
             else:  # no pixels: the size alone, so that a size change is found as decoding finds it
                 image = torch.empty((0, *(clip.frame_size or (frame.height, frame.width))), dtype=torch.uint8)
             for k in slots:

@@ -348,12 +348,13 @@ class QwenOmniModel(nn.Module):
         """The clips the model reads: model.options' fps, seconds and frame size, the feature
         extractor's rate, mono."""
         rate = int(self.feature_extractor.sampling_rate)
-        return ClipFormat(self.fps, rate, self.seconds, 1, self.frame_hw)
+        return ClipFormat(self.fps, rate, self.seconds, 1, self.frame_hw, resample="bicubic")
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Video [B, F, 3, S, S] (frames resized to frame_size, antialiased bilinear) and waveforms
-        [B, 1, samples]; a missing picture or sound is black frames or silence. A clip of another
-        length (frames or samples) is refused: it was made at another format."""
+        """Video [B, F, 3, H, W] (frames resized to frame_size, antialiased bicubic, as Qwen's
+        processor resizes them) and waveforms [B, 1, samples]; a missing picture or sound is black
+        frames or silence. A clip of another length (frames or samples) is refused: it was made at
+        another format."""
         clip, size = self.clip_format, self.frame_hw
         videos, sounds = [], []
         for q in asked:
@@ -367,7 +368,7 @@ class QwenOmniModel(nn.Module):
                 )
             video = torch.zeros(clip.frames, 3, *size) if q.video is None else q.video.float()
             if tuple(video.shape[-2:]) != size:
-                video = torch.nn.functional.interpolate(video, size, mode="bilinear", antialias=True)
+                video = torch.nn.functional.interpolate(video, size, mode=clip.resample, antialias=True)
             videos.append(video.clamp(0, 1))
             sounds.append(torch.zeros(1, clip.samples) if q.audio is None else q.audio[:1].float())
         return torch.stack(videos), torch.stack(sounds)
