@@ -36,7 +36,6 @@ tiny sync recipe reads 4); an object gliding sideways then makes an event at eac
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import re
 from collections import Counter
@@ -109,8 +108,8 @@ def soft_event_iou(audio_s: list[float], visual_s: list[float], fps: float, reac
 
 def soft_iou_per_source(report: SyncReport, fps: float, reach: float, objects: int, strips: int) -> float:
     """`soft_iou` of each sound source (grouped by pitch) against one region of the picture (the
-    strips split into `objects` regions, left to right), sources and regions paired one to one the
-    way that scores most, summed over the pairs and divided by the larger of the two numbers: a
+    strips split into `objects` regions, left to right), sources and regions paired one to one, the
+    best-scoring pair first, summed over the pairs and divided by the larger of the two numbers: a
     sound on another object's strike earns nothing, and a source or region left over counts 0."""
     sources = sound_sources(list(report.audio_event_hz))
     heard: dict[int, list[float]] = {}
@@ -122,14 +121,23 @@ def soft_iou_per_source(report: SyncReport, fps: float, reach: float, objects: i
     regions = [r for r in seen if r]
     if not heard or not regions:
         return 0.0
-    table = [[soft_event_iou(h, r, fps, reach) for r in regions] for h in heard.values()]
-    small, large = sorted((len(table), len(regions)))
-    rows_first = len(table) <= len(regions)
-    best = max(
-        sum(table[i][j] if rows_first else table[j][i] for i, j in enumerate(chosen))
-        for chosen in itertools.permutations(range(large), small)
-    )
-    return best / max(len(heard), objects)
+    scored = sorted(
+        (
+            (soft_event_iou(h, r, fps, reach), i, j)
+            for i, h in enumerate(heard.values())
+            for j, r in enumerate(regions)
+        ),
+        reverse=True,
+    )  # paired greedily, best first: bounded work whatever a clip's number of sources
+    used_sources: set[int] = set()
+    used_regions: set[int] = set()
+    total = 0.0
+    for score, i, j in scored:
+        if i not in used_sources and j not in used_regions:
+            used_sources.add(i)
+            used_regions.add(j)
+            total += score
+    return total / max(len(heard), objects)
 
 
 def _check_regions(reward: str, objects: int, strips: int) -> None:
