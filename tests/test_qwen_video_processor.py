@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -73,8 +74,8 @@ def test_a_question_files_frames_are_resized_as_the_processor_resizes(
     seven_b_pixels_folder: Path, tmp_path: Path
 ) -> None:
     """A clip on disk is resized to the model's frame size as it is decoded: for the Qwen families
-    bicubic (the processor's resample), the same frames as decoding whole and resizing after; the
-    tiny models keep bilinear."""
+    as the folder's processor says (bicubic for Qwen's; bilinear when its `resample` is 2), the same
+    frames as decoding whole and resizing after; the tiny models keep bilinear."""
     from omni_diffusion_rl.answer_data.clip_files import ClipFormat, decode_video, write_mp4
 
     model = QwenOmniModel.from_pretrained(seven_b_pixels_folder, fps=4, seconds=1, frame_size="84x56")
@@ -87,5 +88,10 @@ def test_a_question_files_frames_are_resized_as_the_processor_resizes(
     bilinear = torch.nn.functional.interpolate(whole, (56, 84), mode="bilinear", antialias=True)
     torch.testing.assert_close(decoded, bicubic, atol=1e-6, rtol=0)
     assert float((decoded - bilinear).abs().mean()) > 0.01
+    bilinear_folder = tmp_path / "bilinear"
+    shutil.copytree(seven_b_pixels_folder, bilinear_folder)
+    config = bilinear_folder / "preprocessor_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"resample": 2}))
+    assert QwenOmniModel.from_pretrained(bilinear_folder, fps=4, seconds=1).clip_format.resample == "bilinear"
     with pytest.raises(ValueError, match="resample='nearest': bilinear or bicubic"):
         ClipFormat(4.0, 8000, 1.0, resample="nearest")

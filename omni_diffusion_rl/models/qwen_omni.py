@@ -348,7 +348,13 @@ class QwenOmniModel(nn.Module):
         """The clips the model reads: model.options' fps, seconds and frame size, the feature
         extractor's rate, mono."""
         rate = int(self.feature_extractor.sampling_rate)
-        return ClipFormat(self.fps, rate, self.seconds, 1, self.frame_hw, resample="bicubic")
+        return ClipFormat(self.fps, rate, self.seconds, 1, self.frame_hw, resample=self.resample)
+
+    @property
+    def resample(self) -> str:
+        """How frames are resized, as the image processor's `resample` says (PIL's 2 bilinear, 3
+        bicubic: Qwen's); another filter is read as bicubic, the nearest torch has."""
+        return "bilinear" if getattr(self.image_processor, "resample", 3) == 2 else "bicubic"
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
         """Video [B, F, 3, H, W] (frames resized to frame_size, antialiased bicubic, as Qwen's
