@@ -40,6 +40,7 @@ The functions are pure and work on any clip at any size and rate (real ones too:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -172,12 +173,12 @@ def frame_differences(frames: torch.Tensor, columns: int, step: int = 1) -> torc
     ).reshape(columns, max(len(frames) - step, 0))
 
 
-def turning(frames: torch.Tensor, columns: int) -> torch.Tensor:
+def turning(frames: torch.Tensor, columns: int, step: torch.Tensor | None = None) -> torch.Tensor:
     """How much the motion of each strip turns back at each frame [columns, T]: the way from frame
     t - 1 to t and on to t + 1, less the way from t - 1 straight to t + 1. About 0 where things move
     on in one direction, large where they come back (a bounce, a strike); 0 at the first and last
-    frames."""
-    step = frame_differences(frames, columns)
+    frames. `step`: the clip's `frame_differences` when already computed."""
+    step = frame_differences(frames, columns) if step is None else step
     out = torch.zeros(step.shape[0], len(frames))
     if len(frames) > 2:
         out[:, 1:-1] = step[:, :-1] + step[:, 1:] - frame_differences(frames, columns, step=2)
@@ -368,16 +369,22 @@ def sound_sources(pitches_hz: list[float], within_octaves: float = SAME_SOURCE_O
 def match_events(audio: list[float], visual: list[float], window_s: float) -> int:
     """Pairs of one audio and one visual event within `window_s` of each other, each event in at
     most one pair, the closest pairs first."""
-    pairs = sorted((abs(a - v), i, j) for i, a in enumerate(audio) for j, v in enumerate(visual))
-    used_audio: set[int] = set()
-    used_visual: set[int] = set()
-    for gap, i, j in pairs:
-        if gap > window_s + 1e-9:
-            break
-        if i not in used_audio and j not in used_visual:
-            used_audio.add(i)
-            used_visual.add(j)
-    return len(used_audio)
+    gaps = sorted((abs(a - v), i, j) for i, a in enumerate(audio) for j, v in enumerate(visual))
+    return len(one_to_one(pair for pair in gaps if pair[0] <= window_s + 1e-9))
+
+
+def one_to_one(ranked: Iterable[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
+    """Of candidate pairs (value, left, right) in the order given, those whose left and right are
+    both still free when their turn comes: a greedy one-to-one pairing, best first."""
+    used_left: set[int] = set()
+    used_right: set[int] = set()
+    kept = []
+    for value, left, right in ranked:
+        if left not in used_left and right not in used_right:
+            used_left.add(left)
+            used_right.add(right)
+            kept.append((value, left, right))
+    return kept
 
 
 def envelope_offset_s(audio: torch.Tensor, visual: torch.Tensor, rate: float, max_offset_s: float) -> float:
@@ -423,13 +430,14 @@ def _lagged_dot(a: torch.Tensor, v: torch.Tensor, lag: int) -> float:
 class SyncEnvelopes:
     """A clip's two envelopes on one time grid: `rate` points a second (`points_per_frame` a video
     frame), point i at time i / rate; `visual` is the whole picture's motion, `strips` each vertical
-    strip's [columns, points]."""
+    strip's [columns, points], read from `differences` (`frame_differences`, [columns, T - 1])."""
 
     rate: float
     audio: torch.Tensor
     visual: torch.Tensor
     points_per_frame: int
     strips: torch.Tensor
+    differences: torch.Tensor
 
 
 def sync_envelopes(
@@ -446,7 +454,8 @@ def sync_envelopes(
     rate = fps * settings.hops_per_frame
     duration = max(len(frames) / fps, mono(wave).shape[0] / sample_rate)
     points = max(2, math.ceil(duration * rate))
-    strips = motion_strips(frame_differences(frames, settings.motion_columns), fps, rate, points)
+    differences = frame_differences(frames, settings.motion_columns)
+    strips = motion_strips(differences, fps, rate, points)
     widths = torch.tensor([len(c) for c in torch.arange(frames.shape[-1]).tensor_split(len(strips))])
     visual = (strips * widths[:, None]).sum(0) / widths.sum()  # the whole picture's mean
     return SyncEnvelopes(
@@ -455,6 +464,7 @@ def sync_envelopes(
         visual,
         settings.hops_per_frame,
         strips,
+        differences,
     )
 
 
@@ -473,7 +483,7 @@ def sync_report(
     audio_events = envelope_events(env.audio, *read)
     visual = strip_event_columns(env.strips, *read)
     if settings.motion_at == "frames":
-        visual = on_whole_frames(visual, turning(frames, settings.motion_columns), fps)
+        visual = on_whole_frames(visual, turning(frames, settings.motion_columns, env.differences), fps)
     visual_events = [at for at, _ in visual]
     matched = match_events(audio_events, visual_events, settings.match_frames / fps)
     union = len(audio_events) + len(visual_events) - matched

@@ -10,9 +10,9 @@ rate and sample rate.
   false): each sound source (by pitch) scored against one region of the picture, as strike_count's
   (the prompt's count phrases say how many objects): a sound on another object's strike earns
   nothing (seen: NFT paid 0.69 for pairs whose sounds the judge found on their own object's
-  strikes 8% of the time). Option `motion_at` (default
-  "between_frames", AV-Align's reading): "frames" moves each visual event onto the whole frame the
-  motion turns at, where a strike happens (sync_metrics' `on_whole_frames`).
+  strikes 8% of the time). Option `motion_at` (default "between_frames", AV-Align's reading):
+  "frames" moves each visual event onto the whole frame the motion turns at, where a strike happens
+  (sync_metrics' `on_whole_frames`).
 - `strike_count`: how well each modality's event count matches the prompt's ("once", "twice",
   "three times", "N times", summed over its clauses): 1 / (1 + |count - asked|), averaged over
   audio and video. A prompt that asks for no count is an error. Option `per_source` (default
@@ -46,7 +46,14 @@ from omni_diffusion_rl.algorithms.credit import JUDGES
 from omni_diffusion_rl.media import MediaBatch
 from omni_diffusion_rl.registry import rewards
 from omni_diffusion_rl.reward import InputLimits, samples_by_prompt
-from omni_diffusion_rl.sync_metrics import DEFAULT_SYNC, SyncReport, SyncSettings, sound_sources, sync_report
+from omni_diffusion_rl.sync_metrics import (
+    DEFAULT_SYNC,
+    SyncReport,
+    SyncSettings,
+    one_to_one,
+    sound_sources,
+    sync_report,
+)
 
 SOFT_REACH = 4.0  # frames: a pair this far apart earns nothing
 SYNC_CLIP_LIMITS = InputLimits(  # a generator's clip: LTX-2's 121 frames, H3's 124, with room
@@ -92,25 +99,18 @@ def soft_iou(report: SyncReport, fps: float, reach: float = SOFT_REACH) -> float
 
 def soft_event_iou(audio_s: list[float], visual_s: list[float], fps: float, reach: float) -> float:
     """`soft_iou` of two lists of event times (s)."""
-    pairs = sorted((abs(a - v) * fps, i, j) for i, a in enumerate(audio_s) for j, v in enumerate(visual_s))
-    used_a: set[int] = set()
-    used_v: set[int] = set()
-    credit = 0.0
-    for gap, i, j in pairs:
-        if gap >= reach or i in used_a or j in used_v:
-            continue
-        used_a.add(i)
-        used_v.add(j)
-        credit += 1.0 - gap / reach
-    union = len(audio_s) + len(visual_s) - len(used_a)
-    return credit / union if union else 0.0
+    gaps = sorted((abs(a - v) * fps, i, j) for i, a in enumerate(audio_s) for j, v in enumerate(visual_s))
+    pairs = one_to_one((gap, i, j) for gap, i, j in gaps if gap < reach)
+    union = len(audio_s) + len(visual_s) - len(pairs)
+    return sum(1.0 - gap / reach for gap, _, _ in pairs) / union if union else 0.0
 
 
 def soft_iou_per_source(report: SyncReport, fps: float, reach: float, objects: int, strips: int) -> float:
     """`soft_iou` of each sound source (grouped by pitch) against one region of the picture (the
     strips split into `objects` regions, left to right), sources and regions paired one to one, the
-    best-scoring pair first, summed over the pairs and divided by the larger of the two numbers: a
-    sound on another object's strike earns nothing, and a source or region left over counts 0."""
+    best-scoring pair first (bounded work whatever a clip's number of sources), summed over the pairs
+    and divided by the larger of the two numbers: a sound on another object's strike earns nothing,
+    and a source or region left over counts 0."""
     sources = sound_sources(list(report.audio_event_hz))
     heard: dict[int, list[float]] = {}
     for source, at in zip(sources, report.audio_events_s, strict=True):
@@ -119,25 +119,12 @@ def soft_iou_per_source(report: SyncReport, fps: float, reach: float, objects: i
     for strip, at in zip(report.visual_event_strips, report.visual_events_s, strict=True):
         seen[strip * objects // strips].append(at)
     regions = [r for r in seen if r]
-    if not heard or not regions:
-        return 0.0
-    scored = sorted(
-        (
-            (soft_event_iou(h, r, fps, reach), i, j)
-            for i, h in enumerate(heard.values())
-            for j, r in enumerate(regions)
-        ),
-        reverse=True,
-    )  # paired greedily, best first: bounded work whatever a clip's number of sources
-    used_sources: set[int] = set()
-    used_regions: set[int] = set()
-    total = 0.0
-    for score, i, j in scored:
-        if i not in used_sources and j not in used_regions:
-            used_sources.add(i)
-            used_regions.add(j)
-            total += score
-    return total / max(len(heard), objects)
+    scores = (
+        (soft_event_iou(h, r, fps, reach), i, j)
+        for i, h in enumerate(heard.values())
+        for j, r in enumerate(regions)
+    )
+    return sum(score for score, _, _ in one_to_one(sorted(scores, reverse=True))) / max(len(heard), objects)
 
 
 def _check_regions(reward: str, objects: int, strips: int) -> None:
@@ -188,7 +175,7 @@ class SyncOnsetsReward:
         self,
         motion_columns: int = 1,
         reach_frames: float = SOFT_REACH,
-        motion_at: str = "between_frames",
+        motion_at: str = DEFAULT_SYNC.motion_at,
         per_source: bool = False,
     ) -> None:
         self.settings = _settings(motion_columns, motion_at)

@@ -9,9 +9,9 @@ larger than it is resized as bytes, never as a full-size float copy), so what a 
 memory is bounded by the model's size, whatever the file's. The work is bounded too: a stream
 holding frames faster than MAX_SOURCE_FPS (a frame-count bomb) is refused as soon as it is seen, as
 is a clip taking over MAX_DECODE_S to decode, and a refused file is refused again at once for as
-long as it is unchanged. Nothing is resampled in time: a file at another sample
-rate or channel count is refused with what it has and what the run wants (convert it with ffmpeg or
-sox). Every refusal is a `ClipFileError` whose message is the reason a line is skipped.
+long as it is unchanged. Nothing is resampled in time: a file at another sample rate or channel
+count is refused with what it has and what the run wants (convert it with ffmpeg or sox). Every
+refusal is a `ClipFileError` whose message is the reason a line is skipped.
 
 Writers (for the example set) use lossless codecs inside the usual containers: H.264 in 4:4:4 at
 constant quality 0 in MP4, and 16-bit PCM in WAV. What remains is the rounding of RGB through YUV and

@@ -357,10 +357,10 @@ class QwenOmniModel(nn.Module):
         return "bilinear" if getattr(self.image_processor, "resample", 3) == 2 else "bicubic"
 
     def clip_tensors(self, asked: list[AskedQuestion]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Video [B, F, 3, H, W] (frames resized to frame_size, antialiased bicubic, as Qwen's
-        processor resizes them) and waveforms [B, 1, samples]; a missing picture or sound is black
-        frames or silence. A clip of another length (frames or samples) is refused: it was made at
-        another format."""
+        """Video [B, F, 3, H, W] (frames resized to frame_size, antialiased, as the image processor's
+        `resample` says: bicubic for Qwen's) and waveforms [B, 1, samples]; a missing picture or
+        sound is black frames or silence. A clip of another length (frames or samples) is refused:
+        it was made at another format."""
         clip, size = self.clip_format, self.frame_hw
         videos, sounds = [], []
         for q in asked:
