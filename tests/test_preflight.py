@@ -168,7 +168,34 @@ def test_the_qwen_omni_recipe_names_what_to_download(
         "/models/Qwen2.5-Omni-7B does not exist: download the model with config.json, "
         "preprocessor_config.json, tokenizer_config.json there"
     ) in out, out
-    assert "question file /data/my_clips/questions.jsonl does not exist" in out, out
+    assert "ok       data.prompts" in out and "qwen_avqa_files/questions.jsonl: 60 prompts" in out, out
+
+
+def test_the_qwen_recipe_is_ready_on_its_shipped_example_set_with_the_7bs_processors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The shipped Qwen-format example set (16 kHz sound in 224 x 224 MP4s, 2 fps, 4 s) passes every
+    check of the real recipe against a thinker with Qwen2.5-Omni-7B's processors; the tiny world's
+    half-second set is refused by the same check, naming the clip's fault."""
+    from omni_diffusion_rl.benchmarks.tiny_qwen import save_tiny_qwen_omni
+
+    monkeypatch.chdir(REPO)
+    folder = save_tiny_qwen_omni(tmp_path / "qwen", seven_b=True)
+    recipe = [
+        "train",
+        "recipes/configs/qwen2_5_omni_avqa_gspo.yaml",
+        f"model.pretrained={folder}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "--check",
+    ]
+    assert main(recipe) == 0
+    out = capsys.readouterr().out
+    assert "ready to train" in out and "MISSING" not in out and "WRONG" not in out, out
+    tiny = "recipes/data/tiny_avqa_files/questions.jsonl"
+    assert main([*recipe, f"data.prompts={tiny}", f"data.eval_prompts={tiny}"]) == 1
+    out = capsys.readouterr().out
+    assert "has no usable train question" in out, out
+    assert "is too short: 1 of the 8 frames of a 4 s clip" in out, out
 
 
 def test_teacher_servers_that_do_not_answer_are_named_and_a_route_that_answers_is_ready(
@@ -226,4 +253,4 @@ def test_the_qwen3_omni_recipe_names_what_to_download(
     assert main(recipe) == 1
     out = capsys.readouterr().out
     assert "/models/Qwen3-Omni-30B-A3B-Instruct does not exist: download the model" in out, out
-    assert "question file /data/my_clips/questions.jsonl does not exist" in out, out
+    assert "ok       data.prompts" in out and "qwen_avqa_files/questions.jsonl: 60 prompts" in out, out

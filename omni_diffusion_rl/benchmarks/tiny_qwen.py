@@ -6,7 +6,10 @@ and the PIL Qwen2-VL image processor. Nothing is downloaded.
 
 The feature extractor's sampling rate is 8000 Hz (not Qwen's 16000) so that the model's clip format
 is the shipped question files' (recipes/data/tiny_avqa_files: 8000 Hz mono WAVs, 8 fps MP4s, 0.5 s):
-nothing resamples audio, a run refuses a clip format its model does not read.
+nothing resamples audio, a run refuses a clip format its model does not read. With `seven_b=True`
+the same tiny thinker reads sound and frames as Qwen2.5-Omni-7B's processors do (16 kHz, 128 mels,
+30 s chunks; its pixel bounds), for the real recipes' clip format and for measuring costs that grow
+with those settings.
 """
 
 from __future__ import annotations
@@ -82,7 +85,17 @@ def build_tokenizer(extra_words: tuple[str, ...] = (), markers: dict[str, str] |
     )
 
 
-def build_thinker(tokenizer: object) -> object:
+WHISPER_7B = {  # Qwen2.5-Omni-7B's feature extractor settings
+    "feature_size": 128,
+    "sampling_rate": 16_000,
+    "hop_length": 160,
+    "chunk_length": 300,
+    "n_fft": 400,
+}
+PIXELS_7B = {"shortest_edge": 3136, "longest_edge": 12845056}  # its image processor's pixel bounds
+
+
+def build_thinker(tokenizer: object, mel_bins: int = 32) -> object:
     from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
 
     ids = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
@@ -102,7 +115,7 @@ def build_thinker(tokenizer: object) -> object:
             pad_token_id=ids("<|endoftext|>"),
         ),
         audio_config=dict(
-            num_mel_bins=32,
+            num_mel_bins=mel_bins,
             encoder_layers=1,
             encoder_attention_heads=2,
             encoder_ffn_dim=32,
@@ -147,28 +160,37 @@ def thinker_token_ids(tokenizer: object) -> dict[str, int]:
     }
 
 
-def build_processors(sampling_rate: int = 8000, patch_size: int = 14) -> tuple[object, object]:
+def build_processors(
+    sampling_rate: int = 8000, patch_size: int = 14, seven_b: bool = False
+) -> tuple[object, object]:
+    """The feature extractor and image processor: tiny ones, or with `seven_b` Qwen2.5-Omni-7B's
+    settings (WHISPER_7B, PIXELS_7B; `sampling_rate` is then the 7B's)."""
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
-    audio = WhisperFeatureExtractor(
-        feature_size=32, sampling_rate=sampling_rate, hop_length=80, n_fft=400, chunk_length=1
-    )
-    image = Qwen2VLImageProcessorPil(
-        patch_size=patch_size,
-        temporal_patch_size=2,
-        merge_size=2,
-        size={"shortest_edge": (2 * patch_size) ** 2, "longest_edge": (4 * patch_size) ** 2},
-    )
+    if seven_b:
+        audio = WhisperFeatureExtractor(**WHISPER_7B)
+        pixels = PIXELS_7B
+    else:
+        audio = WhisperFeatureExtractor(
+            feature_size=32, sampling_rate=sampling_rate, hop_length=80, n_fft=400, chunk_length=1
+        )
+        pixels = {"shortest_edge": (2 * patch_size) ** 2, "longest_edge": (4 * patch_size) ** 2}
+    image = Qwen2VLImageProcessorPil(patch_size=patch_size, temporal_patch_size=2, merge_size=2, size=pixels)
     return audio, image
 
 
-def save_tiny_qwen_omni(path: Path, extra_words: tuple[str, ...] = (), seed: int = 0) -> Path:
-    """The tiny thinker, its tokenizer and processors in `path` (QwenOmniModel.save_pretrained)."""
+def save_tiny_qwen_omni(
+    path: Path, extra_words: tuple[str, ...] = (), seed: int = 0, seven_b: bool = False
+) -> Path:
+    """The tiny thinker, its tokenizer and processors in `path` (QwenOmniModel.save_pretrained);
+    `seven_b`: the processors (and the audio tower's mel bins) of Qwen2.5-Omni-7B."""
     from ..models.qwen_omni import QwenOmniModel
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(extra_words)
-    return save_model(path, QwenOmniModel, tokenizer, build_thinker(tokenizer), build_processors())
+    mel_bins = WHISPER_7B["feature_size"] if seven_b else 32
+    thinker = build_thinker(tokenizer, mel_bins)
+    return save_model(path, QwenOmniModel, tokenizer, thinker, build_processors(seven_b=seven_b))
 
 
 def save_model(
