@@ -476,6 +476,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .benchmarks.qwen_cost import run_qwen_cost_bench
 
         run_qwen_cost_bench(output, rounds=repeats or 5)
+    elif args.name == "qwen-step":
+        from .benchmarks.qwen_step_cost import run_qwen_step_bench
+
+        before = {"before": args.before} if args.before else {}
+        run_qwen_step_bench(output, Path.cwd(), **before, steps=args.steps or 2, rounds=repeats or 1)
     elif args.name == "reward-server":
         from .benchmarks.reward_server import run_reward_server_bench
 
@@ -1325,7 +1330,8 @@ def _add_bench(sub: Subcommands) -> None:
         "algorithms (a race of nft, flow_grpo, mixgrpo, raft, distill on the tiny world: held-out judge "
         "accuracy against training seconds and samples, over seeds), "
         "startup (a training process's imports and a 2-step run, garbage collector on vs paused and frozen), "
-        "qwen-cost (a Qwen rollout's sound features and towers, before against now)",
+        "qwen-cost (a Qwen rollout's sound features and towers, before against now), "
+        "qwen-step (whole GSPO steps of the Qwen2.5-Omni recipe at --before's commit and now)",
     )
     bench.add_argument(
         "name",
@@ -1341,6 +1347,7 @@ def _add_bench(sub: Subcommands) -> None:
             "algorithms",
             "startup",
             "qwen-cost",
+            "qwen-step",
         ),
     )
     _add_bench_options(bench)
@@ -1398,6 +1405,11 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--eval-every", type=_positive_int, default=20, help="algorithms: steps between held-out evaluations"
     )
     parser.add_argument(
+        "--before",
+        help="qwen-step: the commit to compare the working tree against (default: 480645a, the one before "
+        "the Qwen rollout's cost changes)",
+    )
+    parser.add_argument(
         "--jobs",
         type=_positive_int,
         default=1,
@@ -1413,7 +1425,7 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats",
         type=_positive_int,
-        help="rounds (default: nft-step, reward-server, startup 5; recheck 2)",
+        help="rounds (default: nft-step, reward-server, startup 5; recheck 2; qwen-step 1)",
     )
     parser.add_argument("--batch-size", type=_positive_int, default=32)
 

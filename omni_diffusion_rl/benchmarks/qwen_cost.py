@@ -24,15 +24,9 @@ from typing import Any
 import torch
 
 from .common import machine_info, publish
+from .tiny_qwen import WHISPER_7B
 
-CLIPS, SECONDS, RATE = 16, 4.0, 16_000
-WHISPER_7B = {
-    "feature_size": 128,
-    "sampling_rate": RATE,
-    "hop_length": 160,
-    "chunk_length": 300,
-    "n_fft": 400,
-}
+CLIPS, SECONDS, RATE = 16, 4.0, WHISPER_7B["sampling_rate"]
 GROUPS, GROUP_SIZE = 4, 8
 
 

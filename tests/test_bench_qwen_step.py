@@ -1,0 +1,67 @@
+"""`odrl bench qwen-step`: the shipped Qwen2.5-Omni recipe on its shipped example set, run as the
+benchmark runs it (a separate process of a package tree, with Qwen2.5-Omni-7B's processors on a tiny
+thinker), and the older commit's tree unpacked without touching the checkout."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from omni_diffusion_rl.benchmarks.qwen_step_cost import (
+    EXAMPLE_SET,
+    RECIPE,
+    format_table,
+    run_overrides,
+    run_steps,
+    unpack_commit,
+)
+from omni_diffusion_rl.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_benchmarks_overrides_change_only_what_a_cpu_cannot_run(tmp_path: Path) -> None:
+    shipped = load_config(REPO / RECIPE)
+    overrides = run_overrides(tmp_path / "model", tmp_path / "q.jsonl", tmp_path / "run", 2)
+    changed = load_config(REPO / RECIPE, overrides)
+    assert (changed.model.base_dtype, changed.train.mixed_precision) == ("fp32", "fp32")
+    for kept in ("prompts_per_step", "group_size", "clip_fps", "clip_seconds", "clip_sample_rate"):
+        assert getattr(changed.data, kept) == getattr(shipped.data, kept), kept
+    assert changed.train.micro_batch_size == shipped.train.micro_batch_size
+    assert changed.algorithm == shipped.algorithm and changed.model.options == shipped.model.options
+    assert changed.train.checkpoint_every > changed.train.steps and not changed.train.eval_at_start_and_end
+
+
+@pytest.mark.slow  # git processes
+def test_an_older_commit_is_unpacked_beside_the_checkout_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
+    tree = unpack_commit(REPO, "HEAD", tmp_path / "head")
+    assert (tree / "omni_diffusion_rl" / "cli.py").is_file() and (tree / RECIPE).is_file()
+    after = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
+    assert after.stdout == status.stdout  # the checkout untouched
+    with pytest.raises(ValueError, match="git archive 0{40}"):
+        unpack_commit(REPO, "0" * 40, tmp_path / "none")
+
+
+def test_the_table_divides_before_by_now() -> None:
+    summary = {"step_s": 10.0, "rollout_s": 6.0, "train_s": 4.0, "peak_mib": 900.0}
+    now = {"step_s": 2.0, "rollout_s": 1.0, "train_s": 1.0, "peak_mib": 300.0}
+    ratio = {"step_s": 5.0, "rollout_s": 6.0, "train_s": 4.0, "peak_mib": 3.0}
+    table = format_table({"summary": {"before": summary, "now": now}, "ratio": ratio})
+    assert "a step: seconds" in table and table.splitlines()[1].split()[-3:] == ["10.0", "2.0", "5.0"]
+
+
+@pytest.mark.slow  # a training process of its own
+def test_the_shipped_qwen_recipe_trains_a_step_on_its_shipped_example_set(tmp_path: Path) -> None:
+    """The real recipe's clip format (4 s, 16 kHz sound inside 224 x 224 MP4s at 2 fps) on a thinker
+    with the 7B's processors: a step trains (smaller than the recipe's), its times and memory read."""
+    from omni_diffusion_rl.benchmarks.tiny_qwen import save_tiny_qwen_omni
+
+    model = save_tiny_qwen_omni(tmp_path / "model", seven_b=True)
+    run = tmp_path / "run"
+    overrides = run_overrides(model, REPO / EXAMPLE_SET, run, 1)
+    small = ["data.prompts_per_step=2", "data.group_size=2", "train.micro_batch_size=2"]
+    result = run_steps(REPO, [*overrides, *small], run)
+    assert len(result["step_s"]) == 1 and result["step_s"][0] > 0 and result["peak_mib"] > 100
