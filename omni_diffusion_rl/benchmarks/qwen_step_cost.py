@@ -9,9 +9,9 @@ Only what a CPU cannot run is changed: fp32 instead of bf16, no checkpoints, pre
 evaluation. The older commit's code is unpacked with `git archive` into a temporary folder (the
 checkout is not touched) and run with the same Python and packages.
 
-Per run: the seconds of each step's rollout and training (the trainer's own `time/` records) and the
-process's peak resident memory. Runs alternate (before, now, now, before, ...). Prints a table, writes
-JSON and a bar chart.
+Per run: the seconds of each step's rollout and training (the trainer's own `time/` records), the
+answers' mean length (sampling time grows with it) and the process's peak resident memory. Runs
+alternate (before, now, now, before, ...). Prints a table, writes JSON and a bar chart.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def run_steps(code: Path, overrides: list[str], output_dir: Path) -> dict[str, A
         "train_s": [round(r["time/train_s"], 3) for r in steps],
         "step_s": [round(sum(r[f"time/{part}_s"] for part in PARTS), 3) for r in steps],
         "peak_mib": round(json.loads(marks[-1].split(" ", 1)[1])["peak_mib"], 1),
+        "answer_tokens": [round(r["answers/mean_tokens"], 2) for r in steps],  # the decode's length
     }
 
 
