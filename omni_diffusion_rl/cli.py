@@ -1366,8 +1366,9 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
         "--trace",
         action="store_true",
         help="memory: also trace H3 at the recipe's size per rank of 8 (a training micro-step, a rollout "
-        "forward and one rank's decode), LTX-2's micro-step, forward and decode, Qwen2.5-Omni-7B's GSPO "
-        "micro-step and forward, and the ImageBind reward's request, on fake tensors (about 18 min, no GPU; "
+        "forward and one rank's decode), LTX-2's micro-step, forward and decode, Qwen2.5-Omni-7B's and "
+        "Qwen3-Omni-30B-A3B's GSPO micro-step and forward, and the ImageBind reward's request, on fake "
+        "tensors (about 18 min, and up to 30 more for Qwen3-Omni's 128 experts, no GPU; "
         "writes <output>_trace.json, <output>_trace_qwen.json and <output>_trace_rewards.json)",
     )
     parser.add_argument(

@@ -118,16 +118,21 @@ def test_ltx2s_sample_at_full_width_is_sharded_eight_ways() -> None:
     assert peak["Activation"] > 0 and peak["Total"] > peak["Sharded Param"] + peak["Activation"]
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
 @pytest.mark.parametrize("train", [True, False], ids=["micro-step", "forward without gradients"])
-def test_the_qwen_trace_counts_what_the_same_gspo_pass_holds_on_real_tensors(train: bool) -> None:
-    """The tests' tiny Qwen2.5-Omni thinker through QwenOmniModel.answer_log_probs (GSPO's pass; whole,
-    not sharded): fake tensors against real ones, in all within 10% (measured: 6% over, one
-    logits-sized activation more), the weights exactly."""
-    from omni_diffusion_rl.benchmarks.memory_trace_qwen import TINY_QWEN, trace_qwen_update
+def test_the_qwen_trace_counts_what_the_same_gspo_pass_holds_on_real_tensors(
+    train: bool, family: str
+) -> None:
+    """The tests' tiny Qwen2.5-Omni thinker, and the tiny Qwen3-Omni-MoE one with gradient
+    checkpointing (bf16: its experts' grouped products), through answer_log_probs (GSPO's pass;
+    whole, not sharded): fake tensors against real ones, in all within 10% (measured: Qwen2.5 6%
+    over, one logits-sized activation more; Qwen3 8% and 2%), the weights exactly."""
+    from omni_diffusion_rl.benchmarks.memory_trace_qwen import TINY_QWEN, TINY_QWEN3, trace_qwen_update
 
-    traced = trace_qwen_update(TINY_QWEN, fake=True, train=train)
-    real = trace_qwen_update(TINY_QWEN, fake=False, train=train)
-    assert traced["prompt_positions"] == real["prompt_positions"] > TINY_QWEN.question_tokens
+    case = TINY_QWEN3 if family == "qwen3_omni" else TINY_QWEN
+    traced = trace_qwen_update(case, fake=True, train=train)
+    real = trace_qwen_update(case, fake=False, train=train)
+    assert traced["prompt_positions"] == real["prompt_positions"] > case.question_tokens
     assert traced["peak_gib"]["Total"] == pytest.approx(real["peak_gib"]["Total"], rel=0.1)
     assert traced["peak_gib"]["Parameter"] == real["peak_gib"]["Parameter"] > 0
     assert real["peak_gib"]["Activation"] > 0

@@ -50,6 +50,17 @@ MARKERS = {  # the tokenizer attributes naming the media markers, and Qwen2.5-Om
 }
 
 
+QWEN3_MARKERS = {  # Qwen3-Omni's names for the media markers, by the tokenizer attribute naming each
+    "audio_token": "<|audio_pad|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+}
+
+
 def build_tokenizer(extra_words: tuple[str, ...] = (), markers: dict[str, str] | None = None) -> object:
     """The byte-level BPE tokenizer with the chat template; `markers` renames the media markers
     (attribute -> name; Qwen3-Omni's names differ), in the special tokens and the template alike."""
@@ -158,6 +169,23 @@ def thinker_token_ids(tokenizer: object) -> dict[str, int]:
         "position_id_per_seconds": 25,
         "seconds_per_chunk": 2,
     }
+
+
+def qwen3_thinker_token_ids(tokenizer: object) -> dict[str, int]:
+    """Qwen3-Omni's thinker config's media and turn token ids in `tokenizer` (its marker names,
+    QWEN3_MARKERS), and its rope timing (25 positions a second)."""
+    ids = tokenizer.convert_tokens_to_ids  # type: ignore[attr-defined]
+    fields = {
+        "audio_token_id": "audio_token",
+        "image_token_id": "image_token",
+        "video_token_id": "video_token",
+        "audio_start_token_id": "audio_bos_token",
+        "audio_end_token_id": "audio_eos_token",
+        "vision_start_token_id": "vision_bos_token",
+        "vision_end_token_id": "vision_eos_token",
+    }
+    marks = {field: ids(QWEN3_MARKERS[attribute]) for field, attribute in fields.items()}
+    return marks | {"user_token_id": ids("<|im_start|>"), "position_id_per_seconds": 25}
 
 
 def build_processors(
