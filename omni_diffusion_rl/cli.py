@@ -494,8 +494,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_memory(output: Path, measure: bool, trace: bool) -> None:
     """`odrl bench memory`: on paper; with --measure, real runs of tiny models; with --trace, H3's
-    micro-step, rollout forward and decode, LTX-2's micro-step and Qwen2.5-Omni-7B's GSPO micro-step
-    at full size on fake tensors (each its own report next to `output`)."""
+    micro-step, rollout forward and decode, LTX-2's micro-step and Qwen2.5-Omni-7B's and
+    Qwen3-Omni-30B-A3B's GSPO micro-steps at full size on fake tensors (each its own report next to
+    `output`)."""
     from .benchmarks.memory import run_memory_bench
 
     run_memory_bench(output)
@@ -1379,8 +1380,8 @@ def _add_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         type=_positive_int,
-        help="modes, learning, recheck, algorithms: optimizer steps per run (default: modes 8, learning 20, "
-        "recheck 16, algorithms 240)",
+        help="modes, learning, recheck, algorithms, qwen-step: optimizer steps per run (default: modes 8, "
+        "learning 20, recheck 16, algorithms 240, qwen-step 2)",
     )
     parser.add_argument(
         "overrides", nargs="*", help="modes, learning, recheck, algorithms: section.key=value overrides"

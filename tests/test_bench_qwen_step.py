@@ -41,16 +41,28 @@ def test_an_older_commit_is_unpacked_beside_the_checkout_and_a_missing_one_is_na
     assert (tree / "omni_diffusion_rl" / "cli.py").is_file() and (tree / RECIPE).is_file()
     after = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
     assert after.stdout == status.stdout  # the checkout untouched
-    with pytest.raises(ValueError, match="git archive 0{40}"):
+    with pytest.raises(ValueError, match="git archive 0{40}: no such commit"):
         unpack_commit(REPO, "0" * 40, tmp_path / "none")
+    with pytest.raises(ValueError, match="no such commit"):  # not read as an option of git's
+        unpack_commit(REPO, "--output=/tmp/x", tmp_path / "none")
 
 
-def test_the_table_divides_before_by_now() -> None:
-    summary = {"step_s": 10.0, "rollout_s": 6.0, "train_s": 4.0, "peak_mib": 900.0}
-    now = {"step_s": 2.0, "rollout_s": 1.0, "train_s": 1.0, "peak_mib": 300.0}
-    ratio = {"step_s": 5.0, "rollout_s": 6.0, "train_s": 4.0, "peak_mib": 3.0}
-    table = format_table({"summary": {"before": summary, "now": now}, "ratio": ratio})
-    assert "a step: seconds" in table and table.splitlines()[1].split()[-3:] == ["10.0", "2.0", "5.0"]
+def test_the_summary_takes_steady_steps_and_the_ratio_divides_before_by_now() -> None:
+    """Each run's first step is left out where a run has more (warm-up), medians over the rest."""
+    from omni_diffusion_rl.benchmarks.qwen_step_cost import _ratio, _summary
+
+    def run(steps: list[float], peak: float) -> dict:
+        return {"step_s": steps, "rollout_s": steps, "train_s": steps, "peak_mib": peak}
+
+    before = _summary([run([99.0, 10.0], 900.0), run([98.0, 12.0], 1100.0)])
+    now = _summary([run([50.0, 2.0], 300.0)])
+    assert before["step_s"] == 11.0 and now["step_s"] == 2.0 and before["peak_mib"] == 1000.0
+    assert _summary([run([7.0], 1.0)])["step_s"] == 7.0  # a one-step run keeps its step
+    summary = {"before": before, "now": now}
+    ratio = {key: _ratio(summary, key) for key in before}
+    assert ratio["step_s"] == 5.5 and ratio["peak_mib"] == pytest.approx(3.33, abs=0.01)
+    table = format_table({"summary": summary, "ratio": ratio})
+    assert table.splitlines()[1].split()[-3:] == ["11.0", "2.0", "5.5"]
 
 
 @pytest.mark.slow  # a training process of its own

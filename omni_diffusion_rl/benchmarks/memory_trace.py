@@ -18,10 +18,10 @@ MemTracker, on fake tensors too; a test checks it against real tensors at a smal
 
 A rollout's transformer call is the same forward without gradients (`train=False`).
 
-Qwen2.5-Omni-7B's GSPO micro-step is traced in memory_trace_qwen.py, the ImageBind reward's request
-in memory_trace_rewards.py. What is not traced (issue 43): H3's conditioner (offloaded: it runs in host
-memory) and the checkpoint, which docs/real-models.md counts. The
-micro-step's loss is a stand-in (the mean square of both velocities): NFT's own loss adds two
+Qwen2.5-Omni-7B's and Qwen3-Omni-30B-A3B's GSPO micro-steps are traced in memory_trace_qwen.py, the
+ImageBind reward's request in memory_trace_rewards.py. What is not traced (issue 43): H3's
+conditioner (offloaded: it runs in host memory) and the checkpoint, which docs/real-models.md
+counts. The micro-step's loss is a stand-in (the mean square of both velocities): NFT's own loss adds two
 forwards without gradients (old adapter, reference), each one such forward, whose outputs alone
 outlive it. GPU kernels may keep other temporaries than the CPU kernels whose shapes are traced here.
 """

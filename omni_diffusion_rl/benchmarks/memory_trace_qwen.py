@@ -243,10 +243,11 @@ def trace_qwen_update(case: QwenCase, fake: bool = True, train: bool = True) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..models.lora import add_nft_adapters, trainable_parameters
-    from ..models.qwen_omni import QwenPrompted, language_model_targets
+    from ..models.qwen_omni import Qwen3OmniPolicy, QwenOmniPolicy, QwenPrompted, language_model_targets
 
     model = _qwen_model(case)
-    targets = list(language_model_targets(model.thinker))
+    policy = Qwen3OmniPolicy if case.family == "qwen3_omni" else QwenOmniPolicy
+    targets = list(language_model_targets(model.thinker, policy.lora_names))  # what the trainer adapts
     with torch.device("meta") if not case.tiny else torch.device("cpu"):
         add_nft_adapters(model, case.lora_rank, 2 * case.lora_rank, targets)
     if case.gradient_checkpointing:

@@ -4,7 +4,7 @@ side by side in one run.
 Both run `recipes/configs/qwen2_5_omni_avqa_gspo.yaml` as shipped (16 questions x 8 answers a step,
 micro-batches of 4, the shipped example set at Qwen's clip format: 4-second clips with 16 kHz sound,
 224 x 224 frames at 2 fps) on one process, with a tiny random-init thinker that carries
-Qwen2.5-Omni-7B's processors (128 mels, 30-second chunks, its pixel bounds; `tiny_qwen`, `seven_b`).
+Qwen2.5-Omni-7B's processors (128 mels, 300-second chunks, its pixel bounds; `tiny_qwen`, `seven_b`).
 Only what a CPU cannot run is changed: fp32 instead of bf16, no checkpoints, previews or held-out
 evaluation. The older commit's code is unpacked with `git archive` into a temporary folder (the
 checkout is not touched) and run with the same Python and packages.
@@ -42,17 +42,45 @@ print("QWEN_STEP_PEAK " + json.dumps({"exit": code, "peak_mib": peak / 1024}))
 """
 
 
+def checkout_root(start: Path) -> Path:
+    """The root of the git checkout holding `start` (git archive packs only the folder it runs in)."""
+    found = subprocess.run(
+        ["git", "-C", str(start), "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=False
+    )
+    if found.returncode:
+        raise ValueError(f"{start} is not in a git checkout: run odrl bench qwen-step in the project's clone")
+    return Path(found.stdout.strip())
+
+
+def commit_id(repo: Path, commit: str) -> str:
+    """`commit`'s full id in `repo`, or a ValueError naming it (an option-like value is refused)."""
+    asked = ["rev-parse", "--verify", "--quiet", "--end-of-options", f"{commit}^{{commit}}"]
+    found = subprocess.run(
+        ["git", "-C", str(repo), *asked],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode or commit.startswith("-"):
+        raise ValueError(
+            f"git archive {commit}: no such commit in {repo} (a shallow clone lacks older commits: "
+            "`git fetch --unshallow` first)"
+        )
+    return found.stdout.strip()
+
+
 def unpack_commit(repo: Path, commit: str, into: Path) -> Path:
     """The tree of `commit` written into `into` (git archive: the checkout is left as it is)."""
     made = subprocess.run(
-        ["git", "-C", str(repo), "archive", "--format=tar", commit],
+        ["git", "-C", str(repo), "archive", "--format=tar", commit_id(repo, commit)],
         capture_output=True,
         check=False,
     )
     if made.returncode:
         raise ValueError(f"git archive {commit} in {repo}: {made.stderr.decode(errors='replace').strip()}")
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.11.4+, 3.10.12+
     with tarfile.open(fileobj=BytesIO(made.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        tar.extractall(into, **safe)  # a commit of the checkout itself; filtered where Python can
     return into
 
 
@@ -87,7 +115,7 @@ def run_steps(code: Path, overrides: list[str], output_dir: Path) -> dict[str, A
     )
     marks = [line for line in done.stdout.splitlines() if line.startswith("QWEN_STEP_PEAK ")]
     if done.returncode or not marks or json.loads(marks[-1].split(" ", 1)[1])["exit"]:
-        raise RuntimeError(f"the run of {code} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the run of {code} failed:\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "time/rollout_s" in r]
     return {
@@ -105,12 +133,15 @@ def run_qwen_step_bench(
     """`rounds` runs of `steps` steps each at `before` and at `repo`'s working tree, alternating."""
     from .tiny_qwen import save_tiny_qwen_omni
 
-    questions = (repo / EXAMPLE_SET).resolve()
+    repo = checkout_root(repo)
+    questions = repo / EXAMPLE_SET
+    if not (repo / RECIPE).is_file() or not questions.is_file():
+        raise ValueError(f"{repo} lacks {RECIPE} or {EXAMPLE_SET}")
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "now": []}
     with tempfile.TemporaryDirectory(prefix="qwen_step_") as scratch:
         work = Path(scratch)
+        trees = {"before": unpack_commit(repo, before, work / "before"), "now": repo}
         model = save_tiny_qwen_omni(work / "model", seven_b=True)
-        trees = {"before": unpack_commit(repo, before, work / "before"), "now": repo.resolve()}
         pairs = [("before", "now") if r % 2 == 0 else ("now", "before") for r in range(rounds)]
         order = [name for pair in pairs for name in pair]
         for i, name in enumerate(order):
@@ -121,7 +152,9 @@ def run_qwen_step_bench(
     summary = {name: _summary(done) for name, done in runs.items()}
     result = {
         "machine": machine_info(),
-        "before_commit": before,
+        "before_commit": commit_id(repo, before),
+        "now_commit": commit_id(repo, "HEAD"),
+        "now_uncommitted_changes": _dirty(repo),
         "recipe": RECIPE,
         "questions": EXAMPLE_SET,
         "steps_per_run": steps,
@@ -132,6 +165,11 @@ def run_qwen_step_bench(
     }
     publish(result, output, format_table(result), _draw, (8.0, 3.5), panels=2)
     return result
+
+
+def _dirty(repo: Path) -> bool:
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
+    return bool(status.stdout.strip())
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, float]:

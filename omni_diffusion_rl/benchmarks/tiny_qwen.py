@@ -8,7 +8,7 @@ The feature extractor's sampling rate is 8000 Hz (not Qwen's 16000) so that the 
 is the shipped question files' (recipes/data/tiny_avqa_files: 8000 Hz mono WAVs, 8 fps MP4s, 0.5 s):
 nothing resamples audio, a run refuses a clip format its model does not read. With `seven_b=True`
 the same tiny thinker reads sound and frames as Qwen2.5-Omni-7B's processors do (16 kHz, 128 mels,
-30 s chunks; its pixel bounds), for the real recipes' clip format and for measuring costs that grow
+300 s chunks; its pixel bounds), for the real recipes' clip format and for measuring costs that grow
 with those settings.
 """
 
