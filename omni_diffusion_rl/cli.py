@@ -480,7 +480,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .benchmarks.qwen_step_cost import run_qwen_step_bench
 
         before = {"before": args.before} if args.before else {}
-        run_qwen_step_bench(output, Path.cwd(), **before, steps=args.steps or 2, rounds=repeats or 1)
+        try:
+            run_qwen_step_bench(output, Path.cwd(), **before, steps=args.steps or 2, rounds=repeats or 1)
+        except ValueError as e:  # not a checkout, or no such commit in it
+            print(f"odrl bench qwen-step: {e}", file=sys.stderr)
+            return 2
     elif args.name == "reward-server":
         from .benchmarks.reward_server import run_reward_server_bench
 

@@ -45,6 +45,11 @@ def test_an_older_commit_is_unpacked_beside_the_checkout_and_a_missing_one_is_na
         unpack_commit(REPO, "0" * 40, tmp_path / "none")
     with pytest.raises(ValueError, match="no such commit"):  # not read as an option of git's
         unpack_commit(REPO, "--output=/tmp/x", tmp_path / "none")
+    from omni_diffusion_rl.cli import main
+
+    output = tmp_path / "bench.json"
+    assert main(["bench", "qwen-step", "--before", "no-such-commit", "--output", str(output)]) == 2
+    assert not output.exists()
 
 
 def test_the_summary_takes_steady_steps_and_the_ratio_divides_before_by_now() -> None:
