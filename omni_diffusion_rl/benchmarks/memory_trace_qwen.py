@@ -218,7 +218,7 @@ def _qwen_model(case: QwenCase) -> Any:
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
     from ..models.qwen_omni import Qwen3OmniModel, QwenOmniModel
-    from .tiny_qwen import QWEN3_MARKERS, build_processors, build_thinker, build_tokenizer
+    from .tiny_qwen import QWEN3_MARKERS, WHISPER_7B, build_processors, build_thinker, build_tokenizer
 
     torch.manual_seed(0)
     qwen3 = case.family == "qwen3_omni"
@@ -231,7 +231,7 @@ def _qwen_model(case: QwenCase) -> Any:
         return Qwen3OmniModel(thinker, tokenizer, *build_processors(patch_size=16), **clip)
     if case.tiny:
         return QwenOmniModel(build_thinker(tokenizer), tokenizer, *build_processors(), **clip)
-    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400)
+    audio = WhisperFeatureExtractor(**WHISPER_7B)  # Qwen2.5-Omni-7B's settings, for both families
     image = Qwen2VLImageProcessorPil(patch_size=16 if qwen3 else 14, temporal_patch_size=2, merge_size=2)
     model_class = Qwen3OmniModel if qwen3 else QwenOmniModel
     return model_class(_released_thinker(tokenizer, case.family), tokenizer, audio, image, **clip)
