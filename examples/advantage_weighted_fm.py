@@ -7,7 +7,7 @@ scaled to mean 1 over the step's trainable samples. Better samples pull harder a
 away: RAFT keeps only each group's best, advantage-weighted regression (Peng et al., 2019) weighs
 them all. Run it with
 
-    odrl train recipes/configs/tiny_t2av_nft.yaml reward.plugins=[examples/advantage_weighted_fm.py] \
+    odrl train recipes/configs/tiny_t2av_nft.yaml algorithm.plugins=[examples/advantage_weighted_fm.py] \
         algorithm.name=awfm
 """
 

@@ -18,12 +18,13 @@ from typing import Any
 
 import yaml
 
+from .algorithm_options import algorithm_card
 from .async_layout import buffer_capacity, check_async_layout
-
-
-class ConfigError(ValueError):
-    """A config value, key or file that cannot be used."""
-
+from .config_fields import NO_TEACHER as NO_TEACHER
+from .config_fields import ConfigError as ConfigError
+from .config_fields import check_registered_name as check_registered_name
+from .config_fields import config_field as _spec
+from .config_fields import option as option
 
 REWARD_MODALITIES = ("video", "audio", "audio_video")
 """What a reward may judge (reward.modalities; algorithms/credit.py routes them)."""
@@ -174,13 +175,6 @@ MAX_SEED = 2**32 - 1
 """The largest seed (train.seed): numpy's generators take 32 bits."""
 
 
-def _spec(default: Any, doc: str, **checks: Any) -> Any:
-    """A field with a default, a one-line doc and checks: gt, ge, le, choices."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **checks})
-    return field(default=default, metadata={"doc": doc, **checks})
-
-
 @dataclass
 class ModelConfig:
     family: str = _spec(
@@ -235,10 +229,6 @@ class SamplingConfig:
     )
 
 
-option = _spec
-"""A field of an algorithm's options dataclass: default, one-line doc and checks (gt, ge, le, choices)."""
-
-
 @dataclass
 class AlgorithmConfig:
     """The algorithm section: which algorithm and what every algorithm reads. The chosen algorithm's
@@ -256,6 +246,11 @@ class AlgorithmConfig:
     timestep_fraction: float = _spec(0.6, "fraction of the sampler grid trained per sample", gt=0, le=1)
     options: dict[str, Any] = _spec(
         {}, "the options (key -> value) of a registered algorithm that declares no options dataclass"
+    )
+    plugins: list[str] = _spec(
+        [],
+        "modules or .py files to import before algorithm.name is looked up: they register algorithms "
+        "with @algorithms.register (e.g. [examples/advantage_weighted_fm.py])",
     )
 
 
@@ -713,8 +708,8 @@ def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
     _check_depth(data)
     others = {k: v for k, v in data.items() if k != "algorithm"} if isinstance(data, dict) else data
     cfg = _build(ExperimentConfig, others, "")
-    import_plugins(cfg.reward.plugins)  # they may register the algorithm
-    cfg.algorithm = algorithm_section(data.get("algorithm", {}))
+    _import_reward_plugins(cfg.reward.plugins)
+    cfg.algorithm = algorithm_section(data.get("algorithm", {}))  # imports algorithm.plugins first
     check_consistency(cfg)
     return cfg
 
@@ -723,22 +718,9 @@ def config_from_dict(data: dict[str, Any]) -> ExperimentConfig:
 # The algorithm section: the shared keys and the chosen algorithm's own options, routed by declaration
 
 
-def algorithm_type(name: str) -> Any:
-    """The registered algorithm class called `name`, or a ConfigError that lists the registered ones."""
-    from .registry import algorithms
-
-    check_registered_name("algorithm.name", name, algorithms)
-    return algorithms.get(name)
-
-
-def _options_type(algorithm: Any) -> type | None:
-    """An algorithm class's options dataclass (None: it reads `algorithm.options`)."""
-    return getattr(algorithm, "options_type", None)
-
-
 def algorithm_section_type(name: str) -> type:
     """The dataclass of algorithm `name`'s section: AlgorithmConfig joined with its options dataclass."""
-    options = _options_type(algorithm_type(name))
+    options = algorithm_card(name).options_type
     return AlgorithmConfig if options is None else _joined_section(options)
 
 
@@ -781,6 +763,7 @@ def _reduce_section(section: AlgorithmConfig) -> tuple[Any, tuple[str, dict[str,
 
 
 def _rebuilt_section(name: str, values: dict[str, Any]) -> AlgorithmConfig:
+    import_plugins(values.get("plugins", []), "algorithm.plugins")  # another process may not have them yet
     return algorithm_section_type(name)(**values)
 
 
@@ -801,7 +784,9 @@ def algorithm_section(data: Any, prefix: str = "algorithm") -> AlgorithmConfig:
     if not isinstance(data, dict):
         return _build(AlgorithmConfig, data, prefix)  # raises: not a mapping
     shared = _field_names(AlgorithmConfig)
-    name = _build(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix).name
+    common = _build(AlgorithmConfig, {k: v for k, v in data.items() if k in shared}, prefix)
+    import_plugins(common.plugins, f"{prefix}.plugins")  # they may register the algorithm
+    name = common.name
     section = algorithm_section_type(name)
     built = _build(
         section, {k: v for k, v in data.items() if not _foreign(section, name, k, v, prefix)}, prefix
@@ -825,7 +810,7 @@ def _foreign(section: type, name: str, key: Any, value: Any, prefix: str) -> boo
     if not owners:
         return False
     for owner in owners:  # several may declare it, each with its own default
-        theirs_type = _joined_section(_options_type(algorithm_type(owner)))
+        theirs_type = _joined_section(algorithm_card(owner).options_type)
         theirs = _build(theirs_type, {"name": owner, key: value}, prefix)  # a ConfigError if malformed
         if getattr(theirs, key) == getattr(theirs_type(), key):
             return True
@@ -856,7 +841,7 @@ def declaring_algorithms(key: Any) -> list[str]:
     owners = []
     for name in algorithms.names():
         try:
-            options = _options_type(algorithms.get(name))
+            options = algorithm_card(name).options_type
             if options is not None:
                 check_options_type(options)
         except Exception:  # noqa: BLE001 - another plug-in's failure is not this config's error
@@ -867,7 +852,6 @@ def declaring_algorithms(key: Any) -> list[str]:
 
 
 ROUTE_KEYS = ("parts", "name", "options", "urls")
-NO_TEACHER = "none"  # a route's name for parts that no teacher answers (not distilled)
 
 
 def check_teacher_routes(routes: dict[str, Any], has_urls: bool) -> None:
@@ -915,7 +899,7 @@ def check_one_step_off(cfg: ExperimentConfig) -> None:
             "(the async modes make rollouts and their teacher targets apart from training anyway): drop "
             "teacher.one_step_off, or set execution.mode=colocated"
         )
-    if not getattr(algorithm_type(cfg.algorithm.name), "uses_teacher", False):
+    if not algorithm_card(cfg.algorithm.name).uses_teacher:
         raise ConfigError(
             f"teacher.one_step_off hides a teacher's time, and algorithm.name={cfg.algorithm.name} asks no "
             "teacher: it would only train on stale rollouts; drop it"
@@ -949,7 +933,7 @@ def check_consistency(cfg: ExperimentConfig) -> None:
     """Checks that span several keys."""
     if not cfg.train.output_dir.strip():
         raise ConfigError("train.output_dir is empty; give a folder for the run, e.g. runs/my_run")
-    algorithm_type(cfg.algorithm.name).check(cfg)  # the algorithm's own checks (its options vs the rest)
+    algorithm_card(cfg.algorithm.name).check(cfg)  # the algorithm's own checks (its options vs the rest)
     if cfg.train.sharding == "fsdp" and cfg.execution.mode == "auto":
         raise ConfigError(
             "execution.mode=auto measures each mode's costs on whole, unsharded copies of the model, which "
@@ -1024,16 +1008,6 @@ def check_registered(cfg: ExperimentConfig) -> None:
     check_registered_name("model.family", cfg.model.family, models)
 
 
-def check_registered_name(key: str, value: str, registry: Any) -> None:
-    """A ConfigError unless `value` (given as `key`) names one of `registry`'s plug-ins."""
-    if value not in registry.names():
-        raise ConfigError(
-            f"{key}: unknown {registry.kind} '{value}'; registered: {', '.join(registry.names())} "
-            f"(register your own with @omni_diffusion_rl.registry.{registry.kind}s.register or the "
-            f"entry-point group '{registry.entry_point_group}')"
-        )
-
-
 def check_eval_metrics(cfg: ExperimentConfig) -> None:
     """eval.metrics names registered scorers, once each, fit for the model family."""
     from .registry import rewards
@@ -1073,9 +1047,29 @@ def check_eval_metrics(cfg: ExperimentConfig) -> None:
             )
 
 
-def import_plugins(modules: list[str]) -> None:
+def _import_reward_plugins(modules: list[str]) -> None:
+    """reward.plugins imported; one that registers an algorithm still works for this release, with a
+    FutureWarning that names algorithm.plugins, the key for algorithm files."""
+    import warnings
+
+    from .registry import algorithms
+
+    before = set(algorithms.names())
+    import_plugins(modules)
+    added = sorted(set(algorithms.names()) - before)
+    if added:
+        warnings.warn(
+            f"reward.plugins={modules} registered the algorithm(s) {', '.join(added)}: list algorithm "
+            "files in algorithm.plugins instead; reward.plugins will stop being read for algorithms in the "
+            "next release",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def import_plugins(modules: list[str], key: str = "reward.plugins") -> None:
     """Import modules that register plug-ins: a module name (installed, or on PYTHONPATH) or a path
-    to a .py file. One that cannot be imported is a ConfigError."""
+    to a .py file. One that cannot be imported is a ConfigError naming `key`."""
     import importlib
     import importlib.util
     import sys
@@ -1086,7 +1080,7 @@ def import_plugins(modules: list[str]) -> None:
                 importlib.import_module(module)
                 continue
             path = Path(module).resolve()
-            check_input_file(path, "reward.plugins file")
+            check_input_file(path, f"{key} file")
             name = f"odrl_plugin_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
             if getattr(sys.modules.get(name), "__file__", None) == str(path):
                 continue  # imported already (every config load checks the plugins)
@@ -1098,13 +1092,13 @@ def import_plugins(modules: list[str]) -> None:
             raise
         except SystemExit as e:  # a module that exits when imported would end odrl without a word
             raise ConfigError(
-                f"reward.plugins: importing '{module}' called sys.exit({e.code!r}); a plug-in module must "
+                f"{key}: importing '{module}' called sys.exit({e.code!r}); a plug-in module must "
                 "register its plug-ins, not exit"
             ) from e
         except Exception as e:
             raise ConfigError(
-                f"reward.plugins: cannot import '{module}' ({type(e).__name__}: {e}); name an importable "
-                "module (installed, or on PYTHONPATH) or a .py file, e.g. reward.plugins=[./my_rewards.py]"
+                f"{key}: cannot import '{module}' ({type(e).__name__}: {e}); name an importable module "
+                f"(installed, or on PYTHONPATH) or a .py file, e.g. {key}=[./my_plugins.py]"
             ) from e
 
 
@@ -1132,16 +1126,16 @@ def describe_algorithm_options(prefix: str = "algorithm.") -> list[str]:
     lines, loaded = [], {}
     for name in algorithms.names():
         try:
-            loaded[name] = algorithms.get(name)
-            options = _options_type(loaded[name])
+            loaded[name] = algorithm_card(name)
+            options = loaded[name].options_type
             if options is not None:
                 check_options_type(options)
         except Exception as e:  # a broken plug-in must not take --help down with it
             loaded.pop(name, None)
             lines.append(f"{prefix}name={name}: cannot be loaded ({type(e).__name__}: {e})")
-    declared = {name: _options_type(algorithm) for name, algorithm in loaded.items()}
+    declared = {name: card.options_type for name, card in loaded.items()}
     for name, options in declared.items():
-        title = f"{prefix}name={name} ({getattr(loaded[name], 'display_name', name)})"
+        title = f"{prefix}name={name} ({loaded[name].display_name})"
         if options is None:
             lines.append(f"{title} reads {prefix}options")
             continue

@@ -160,9 +160,9 @@ def check_reward_options(name: str, options: object) -> list[Finding]:
 def check_teachers(cfg: ExperimentConfig, timeout_s: float = 2.0) -> list[Finding]:
     """Each teacher server (teacher.urls, or each route's urls) answering /health, when the
     algorithm asks a teacher."""
-    from .config import algorithm_type
+    from .config import algorithm_card
 
-    if not getattr(algorithm_type(cfg.algorithm.name), "uses_teacher", False):
+    if not algorithm_card(cfg.algorithm.name).uses_teacher:
         return []
     pools = {"teacher.urls": (cfg.teacher.name, cfg.teacher.urls)}
     for route, spec in cfg.teacher.routes.items():

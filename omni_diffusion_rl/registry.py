@@ -57,6 +57,12 @@ class Registry:
         self._load_entry_points()
         return sorted(self._factories)
 
+    def loaded(self, name: str) -> Callable[..., Any] | None:
+        """What `name` is registered as in this process, if its module has been imported (None for a
+        name not registered, or an entry point not loaded yet): nothing is imported."""
+        factory = self._factories.get(name)
+        return None if isinstance(factory, _LazyEntryPoint) else factory
+
     def get(self, name: str) -> Callable[..., Any]:
         self._load_entry_points()
         if name not in self._factories:

@@ -74,6 +74,7 @@ ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defa
     "distill_cond_coef": 0.0,
     "credit": "global",
     "credit_balance": "equal",
+    "plugins": [],
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},
@@ -126,7 +127,7 @@ def test_an_old_checkpoint_resumes_and_its_saved_config_loads_with_the_same_valu
     Trainer(cfg).fit()
     checkpoint = resolve_checkpoint(run / "checkpoints")
     state = json.loads((checkpoint / "state.json").read_text())
-    assert set(state["config"]["algorithm"]) == {"name", "timestep_fraction", "options", "raft_keep"}
+    assert set(state["config"]["algorithm"]) == {"name", "timestep_fraction", "options", "plugins", "raft_keep"}
     state["config"]["algorithm"] = {**OLD_SECTION, "name": "raft"}
     _rewrite(checkpoint, "state.json", json.dumps(state))
     saved = config_from_dict(state["config"])

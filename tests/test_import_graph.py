@@ -25,6 +25,8 @@ LAYERS: list[list[str]] = [
     # and utilities (the experience and world packages' __init__ import nothing)
     [
         f"{PACKAGE}.config",
+        f"{PACKAGE}.config_fields",
+        f"{PACKAGE}.algorithm_options",
         f"{PACKAGE}.runtime",
         f"{PACKAGE}.async_layout",
         f"{PACKAGE}.registry",

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
-STD_CORRECTIONS = {"population": 0, "sample": 1}
-"""algorithm.adv_std: the std advantages divide by, without (ddof 0) or with Bessel's correction (trl)."""
+from ..algorithm_options import ADV_MODES as ADV_MODES
+from ..algorithm_options import STD_CORRECTIONS as STD_CORRECTIONS
 
 
 def group_advantages(

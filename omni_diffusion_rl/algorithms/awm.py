@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-WEIGHTINGS = ("ghuber", "uniform")
-TIME_SAMPLINGS = ("discrete_wo_init", "discrete")
+from ..algorithm_options import AWM_WEIGHTINGS as WEIGHTINGS
+from ..algorithm_options import awm_index_range
+
 _TINY = 1e-10  # the reference's floor inside the power
 
 
@@ -74,13 +75,7 @@ def stratified_step_indices(
     """[count] indices into the sampler's grid: the range [1 (0 when not skip_first),
     int(num_steps * fraction)] cut into `count` strata (linspace, floored), one index drawn uniformly
     inside each (its lower edge when a stratum is empty)."""
-    top = int(num_steps * fraction)
-    low = 1 if skip_first else 0
-    if count < 1 or top <= low:
-        raise ValueError(
-            f"AWM draws {count} timesteps from grid indices {low}..{top} (num_steps={num_steps}, "
-            f"timestep_fraction={fraction}): it needs at least one of each"
-        )
+    low, top = awm_index_range(num_steps, fraction, count, skip_first)
     bounds = torch.linspace(low, top, count + 1, dtype=torch.float32)
     lower, upper = bounds[:-1].long(), bounds[1:].long()
     return lower + (torch.rand(count, generator=generator) * (upper - lower)).long()

@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..algorithm_options import BALANCES as BALANCES
+from ..algorithm_options import CREDITS as CREDITS
+
 MODALITIES = ("video", "audio")
 JUDGES = {"video": ("video",), "audio": ("audio",), "audio_video": ("video", "audio")}
 """What a reward may declare, and the modalities whose advantage it feeds."""
-CREDITS = ("global", "per_modality")
-BALANCES = ("equal", "entries")
 
 
 def modality_weights(entries: Mapping[str, torch.Tensor], balance: str) -> dict[str, float]:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..algorithm_options import DISTILL_TARGETS as DISTILL_TARGETS
+from ..algorithm_options import DISTILL_WEIGHTINGS as DISTILL_WEIGHTINGS
 from .flow_grpo import sde_sigma
 
-DISTILL_WEIGHTINGS = ("uniform", "step", "x0", "sde_kl")
-"""algorithm.distill_weighting: the weight of the state at each sampler time (`state_weights`)."""
 SDE_KL_NOISE = 0.7
 """The SDE noise level of the sde_kl weighting (Flow-GRPO's default)."""
-DISTILL_TARGETS = ("velocity", "endpoint", "completion", "contrast")
-"""algorithm.distill_target: what the student's velocity at a state is trained toward."""
 
 
 def endpoint_velocities(states: torch.Tensor, x0_teacher: torch.Tensor, times: torch.Tensor) -> torch.Tensor:

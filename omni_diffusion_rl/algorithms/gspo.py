@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-RATIO_LEVELS = ("sequence", "token")
+from ..algorithm_options import RATIO_LEVELS
+
 GSPO_EPS_LOW, GSPO_EPS_HIGH = 3e-4, 4e-4  # the GSPO paper's clip range
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
+from ..algorithm_options import DECAY_SCHEDULES
 
 
 def old_adapter_decay(schedule: str, updates: int) -> float:

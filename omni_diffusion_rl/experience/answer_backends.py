@@ -22,11 +22,11 @@ from typing import Any, Protocol
 
 import torch
 
+from ..algorithm_options import ANSWER_BACKENDS
 from ..config import ConfigError, ExperimentConfig
 from ..preflight import vllm_problem
 from .text_sampling import Answers, sample_answers
 
-ANSWER_BACKENDS = ("hf", "vllm")  # what samples the rollout answers (algorithm.rollout_backend)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels are built for
 
 

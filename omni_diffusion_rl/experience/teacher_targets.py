@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..algorithms.distill import DISTILL_TARGETS, completion_velocities, endpoint_velocities
+from ..algorithm_options import DISTILL_TARGETS, STATE_KINDS
+from ..algorithms.distill import completion_velocities, endpoint_velocities
 from ..config import NO_TEACHER, ConfigError, ExperimentConfig
 from ..runtime.sharding import compute_device
 from ..teacher import (
@@ -40,7 +41,6 @@ from ..teacher import (
 from .rollout import STATES, Rollout, step_generator
 from .teacher_routes import TEACHER_MASK, RoutedTeacher, route_entries
 
-STATE_KINDS = ("visited", "noised")  # where the teacher gives targets (algorithm.distill_states)
 TEACHER_V = "teacher_v"
 COMPLETED = "teacher_completed"
 """[N, T] bool: the visited states a completion target was made for (distill_target=completion)."""

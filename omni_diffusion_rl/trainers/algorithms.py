@@ -36,16 +36,24 @@ from typing import Any
 
 import torch
 
-from ..algorithms.advantages import ADV_MODES, optimality_probability
-from ..algorithms.distill import DISTILL_TARGETS, DISTILL_WEIGHTINGS, distillation_loss, state_weights
+from ..algorithm_options import (
+    TIMESTEP_CHOICES,
+    CreditOptions,
+    DistillOptions,
+    NFTOptions,
+    RAFTOptions,
+    check_distill,
+    check_raft,
+)
+from ..algorithms.advantages import optimality_probability
+from ..algorithms.distill import distillation_loss, state_weights
 from ..algorithms.nft import flow_matching_loss, nft_loss
-from ..algorithms.soft_update import DECAY_SCHEDULES, old_adapter_decay
-from ..config import NO_TEACHER, ConfigError, ExperimentConfig, check_registered_name, option
+from ..algorithms.soft_update import old_adapter_decay
+from ..config import NO_TEACHER, ExperimentConfig
 from ..experience.rollout import Rollout, SDESampling, step_generator
 from ..experience.teacher_routes import TEACHER_MASK
 from ..experience.teacher_targets import (
     COMPLETED,
-    STATE_KINDS,
     STATES,
     TEACHER_V,
     TEACHER_V_EMPTY,
@@ -54,9 +62,9 @@ from ..experience.teacher_targets import (
     make_checked_teacher,
 )
 from ..models.policy import index_condition
-from ..registry import algorithms, teachers
+from ..registry import algorithms
 from ..reward import WeightedReward
-from .credit import CreditOptions, credit_entries, credit_metrics, modality_terms
+from .credit import credit_entries, credit_metrics, modality_terms
 from .learner import Learner
 from .update_batch import UpdateBatch
 
@@ -395,9 +403,6 @@ class Algorithm:
         return 0.0
 
 
-TIMESTEP_CHOICES = ("random", "noisiest", "noisiest_then_random")
-
-
 def noised_inputs(
     cfg: ExperimentConfig, rollout: Rollout, step: int, choice: str = "random"
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -432,35 +437,6 @@ def noised_inputs(
 
 # ---------------------------------------------------------------------------------------------
 # DiffusionNFT
-
-
-@dataclass
-class NFTOptions(CreditOptions):
-    """DiffusionNFT's options (algorithm.name=nft), flat in the algorithm section."""
-
-    beta: float = option(1.0, "NFT implicit-policy strength (1.0 single reward, 0.1 multi-reward)", gt=0)
-    adv_clip_max: float = option(5.0, "advantage clip before the map to r in [0, 1]", gt=0)
-    adv_mode: str = option("continuous", "how clipped advantages become r", choices=ADV_MODES)
-    per_group_std: bool = option(False, "normalise by each group's std instead of the batch std")
-    adv_per_reward: bool = option(
-        False,
-        "normalise each reward within its groups on its own, then sum them with their weights, so a "
-        "reward with a small spread (the shape) ranks samples as much as the others (GDPO)",
-    )
-    kl_coef: float = option(
-        0.5,
-        "weight of mean ||v_theta - v_ref||^2 (keeps the picture's quality and variety; 0 skips the "
-        "reference forward)",
-        ge=0,
-    )
-    decay_schedule: str = option("linear_to_0_5", "soft update of `old`", choices=DECAY_SCHEDULES)
-    timestep_choice: str = option(
-        "random",
-        "which timesteps are trained: random (timestep_fraction of the grid, drawn per sample) | noisiest "
-        "(the noisiest timestep_fraction, where the layout and the shape are decided; the clean end is "
-        "never trained) | noisiest_then_random (noisiest in the first half of train.steps, random after)",
-        choices=TIMESTEP_CHOICES,
-    )
 
 
 @algorithms.register("nft")
@@ -565,75 +541,6 @@ class DiffusionNFT(Algorithm):
 # On-policy distillation
 
 
-@dataclass
-class DistillOwnOptions:
-    """On-policy distillation's own options."""
-
-    distill_states: str = option(
-        "visited",
-        "where the teacher gives targets: visited (the states the student's sampler passed) | noised "
-        "(the student's x0 forward-noised to each grid time)",
-        choices=STATE_KINDS,
-    )
-    distill_target: str = option(
-        "velocity",
-        "what the student's velocity at a state is trained toward: velocity (the teacher's, at that "
-        "state) | endpoint (the straight line from the state to the teacher's own sample from the "
-        "student's starting noise; with distill_states=noised the states are that sample forward-noised: "
-        "flow matching on the teacher's samples) | completion (the straight line from the state to the "
-        "teacher's own Euler completion from it, at distill_completions visited states per sample) | "
-        "contrast (no velocity targets: DiffusionNFT's loss with the teacher's completion from the "
-        "visited state at distill_contrast_from as the positive and the student's own sample as the "
-        "negative)",
-        choices=DISTILL_TARGETS,
-    )
-    distill_contrast_from: float = option(
-        0.8,
-        "contrast: the grid time of the visited state the teacher completes each sample from (the "
-        "nearest one; 1: the teacher's own sample from the student's noise)",
-        gt=0,
-        le=1,
-    )
-    distill_completions: int = option(
-        3,
-        "completion targets: visited states per sample the teacher completes and the student trains "
-        "on (each costs the teacher the grid steps left from it)",
-        ge=1,
-    )
-    distill_weighting: str = option(
-        "uniform",
-        "weight per state, scaled to mean 1 over the grid: uniform | step (dt_k^2, the transition-mean "
-        "form) | x0 (t_k^2: the x0 predictions matched, the noisy states weigh most) | sde_kl (the KL of "
-        "the two samplers' Gaussian SDE steps: the clean end weighs most)",
-        choices=DISTILL_WEIGHTINGS,
-    )
-    distill_focus: float = option(
-        0.0,
-        "weight each latent entry by (its |v_student - v_teacher| / the sample's mean)^focus, detached, "
-        "mean 1 per sample: more loss where the teacher disagrees most (a shape's corners); 0: off",
-        ge=0,
-    )
-    nft_coef: float = option(
-        0.0,
-        "add this times the DiffusionNFT loss (reward and teacher in one run); 0: distillation alone",
-        ge=0,
-    )
-    distill_cond_coef: float = option(
-        0.0,
-        "velocity targets: add this times the squared gap of the conditional directions, "
-        "(v_s(prompt) - v_s(empty)) - (v_T(prompt) - v_T(empty)) at the same states: what the prompt "
-        "changes, with the part no prompt decides (the layout) cancelled; the teacher also answers for "
-        "the empty prompt; 0: off",
-        ge=0,
-    )
-
-
-@dataclass
-class DistillOptions(NFTOptions, DistillOwnOptions):
-    """What on-policy distillation reads (algorithm.name=distill): its own options and, for
-    nft_coef > 0, DiffusionNFT's."""
-
-
 def trained_state_order(cfg: ExperimentConfig, rollout: Rollout, step: int) -> torch.Tensor:
     """[N, T]: each sample's states in a random order keyed by (seed, step, prompt group); the first
     timestep_fraction of them are trained."""
@@ -661,49 +568,7 @@ class OnPolicyDistillation(DiffusionNFT):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        if not cfg.teacher.routes:
-            check_registered_name("teacher.name", cfg.teacher.name, teachers)
-        for route, spec in cfg.teacher.routes.items():
-            name = spec.get("name", "policy")
-            if name != NO_TEACHER:
-                check_registered_name(f"teacher.routes.{route}.name", name, teachers)
-        a = cfg.algorithm
-        if a.credit != "global":
-            raise ConfigError(
-                "algorithm.credit=per_modality routes rewards' advantages; distillation learns from a "
-                "teacher (teacher.routes gives each part of the latent its own teacher): use credit: global"
-            )
-        if a.distill_target in ("completion", "contrast") and a.distill_states != "visited":
-            raise ConfigError(
-                f"algorithm.distill_target={a.distill_target} starts the teacher from the states the "
-                f"student visited; algorithm.distill_states={a.distill_states} is not: use visited"
-            )
-        if a.distill_target == "contrast" and any(
-            spec.get("name") == NO_TEACHER for spec in cfg.teacher.routes.values()
-        ):
-            raise ConfigError(
-                "algorithm.distill_target=contrast trains whole samples (DiffusionNFT's loss has no "
-                "per-entry mask), so a teacher.routes entry with name: none would be trained anyway: "
-                "give that route a teacher, or use another distill_target"
-            )
-        if a.distill_target == "contrast" and a.nft_coef > 0:
-            raise ConfigError(
-                "algorithm.distill_target=contrast already trains DiffusionNFT's loss, on the teacher's "
-                "completions against the student's samples; algorithm.nft_coef would add the reward's on "
-                "the same adapter with another meaning of r: set algorithm.nft_coef=0"
-            )
-        if a.distill_cond_coef > 0 and a.distill_target != "velocity":
-            raise ConfigError(
-                "algorithm.distill_cond_coef matches the teacher's velocities for the prompt and the empty "
-                f"prompt at the same states; algorithm.distill_target={a.distill_target} has no such "
-                "targets: use distill_target=velocity, or distill_cond_coef=0"
-            )
-        if a.distill_target == "completion":
-            if a.distill_completions > cfg.sampling.num_steps:
-                raise ConfigError(
-                    f"algorithm.distill_completions={a.distill_completions} is more than the "
-                    f"{cfg.sampling.num_steps} states a sample visits (sampling.num_steps): use at most that"
-                )
+        check_distill(cfg)
 
     @classmethod
     def experience_annotator(cls, cfg: ExperimentConfig, policy: Any, sharder: Any = None) -> Any:
@@ -913,13 +778,6 @@ def teacher_rows(
 # RAFT: the short example
 
 
-@dataclass
-class RAFTOptions:
-    """RAFT's options (algorithm.name=raft), flat in the algorithm section."""
-
-    raft_keep: int = option(1, "raft: best samples of each prompt group fine-tuned on", ge=1)
-
-
 @algorithms.register("raft")
 class RewardRankedFineTuning(Algorithm):
     """RAFT / rejection-sampling fine-tuning: the `raft_keep` best trainable samples of each prompt
@@ -931,12 +789,7 @@ class RewardRankedFineTuning(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        keep, size = cfg.algorithm.raft_keep, cfg.data.group_size
-        if keep >= size:
-            raise ConfigError(
-                f"algorithm.raft_keep={keep} keeps every sample of a group of data.group_size={size}: "
-                "nothing would be ranked; use fewer"
-            )
+        check_raft(cfg)
 
     def metric_names(self) -> list[str]:
         return ["loss/flow_matching", "loss/total"]

@@ -12,14 +12,12 @@ after every update, d = min(awm_ema_decay_max, awm_ema_decay_per_step * updates 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..algorithm_options import AWMOptions, check_awm
 from ..algorithms.awm import (
-    TIME_SAMPLINGS,
-    WEIGHTINGS,
     awm_policy_loss,
     ema_decay,
     matching_error,
@@ -27,55 +25,11 @@ from ..algorithms.awm import (
     stratified_step_indices,
     velocity_gap,
 )
-from ..config import ExperimentConfig, option
+from ..config import ExperimentConfig
 from ..experience.rollout import Rollout, step_generator
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, NoisedRows, Plan, UpdateBatch, _lora
-from .credit import CreditOptions, modality_terms
-
-
-@dataclass
-class AWMOptions(CreditOptions):
-    """AWM's options (algorithm.name=awm), flat in the algorithm section; defaults are the
-    reference's GenEval configuration (config/dgx_awm.py)."""
-
-    adv_clip_max: float = option(5.0, "awm: advantages clipped to [-this, this], then divided by it", gt=0)
-    per_group_std: bool = option(
-        False, "awm: normalise by each group's std (default: the whole batch's, the reference's global_std)"
-    )
-    kl_coef: float = option(
-        0.001,
-        "awm: weight of mean (v - v_ref)^2 to the base model (the reference's train.beta: 0.001 GenEval, "
-        "0.003 OCR, 1e-4 PickScore); 0 skips the base's forward",
-        ge=0,
-    )
-    awm_ema_kl_coef: float = option(
-        1.0,
-        "awm: weight of mean (v - v_old)^2 to the lagged copy of the adapter (the reference's ema_beta); "
-        "0 skips its forward",
-        ge=0,
-    )
-    awm_ema_decay_max: float = option(
-        0.3, "awm: the lagged copy's decay grows to this (the reference's kl_ema_decay)", ge=0, le=1
-    )
-    awm_ema_decay_per_step: float = option(
-        0.001, "awm: ... by this much per update (the reference's linear kl_ema_decay_type)", ge=0, le=1
-    )
-    awm_timesteps: int = option(
-        6, "awm: timesteps trained per sample, one in each stratum of the trained grid", ge=1, le=1000
-    )
-    awm_time_sampling: str = option(
-        "discrete_wo_init",
-        "awm: discrete_wo_init (the grid's indices 1 .. num_steps * timestep_fraction, never t = 1) | "
-        "discrete (from index 0)",
-        choices=TIME_SAMPLINGS,
-    )
-    awm_weighting: str = option(
-        "ghuber",
-        "awm: the log-likelihood surrogate: ghuber (-t (m^p - 0) / p of the matching error m) | uniform (-m)",
-        choices=WEIGHTINGS,
-    )
-    awm_ghuber_power: float = option(0.25, "awm: p of the ghuber weighting", gt=0, le=1)
+from .credit import modality_terms
 
 
 @algorithms.register("awm")
@@ -89,14 +43,7 @@ class AdvantageWeightedMatching(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        a = cfg.algorithm
-        stratified_step_indices(
-            cfg.sampling.num_steps,
-            a.timestep_fraction,
-            a.awm_timesteps,
-            torch.Generator(),
-            a.awm_time_sampling == "discrete_wo_init",
-        )  # a ValueError naming the numbers when the grid has too few steps to draw from
+        check_awm(cfg)
 
     def metric_names(self) -> list[str]:
         a = self.options

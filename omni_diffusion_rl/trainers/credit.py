@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
+from ..algorithm_options import CreditOptions
 from ..algorithms.credit import (
-    BALANCES,
-    CREDITS,
     MODALITIES,
     LossTerm,
     ModalityLoss,
@@ -26,26 +24,8 @@ from ..algorithms.credit import (
     modality_routes,
     per_modality_loss,
 )
-from ..config import ConfigError, option
+from ..config import ConfigError
 from ..models.policy import modality_entries
-
-
-@dataclass
-class CreditOptions:
-    """How an update assigns credit (algorithm.credit, algorithm.credit_balance)."""
-
-    credit: str = option(
-        "global",
-        "global (one advantage a sample, from the combined reward) | per_modality (OmniNFT's routing: "
-        "each modality's advantage from the rewards that judge it, applied to its entries of the latent)",
-        choices=CREDITS,
-    )
-    credit_balance: str = option(
-        "equal",
-        "per_modality: the modalities' losses combined as their mean (equal, OmniNFT's) or weighted by "
-        "their shares of the latent's entries (entries, as one global advantage weighs them)",
-        choices=BALANCES,
-    )
 
 
 def check_credit_rewards(

@@ -20,13 +20,13 @@ once, then rolls back), the ODE elsewhere, and only the window's steps are train
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..algorithm_options import FlowGRPOOptions, check_flow_grpo
 from ..algorithms.flow_grpo import clipped_policy_loss, sde_step, step_kl
-from ..config import ConfigError, ExperimentConfig, option
+from ..config import ExperimentConfig
 from ..experience.guidance import encode_empty, guided
 from ..experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, Rollout, SDESampling, step_generator
 from ..models.policy import Condition, index_condition, repeat_condition
@@ -41,64 +41,7 @@ from .algorithms import (
     finite_if_dropped,
     micro_batches,
 )
-from .credit import CreditOptions, modality_terms
-
-SDE_SOLVERS = ("euler",)
-"""The solvers whose steps have an SDE form (Flow-GRPO's sampler steps like Euler)."""
-
-
-@dataclass
-class FlowGRPOOptions(CreditOptions):
-    """Flow-GRPO's options (algorithm.name=flow_grpo), flat in the algorithm section."""
-
-    sde_noise: float = option(
-        0.7, "flow_grpo: a in sigma_t = a sqrt(t / (1 - t)), the SDE's noise level", gt=0
-    )
-    clip_range: float = option(
-        1e-4, "flow_grpo: the step ratio is clipped to [1 - clip_range, 1 + clip_range]", gt=0
-    )
-    adv_clip_max: float = option(
-        5.0, "flow_grpo: advantages are clipped to [-adv_clip_max, adv_clip_max]", gt=0
-    )
-    per_group_std: bool = option(
-        False,
-        "flow_grpo: normalise by each group's std (default: the whole batch's, flow_grpo's default "
-        "global_std=True)",
-    )
-    drop_zero_advantage: bool = option(
-        True, "flow_grpo: samples whose advantage is exactly 0 are left out of the loss, as train_sd3.py does"
-    )
-    detach_uncond: bool = option(
-        False,
-        "flow_grpo: under guidance, no gradient through the unconditional velocity (flow_grpo's July 2025 "
-        "train_sd3.py detached it; its current one does not)",
-    )
-    kl_coef: float = option(
-        0.0,
-        "flow_grpo: weight of each trained step's KL to the base model's, in flow_grpo's units (its "
-        "train.beta: ||mean - mean_ref||^2 / 2 sigma_t^2; the Gaussian steps' KL is that / |dt|); 0 skips "
-        "its forward",
-        ge=0,
-    )
-    sde_window_size: int = option(
-        0,
-        "MixGRPO: the SDE (and training) only on a window of this many steps (0: every step but the last)",
-        ge=0,
-    )
-    sde_window_stride: int = option(1, "MixGRPO: steps the window moves each time", ge=1)
-    sde_window_every: int = option(1, "MixGRPO: updates between moves of the window", ge=1)
-    sde_window_range: int = option(
-        0,
-        "Flow-GRPO-Fast: > 0 draws each step's window start from 0 .. this - sde_window_size (flow_grpo's "
-        "sde_window_range (0, this)) instead of sliding it",
-        ge=0,
-    )
-    updates_per_batch: int = option(
-        1,
-        "flow_grpo: optimizer steps per step of experience, each on its share of the prompt groups (the "
-        "reference makes 2); after the first the ratio departs from 1 and the clip acts",
-        ge=1,
-    )
+from .credit import modality_terms
 
 
 @algorithms.register("flow_grpo")
@@ -112,38 +55,7 @@ class FlowGRPO(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        a, s = cfg.algorithm, cfg.sampling
-        if s.solver not in SDE_SOLVERS:
-            raise ConfigError(
-                f"algorithm.name=flow_grpo samples with an SDE, and sampling.solver={s.solver} has none; "
-                f"use one that does: {', '.join(SDE_SOLVERS)}"
-            )
-        if s.num_steps < 2:
-            raise ConfigError(
-                f"sampling.num_steps={s.num_steps}: flow_grpo needs at least 2 steps (the last one stays "
-                "deterministic, so one step leaves nothing to train)"
-            )
-        if a.updates_per_batch > cfg.data.prompts_per_step:
-            raise ConfigError(
-                f"algorithm.updates_per_batch={a.updates_per_batch} splits data.prompts_per_step="
-                f"{cfg.data.prompts_per_step} prompt groups: each update needs at least one; use fewer"
-            )
-        cls._check_window(a, s.num_steps)
-
-    @staticmethod
-    def _check_window(a: Any, num_steps: int) -> None:
-        if a.sde_window_range:
-            if not 0 < a.sde_window_size <= a.sde_window_range <= num_steps - 1:
-                raise ConfigError(
-                    f"algorithm.sde_window_range={a.sde_window_range} draws a window of sde_window_size="
-                    f"{a.sde_window_size} steps: it needs 0 < sde_window_size <= sde_window_range <= "
-                    f"{num_steps - 1} (the steps that may run the SDE at sampling.num_steps={num_steps})"
-                )
-        elif a.sde_window_size > num_steps - 2:
-            raise ConfigError(
-                f"algorithm.sde_window_size={a.sde_window_size} is larger than the {num_steps - 2} steps "
-                f"MixGRPO's window covers (sampling.num_steps={num_steps}: its last two are never in it)"
-            )
+        check_flow_grpo(cfg)
 
     @classmethod
     def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:

@@ -9,59 +9,18 @@ the answers may be a few versions old; the ratio against their behaviour log-pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..algorithms.advantages import STD_CORRECTIONS
-from ..algorithms.gspo import RATIO_LEVELS, policy_loss
-from ..config import ConfigError, ExperimentConfig, option
-from ..experience.answer_backends import ANSWER_BACKENDS
+from ..algorithm_options import STD_CORRECTIONS, GSPOOptions, check_gspo
+from ..algorithms.gspo import policy_loss
+from ..config import ExperimentConfig
 from ..experience.text_sampling import selected_prompts
 from ..registry import algorithms
 from .algorithms import Algorithm, MicroBatch, Plan, UpdateBatch, Work
 
 STAT_NAMES = ("clip_fraction", "ratio_mean", "ratio_max_dev")
-VLLM_REFUSED_FAMILIES = ("qwen2_5_omni", "qwen3_omni")
-"""Answering families vLLM cannot sample: their prompts carry positions of their own (3D rope), and
-vLLM's prompt embeddings take plain ones."""
-
-
-@dataclass
-class GSPOOptions:
-    """GSPO's options (algorithm.name=gspo, the autoregressive path), flat in the algorithm section."""
-
-    clip_eps_low: float = option(
-        3e-4, "gspo: the ratio is clipped to [1 - eps_low, 1 + eps_high]", gt=0, lt=1
-    )
-    clip_eps_high: float = option(4e-4, "gspo: upper clip (defaults from the GSPO paper)", gt=0)
-    ratio_level: str = option(
-        "sequence",
-        "gspo: sequence (GSPO: one length-normalised ratio per answer) | token (GRPO's per-token ratio)",
-        choices=RATIO_LEVELS,
-    )
-    max_new_tokens: int = option(16, "gspo: answer tokens at most (the end token included)", ge=1)
-    min_new_tokens: int = option(
-        0, "gspo: the end token is forbidden before this many (forced-long answers)", ge=0
-    )
-    temperature: float = option(1.0, "gspo: sampling temperature of the rollout answers", gt=0)
-    adv_std: str = option(
-        "population",
-        "gspo: the std a group's advantages divide by: population (ddof 0) | sample (Bessel's "
-        "correction, as trl's GRPOTrainer: advantages smaller by sqrt((G-1)/G), 0.935 at G=8)",
-        choices=tuple(STD_CORRECTIONS),
-    )
-    rollout_backend: str = option(
-        "hf",
-        "gspo: what samples the rollout answers: hf (transformers, KV cache) | vllm (vLLM >= 0.11, "
-        "installed separately; the rollout adapter served as a LoRA request per policy version)",
-        choices=ANSWER_BACKENDS,
-    )
-    vllm_gpu_memory: float = option(
-        0.3, "gspo, rollout_backend=vllm: the share of GPU memory vLLM's engine may take", gt=0, le=1
-    )
-    vllm_enforce_eager: bool = option(False, "gspo, rollout_backend=vllm: no CUDA graphs (faster start)")
 
 
 @algorithms.register("gspo")
@@ -74,20 +33,7 @@ class GroupSequencePolicyOptimization(Algorithm):
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
-        """A rollout backend that cannot sample the family, or a system prompt the family cannot hold,
-        is refused as the config loads (so `--check` refuses it too), not at the first rollout."""
-        family = cfg.model.family
-        if cfg.data.system_prompt is not None and family == "tiny_omni":
-            raise ConfigError(
-                "data.system_prompt: the tiny omni model has no chat template to hold a system turn (it "
-                "reads the question alone); drop it, or use a chat model (qwen2_5_omni)"
-            )
-        if cfg.algorithm.rollout_backend == "vllm" and family in VLLM_REFUSED_FAMILIES:
-            raise ConfigError(
-                f"algorithm.rollout_backend=vllm cannot sample model.family={family}: its prompts carry "
-                "their own positions (3D rope) and vLLM's prompt embeddings take plain ones; use "
-                "algorithm.rollout_backend=hf"
-            )
+        check_gspo(cfg)
 
     def metric_names(self) -> list[str]:
         answers = ["answers/mean_tokens", "answers/truncated"]  # of the trained answers, in every mode
