@@ -22,7 +22,7 @@ from omni_diffusion_rl.algorithms.nft import flow_matching_loss
 from omni_diffusion_rl.config import option
 from omni_diffusion_rl.models.policy import index_condition
 from omni_diffusion_rl.registry import algorithms
-from omni_diffusion_rl.trainers.algorithms import (
+from omni_diffusion_rl.trainers.skeleton import (
     Algorithm,
     MicroBatch,
     Plan,

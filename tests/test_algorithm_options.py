@@ -32,7 +32,7 @@ from omni_diffusion_rl.config import (
 )
 from omni_diffusion_rl.models import lora
 from omni_diffusion_rl.registry import algorithms
-from omni_diffusion_rl.trainers.algorithms import Algorithm
+from omni_diffusion_rl.trainers.skeleton import Algorithm
 from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import ENV, REPO, fast_overrides, odrl, step_records, tiny_model_dir
@@ -127,7 +127,8 @@ def test_an_old_checkpoint_resumes_and_its_saved_config_loads_with_the_same_valu
     Trainer(cfg).fit()
     checkpoint = resolve_checkpoint(run / "checkpoints")
     state = json.loads((checkpoint / "state.json").read_text())
-    assert set(state["config"]["algorithm"]) == {"name", "timestep_fraction", "options", "plugins", "raft_keep"}
+    saved_keys = {"name", "timestep_fraction", "options", "plugins", "raft_keep"}
+    assert set(state["config"]["algorithm"]) == saved_keys
     state["config"]["algorithm"] = {**OLD_SECTION, "name": "raft"}
     _rewrite(checkpoint, "state.json", json.dumps(state))
     saved = config_from_dict(state["config"])

@@ -536,7 +536,7 @@ def test_copy_adapter_makes_old_equal_default() -> None:
 def test_noisiest_trains_the_highest_noise_times_random_draws_them_per_sample(fraction: float) -> None:
     from omni_diffusion_rl.config import load_config
     from omni_diffusion_rl.experience.rollout import Rollout
-    from omni_diffusion_rl.trainers.algorithms import noised_inputs
+    from omni_diffusion_rl.trainers.skeleton import noised_inputs
 
     cfg = load_config(None, ["data.group_size=2", f"algorithm.timestep_fraction={fraction}"])
     grid = torch.linspace(1, 0, 11)

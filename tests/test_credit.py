@@ -24,7 +24,7 @@ from omni_diffusion_rl.models.policy import modality_entries
 from omni_diffusion_rl.models.tiny_av import TinyAVPolicy
 from omni_diffusion_rl.models.tiny_sync import TinySyncPolicy
 from omni_diffusion_rl.reward_factory import reward_from_config
-from omni_diffusion_rl.trainers.algorithms import Work, trained_rows
+from omni_diffusion_rl.trainers.skeleton import Work, trained_rows
 from omni_diffusion_rl.trainers.trainer import Trainer
 from omni_diffusion_rl.trainers.update_batch import UpdateBatch
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_diffusion_rl.algorithms.distill import completion_velocities, endpoint_velocities
+from omni_diffusion_rl.algorithms.distill import completion_velocities, endpoint_velocities, state_weights
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.experience.rollout import Rollout
 from omni_diffusion_rl.experience.teacher_targets import (
@@ -29,7 +29,7 @@ from omni_diffusion_rl.experience.teacher_targets import (
 from omni_diffusion_rl.models.tiny_av import TEACHER_GUIDANCE, TEACHER_WEIGHTS
 from omni_diffusion_rl.registry import teachers
 from omni_diffusion_rl.teacher import TeacherMismatch
-from omni_diffusion_rl.trainers.algorithms import contrast_pairs, state_weights
+from omni_diffusion_rl.trainers.distill import contrast_pairs
 from omni_diffusion_rl.trainers.trainer import Trainer
 from teachers.flow_policy import FlowPolicyTeacher
 
@@ -824,7 +824,8 @@ def test_contrast_pairs_share_nfts_noise_and_times_and_take_r_from_who_made_them
     """Each student sample and its teacher completion are trained on the same noise and time, the
     student's with r = 0, the teacher's with r = 1; counts that do not fit distill_completions are
     an error."""
-    from omni_diffusion_rl.trainers.algorithms import completed_order, noised_inputs
+    from omni_diffusion_rl.trainers.distill import completed_order
+    from omni_diffusion_rl.trainers.skeleton import noised_inputs
 
     cfg = load_config(None, [*_distill(model_dir, tmp_path / "run", 1, str(model_dir)), "data.group_size=2"])
     grid = torch.linspace(1, 0, 5)

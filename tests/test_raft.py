@@ -10,7 +10,7 @@ import torch
 
 from omni_diffusion_rl.config import ConfigError, load_config
 from omni_diffusion_rl.models import lora
-from omni_diffusion_rl.trainers.algorithms import RewardRankedFineTuning, best_of_each_group
+from omni_diffusion_rl.trainers.raft import RewardRankedFineTuning, best_of_each_group
 from omni_diffusion_rl.trainers.trainer import Trainer
 
 from .helpers import fast_overrides, last_json_line, step_records, tiny_model_dir

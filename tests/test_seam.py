@@ -18,7 +18,8 @@ from omni_diffusion_rl.experience.sampling import time_grid
 from omni_diffusion_rl.models import lora
 from omni_diffusion_rl.registry import algorithms
 from omni_diffusion_rl.reward import ScoreResult
-from omni_diffusion_rl.trainers.algorithms import Algorithm, DiffusionNFT, UpdateBatch
+from omni_diffusion_rl.trainers.nft import DiffusionNFT
+from omni_diffusion_rl.trainers.skeleton import Algorithm, UpdateBatch
 from omni_diffusion_rl.trainers.sources import ExperienceSource, LocalSource
 from omni_diffusion_rl.trainers.trainer import Trainer
 

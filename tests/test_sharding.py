@@ -22,7 +22,7 @@ from omni_diffusion_rl.runtime.sharding import (
     shard_units,
     sharding_choice,
 )
-from omni_diffusion_rl.trainers.algorithms import trained_rows
+from omni_diffusion_rl.trainers.skeleton import trained_rows
 
 from .helpers import tiny_model_dir, tiny_sd3, with_a_spawned_peer
 

@@ -1,5 +1,5 @@
 """On-policy distillation's loss and its weightings, pure tensor functions (the algorithm is
-trainers/algorithms.py)."""
+trainers/distill.py)."""
 
 from __future__ import annotations
 

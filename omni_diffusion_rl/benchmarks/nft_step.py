@@ -31,8 +31,9 @@ from ..experience.rollout import Rollout
 from ..experience.sampling import time_grid
 from ..models import lora
 from ..models.tiny_av import BUILTIN_WEIGHTS, DEFAULT_LORA_TARGETS, TinyAVPolicy, TinyAVTransformer
-from ..trainers.algorithms import DiffusionNFT, noised_inputs
 from ..trainers.learner import Learner
+from ..trainers.nft import DiffusionNFT
+from ..trainers.skeleton import noised_inputs
 from ..world import tiny_world as world
 from .common import machine_info
 

@@ -27,9 +27,10 @@ from ..algorithms.awm import (
 )
 from ..config import ExperimentConfig
 from ..experience.rollout import Rollout, step_generator
+from ..models import lora
 from ..registry import algorithms
-from .algorithms import Algorithm, MicroBatch, NoisedRows, Plan, UpdateBatch, _lora
 from .credit import modality_terms
+from .skeleton import Algorithm, MicroBatch, NoisedRows, Plan, UpdateBatch
 
 
 @algorithms.register("awm")
@@ -65,7 +66,7 @@ class AdvantageWeightedMatching(Algorithm):
         return Plan(mine, {"adv": adv, "inputs": inputs}, len(inputs), metrics)
 
     def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        a, learner, lora = self.options, self.learner, _lora()
+        a, learner = self.options, self.learner
         policy, transformer = learner.policy, learner.transformer
         rows = NoisedRows.of(micro)
         x_t, noise, x0, t, cond, w = rows.x_t, rows.noise, rows.x0, rows.t, rows.cond, rows.weight

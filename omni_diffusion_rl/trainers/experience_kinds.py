@@ -28,9 +28,9 @@ from ..precision import autocast_factory, resolve_mixed_precision
 from ..prompts import ready_to_answer, refuse_question_files
 from ..reward import WeightedReward
 from ..runtime.sharding import Sharder
-from .algorithms import algorithm_class
 from .evaluator import AnswerHeldOut, HeldOut
 from .learner import Learner
+from .skeleton import algorithm_class
 
 MEDIA, ANSWERS = "media", "answers"
 KIND_NAMES = (MEDIA, ANSWERS)

@@ -29,19 +29,19 @@ from ..algorithms.flow_grpo import clipped_policy_loss, sde_step, step_kl
 from ..config import ExperimentConfig
 from ..experience.guidance import encode_empty, guided
 from ..experience.rollout import BEHAVIOUR_LOGP, SDE_STEPS, STATES, Rollout, SDESampling, step_generator
+from ..models import lora
 from ..models.policy import Condition, index_condition, repeat_condition
 from ..registry import algorithms
-from .algorithms import (
+from .credit import modality_terms
+from .skeleton import (
     Algorithm,
     MicroBatch,
     Plan,
     UpdateBatch,
     Work,
-    _lora,
     finite_if_dropped,
     micro_batches,
 )
-from .credit import modality_terms
 
 
 @algorithms.register("flow_grpo")
@@ -167,7 +167,6 @@ class FlowGRPO(Algorithm):
         adv = micro.rows("adv").to(x.device)
         mean_ref = None
         if a.kl_coef > 0:
-            lora = _lora()
             with torch.no_grad(), learner.autocast(), lora.adapters_disabled(learner.transformer):
                 v_ref = guided(policy, d["x"], d["t"], d["cond"], d["empty"], scale)
             _, _, mean_ref, _ = sde_step(v_ref.float(), x, *step, x_next=x_next)

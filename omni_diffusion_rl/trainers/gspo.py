@@ -18,7 +18,7 @@ from ..algorithms.gspo import policy_loss
 from ..config import ExperimentConfig
 from ..experience.text_sampling import selected_prompts
 from ..registry import algorithms
-from .algorithms import Algorithm, MicroBatch, Plan, UpdateBatch, Work
+from .skeleton import Algorithm, MicroBatch, Plan, UpdateBatch, Work
 
 STAT_NAMES = ("clip_fraction", "ratio_mean", "ratio_max_dev")
 

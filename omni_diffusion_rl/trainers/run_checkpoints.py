@@ -26,7 +26,7 @@ from ..checkpoint import (
 from ..config import ExperimentConfig
 from ..models.fingerprint import fingerprint_matches, model_fingerprint
 from ..runtime.sharding import load_whole_optimizer_state, whole_optimizer_state
-from .algorithms import Algorithm
+from .skeleton import Algorithm
 from .sources import ExperienceSource
 
 

@@ -39,12 +39,12 @@ from ..reward import ScoreResult
 from ..reward_factory import reward_from_config
 from ..tracking import MetricsLogger, plot_reward_curve, read_metrics
 from .accounting import count_samples, failures_path, record_dropped, reward_metrics, trainable_samples
-from .algorithms import build_algorithm
 from .credit import check_credit_rewards
 from .experience_kinds import experience_kind
 from .learner import build_learner, rank_and_size
 from .phases import LoopStart, ProcessPlace, StepPhases
 from .run_checkpoints import RunCheckpoints
+from .skeleton import build_algorithm
 from .sources import ExperienceSource, LocalSource, SourceContext
 from .update_batch import UpdateBatch
 

@@ -344,8 +344,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "rollout-keeps-old-adapter",
-        "omni_diffusion_rl/trainers/algorithms.py",
-        "        _lora().soft_update_old(learner.transformer, self.old_decay(step))",
+        "omni_diffusion_rl/trainers/skeleton.py",
+        "        lora.soft_update_old(learner.transformer, self.old_decay(step))",
         "        pass",
         (
             "tests/test_qwen_omni.py::test_gspo_trains_colocated_on_the_question_file",
