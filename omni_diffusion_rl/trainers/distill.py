@@ -26,8 +26,18 @@ from ..experience.teacher_targets import (
 )
 from ..models.policy import index_condition
 from ..registry import algorithms
+from .learner import Learner
 from .nft import DiffusionNFT
-from .skeleton import MicroBatch, Plan, UpdateBatch, Work, finite_if_dropped, micro_batches, split_at
+from .skeleton import (
+    Algorithm,
+    MicroBatch,
+    Plan,
+    UpdateBatch,
+    Work,
+    finite_if_dropped,
+    micro_batches,
+    split_at,
+)
 
 
 def trained_state_order(cfg: ExperimentConfig, rollout: Rollout, step: int) -> torch.Tensor:
@@ -42,18 +52,23 @@ def trained_state_order(cfg: ExperimentConfig, rollout: Rollout, step: int) -> t
 
 
 @algorithms.register("distill")
-class OnPolicyDistillation(DiffusionNFT):
+class OnPolicyDistillation(Algorithm):
     """On-policy distillation: the student samples its own trajectories (the rollout weights), a
     frozen teacher gives velocity targets on the states they visited (or on the student's x0
     forward-noised), made alongside generation (teacher_targets.py) and carried with each group;
     loss = weighted mean over states of mean_d (v_student - v_teacher)^2, plus nft_coef times the
     DiffusionNFT loss. With nft_coef 0 the rollout adapter follows the trained one every step.
     distill_target=contrast trains DiffusionNFT's loss alone, r = 1 on the teacher's completions and
-    0 on the student's own samples (`contrast_pairs`)."""
+    0 on the student's own samples (`contrast_pairs`). DiffusionNFT is a part (`self.nft`, reading
+    the same section), not a parent: its plan, loss and schedule are asked for where they are used."""
 
     display_name = "distillation"
     options_type = DistillOptions
     uses_teacher = True  # teacher.one_step_off hides its time
+
+    def __init__(self, learner: Learner) -> None:
+        super().__init__(learner)
+        self.nft = DiffusionNFT(learner)  # nft_coef > 0 and contrast train its loss; it sets the schedule
 
     @classmethod
     def check(cls, cfg: ExperimentConfig) -> None:
@@ -93,18 +108,18 @@ class OnPolicyDistillation(DiffusionNFT):
 
     def metric_names(self) -> list[str]:
         if self.contrast:
-            return super().metric_names()
+            return self.nft.metric_names()
         names = ["loss/distill", "loss/total"]
         if self.options.distill_cond_coef > 0:
             names.append("loss/distill_cond")
         if self.options.nft_coef > 0:
-            names += [f"nft/{n}" for n in super().metric_names()]
+            names += [f"nft/{n}" for n in self.nft.metric_names()]
         return sorted(names)
 
     def plan(self, batch: UpdateBatch) -> Plan:
         order = trained_state_order(self.learner.cfg, batch.rollout, batch.step)  # by group, before drops
         if self.options.nft_coef > 0:
-            plan = self.nft_plan(batch.rollout, self.optimality(batch), batch.step, batch.mine)
+            plan = self.nft.nft_plan(batch.rollout, self.nft.optimality(batch), batch.step, batch.mine)
         else:
             plan = Plan(batch.mine, metrics={"old_decay": self.old_decay(batch.step)})
         plan.data["order"] = order
@@ -114,7 +129,7 @@ class OnPolicyDistillation(DiffusionNFT):
         if not self.contrast:
             return super().update(batch)
         pairs, r = contrast_pairs(batch.rollout)
-        plan = self.nft_plan(pairs, r, batch.step, torch.cat([batch.mine, batch.mine]))
+        plan = self.nft.nft_plan(pairs, r, batch.step, torch.cat([batch.mine, batch.mine]))
         return self.run(pairs, batch.step, plan)
 
     def gradients(self, work: Work) -> dict[str, float]:
@@ -134,7 +149,11 @@ class OnPolicyDistillation(DiffusionNFT):
         return sums
 
     def old_decay(self, step: int) -> float:
-        return 0.0 if self.options.nft_coef == 0 and not self.contrast else super().old_decay(step)
+        return 0.0 if self.options.nft_coef == 0 and not self.contrast else self.nft.old_decay(step)
+
+    def loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """DiffusionNFT's loss (contrast, and the nft_coef part); the velocity matching is distill_loss."""
+        return self.nft.loss(micro)
 
     def distill_sweep(self, work: Work) -> Iterator[MicroBatch]:
         """The trained states: the first timestep_fraction of each sample's `order` (completion
