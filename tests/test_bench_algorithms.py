@@ -105,7 +105,7 @@ def test_contestants_split_at_commas_outside_brackets(monkeypatch: pytest.Monkey
     """A variant's list or mapping value keeps its commas; distillation races its own recipe."""
     import argparse
 
-    from omni_diffusion_rl.cli import _names
+    from omni_diffusion_rl.cli.arguments import _names
 
     monkeypatch.chdir(REPO)
     targets = "nft@model.lora_targets=[to_q,to_k,modulation]@reward.weights={color_match: 1, av_sync: 2}"

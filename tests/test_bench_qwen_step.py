@@ -38,7 +38,7 @@ def test_the_benchmarks_overrides_change_only_what_a_cpu_cannot_run(tmp_path: Pa
 def test_an_older_commit_is_unpacked_beside_the_checkout_and_a_missing_one_is_named(tmp_path: Path) -> None:
     status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
     tree = unpack_commit(REPO, "HEAD", tmp_path / "head")
-    assert (tree / "omni_diffusion_rl" / "cli.py").is_file() and (tree / RECIPE).is_file()
+    assert (tree / "omni_diffusion_rl" / "cli" / "main.py").is_file() and (tree / RECIPE).is_file()
     after = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
     assert after.stdout == status.stdout  # the checkout untouched
     with pytest.raises(ValueError, match="git archive 0{40}: no such commit"):

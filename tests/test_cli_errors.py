@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_diffusion_rl import cli
+from omni_diffusion_rl.cli import bench as bench_commands
 from omni_diffusion_rl.cli import main
+from omni_diffusion_rl.cli import serve as serve_commands
 from omni_diffusion_rl.serving.process import ServerProcess
 from omni_diffusion_rl.serving.teacher_client import RemoteTeacher, TeacherURLError
 
@@ -139,7 +140,9 @@ def test_a_port_in_use_is_a_sentence_before_anything_loads(
 def test_a_port_taken_after_the_check_is_a_sentence_too(
     listening: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "_check_can_listen", lambda settings: None)  # another process was quicker
+    monkeypatch.setattr(
+        serve_commands, "_check_can_listen", lambda settings: None
+    )  # another process was quicker
     err = _refused(capsys, "serve-reward", "color_match", "--port", str(listening))
     assert f"port {listening} on 127.0.0.1 is in use" in err
 
@@ -206,7 +209,7 @@ def test_a_plugin_calling_sys_exit_is_a_sentence(
     def exit_somewhere(args: object) -> int:
         sys.exit(5)
 
-    monkeypatch.setattr(cli, "cmd_simulate", exit_somewhere)
+    monkeypatch.setattr(bench_commands, "cmd_simulate", exit_somewhere)
     err = _refused(capsys, "simulate")
     assert "odrl: SystemExit: `odrl simulate` was ended by sys.exit(5) at " in err and __file__ in err
 
@@ -225,7 +228,7 @@ def test_a_genuine_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> N
     def broken(args: object) -> int:
         return 1 // 0
 
-    monkeypatch.setattr(cli, "cmd_simulate", broken)
+    monkeypatch.setattr(bench_commands, "cmd_simulate", broken)
     with pytest.raises(ZeroDivisionError):
         main(["simulate"])
 

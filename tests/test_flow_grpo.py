@@ -349,7 +349,7 @@ def test_guided_rollouts_record_the_guided_steps_log_probabilities(model_dir: Pa
 def test_guidance_is_refused_where_it_would_not_be_trained_and_a_guided_checkpoint_evaluates(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    from omni_diffusion_rl.cli import sample_guidance
+    from omni_diffusion_rl.cli.generate import sample_guidance
     from omni_diffusion_rl.evaluation.targets import target_config
 
     with pytest.raises(
