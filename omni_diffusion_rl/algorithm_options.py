@@ -90,6 +90,13 @@ class NFTOptions(CreditOptions):
         "never trained) | noisiest_then_random (noisiest in the first half of train.steps, random after)",
         choices=TIMESTEP_CHOICES,
     )
+    rollout_sde_noise: float = option(
+        0.0,
+        "rollouts sample with Flow-GRPO's SDE at this noise level a (sigma_t = a sqrt(t / (1 - t)); 0.7 is "
+        "flow_grpo's) instead of the ODE, for more varied groups: NFT trains on any sampler's x0; 0: the "
+        "ODE of sampling.solver (evaluation always samples the ODE)",
+        ge=0,
+    )
 
 
 @dataclass
@@ -355,6 +362,16 @@ def check_distill(cfg: ExperimentConfig) -> None:
             )
 
 
+def check_nft(cfg: ExperimentConfig) -> None:
+    """SDE rollouts step like Euler."""
+    if cfg.algorithm.rollout_sde_noise > 0 and cfg.sampling.solver not in SDE_SOLVERS:
+        raise ConfigError(
+            f"algorithm.rollout_sde_noise={cfg.algorithm.rollout_sde_noise} samples rollouts with an SDE, "
+            f"and sampling.solver={cfg.sampling.solver} has none: use sampling.solver=euler, or "
+            "rollout_sde_noise=0"
+        )
+
+
 def check_raft(cfg: ExperimentConfig) -> None:
     """RAFT keeps fewer samples than a group holds."""
     keep, size = cfg.algorithm.raft_keep, cfg.data.group_size
@@ -459,7 +476,7 @@ class AlgorithmCard:
 
 
 BUILTIN_CARDS = {
-    "nft": AlgorithmCard(NFTOptions, "DiffusionNFT"),
+    "nft": AlgorithmCard(NFTOptions, "DiffusionNFT", check=check_nft),
     "distill": AlgorithmCard(DistillOptions, "distillation", uses_teacher=True, check=check_distill),
     "raft": AlgorithmCard(RAFTOptions, "RAFT", check=check_raft),
     "flow_grpo": AlgorithmCard(FlowGRPOOptions, "Flow-GRPO", check=check_flow_grpo),

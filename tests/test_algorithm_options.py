@@ -75,6 +75,7 @@ ADDED_SINCE: dict[str, Any] = {  # options added after the flat section, at defa
     "credit": "global",
     "credit_balance": "equal",
     "plugins": [],
+    "rollout_sde_noise": 0.0,
 }
 OWN_CHANGES = {  # per algorithm, a non-default value of its own options, as an old run may have set them
     "nft": {"beta": 0.1, "kl_coef": 1e-4, "decay_schedule": "copy"},
@@ -334,3 +335,25 @@ def test_a_recipe_runs_another_algorithm_once_its_own_options_are_reset(recipe: 
     if cfg.algorithm.beta != 1.0:
         with pytest.raises(ConfigError, match="is an option of distill and nft, not of raft"):
             load_config(recipe, ["algorithm.name=raft"])
+
+
+def test_nft_rollouts_sample_the_sde_when_asked_and_train_on_its_x0(model_dir: Path, tmp_path: Path) -> None:
+    """algorithm.rollout_sde_noise > 0: the rollouts step with Flow-GRPO's SDE (other samples than the
+    ODE's from the same noise), NFT trains on them, and a solver with no SDE form is refused."""
+    from omni_diffusion_rl.trainers.nft import DiffusionNFT
+    from omni_diffusion_rl.trainers.trainer import Trainer
+
+    assert DiffusionNFT.sde_sampling(load_config(None, [])) is None
+    sampling = DiffusionNFT.sde_sampling(load_config(None, ["algorithm.rollout_sde_noise=0.7"]))
+    assert sampling is not None and sampling.noise_level == 0.7 and sampling.window_size == 0
+    with pytest.raises(ConfigError, match="rollout_sde_noise=0.7 samples rollouts with an SDE"):
+        load_config(None, ["algorithm.rollout_sde_noise=0.7", "sampling.solver=heun"])
+    x0 = {}
+    for noise in (0.0, 0.7):
+        run = tmp_path / f"sde_{noise}"
+        overrides = [*fast_overrides(model_dir, run, 1), f"algorithm.rollout_sde_noise={noise}"]
+        trainer = Trainer(load_config(None, [*overrides, "train.eval_at_start_and_end=false"]))
+        rollout, _ = trainer.experience.make_step(0, *trainer.prompts_for_step(0))
+        x0[noise] = rollout.x0
+        assert trainer.train_step()["samples/trained"] == 4
+    assert not torch.allclose(x0[0.0], x0[0.7])  # the same start noise, another sampler

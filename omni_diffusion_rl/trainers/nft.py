@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
-from ..algorithm_options import NFTOptions
+from ..algorithm_options import NFTOptions, check_nft
 from ..algorithms.advantages import optimality_probability
 from ..algorithms.nft import nft_loss
 from ..algorithms.soft_update import old_adapter_decay
-from ..experience.rollout import Rollout
+from ..config import ExperimentConfig
+from ..experience.rollout import Rollout, SDESampling
 from ..models import lora
 from ..registry import algorithms
 from .credit import modality_terms
@@ -25,6 +26,17 @@ class DiffusionNFT(Algorithm):
 
     display_name = "DiffusionNFT"
     options_type = NFTOptions
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig) -> None:
+        check_nft(cfg)
+
+    @classmethod
+    def sde_sampling(cls, cfg: ExperimentConfig) -> SDESampling | None:
+        """Rollouts with Flow-GRPO's SDE when algorithm.rollout_sde_noise > 0 (every step but the
+        last); the loss reads only their x0."""
+        noise = cfg.algorithm.rollout_sde_noise
+        return SDESampling(noise, seed=cfg.train.seed) if noise > 0 else None
 
     def metric_names(self) -> list[str]:
         a, empty = self.options, torch.zeros(0, 1)
