@@ -21,6 +21,9 @@ def config_field(default: Any, doc: str, **checks: Any) -> Any:
 option = config_field
 """A field of an algorithm's options dataclass: default, one-line doc and checks (gt, ge, le, choices)."""
 
+REWARD_MODALITIES = ("video", "audio", "audio_video")
+"""What a reward may judge (reward.modalities; algorithms/credit.py routes them)."""
+
 NO_TEACHER = "none"  # a teacher route's name for parts that no teacher answers (not distilled)
 
 

@@ -26,6 +26,8 @@ LAYERS: list[list[str]] = [
     [
         f"{PACKAGE}.config",
         f"{PACKAGE}.config_fields",
+        f"{PACKAGE}.config_yaml",
+        f"{PACKAGE}.config_checks",
         f"{PACKAGE}.algorithm_options",
         f"{PACKAGE}.runtime",
         f"{PACKAGE}.async_layout",
