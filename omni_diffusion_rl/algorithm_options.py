@@ -324,6 +324,11 @@ def check_distill(cfg: ExperimentConfig) -> None:
         if name != NO_TEACHER:
             check_registered_name(f"teacher.routes.{route}.name", name, teachers)
     a = cfg.algorithm
+    if a.rollout_sde_noise > 0:
+        raise ConfigError(
+            f"algorithm.rollout_sde_noise={a.rollout_sde_noise}: distillation's teacher targets follow the "
+            "states the student's ODE visited, so its rollouts do not sample an SDE; drop the key"
+        )
     if a.credit != "global":
         raise ConfigError(
             "algorithm.credit=per_modality routes rewards' advantages; distillation learns from a "

@@ -348,6 +348,10 @@ def test_nft_rollouts_sample_the_sde_when_asked_and_train_on_its_x0(model_dir: P
     assert sampling is not None and sampling.noise_level == 0.7 and sampling.window_size == 0
     with pytest.raises(ConfigError, match="rollout_sde_noise=0.7 samples rollouts with an SDE"):
         load_config(None, ["algorithm.rollout_sde_noise=0.7", "sampling.solver=heun"])
+    with pytest.raises(ConfigError, match="rollout_sde_noise=0.7: distillation's teacher targets"):
+        load_config(
+            REPO / "recipes" / "configs" / "tiny_t2av_distill.yaml", ["algorithm.rollout_sde_noise=0.7"]
+        )
     x0 = {}
     for noise in (0.0, 0.7):
         run = tmp_path / f"sde_{noise}"
